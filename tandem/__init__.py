@@ -1,0 +1,9 @@
+"""Tandem: an LLM inference engine whose host prepares step N+1 while the device computes step N."""
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.llm import LLM
+from tandem.request import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,156 @@
+"""`tandem generate | bench | serve`: the command line, with vLLM's names for engine flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from tandem.config import EngineConfig
+from tandem.request import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in tiny Llama)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size exactly")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="CUDA: fraction of free memory for the KV cache")  # fmt: skip
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output)")
+    g.add_argument("--no-async", dest="async_scheduling", action="store_false",
+                   help="synchronous loop: the host waits for each step before preparing the next")  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.llm import LLM
+
+    prompts = list(args.prompts)
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts or prompts == ["-"]:
+        if sys.stdin.isatty():
+            print("tandem generate: give prompts as arguments, --file or on stdin", file=sys.stderr)
+            return 2
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    llm = LLM(**vars(engine_config(args)))
+    outputs = llm.generate(prompts, sampling_params(args))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        if args.json:
+            record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                      "finish_reason": out.finish_reason}  # fmt: skip
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(f"{prompt}{out.text}")
+            print(f"[{len(out.token_ids)} tokens, {out.finish_reason}]", file=sys.stderr)
+    llm.close()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tandem.bench import run_bench
+
+    return run_bench(args, engine_config(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.server import serve
+
+    serve(
+        engine_config(args),
+        host=args.host,
+        port=args.port,
+        max_waiting=args.max_waiting,
+        grace_period=args.grace_period,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Tandem: LLM inference whose host prepares step N+1 while the device "
+        "computes step N (asynchronous continuous batching over a paged KV cache).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for prompts",
+                         description="Generate text for prompts given as arguments, --file or stdin.")  # fmt: skip
+    gen.add_argument("prompts", nargs="*", help="prompts ('-' or none: read stdin)")
+    gen.add_argument("--file", help="a file with one prompt per line")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="run one workload sync then async and compare",
+                           description="Runs the same workload with the synchronous and the "
+                           "asynchronous loop in one process and prints device idle time, "
+                           "throughput and latency side by side.")  # fmt: skip
+    from tandem.bench import add_bench_args
+
+    add_bench_args(bench)
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve the model over an OpenAI-compatible HTTP API.")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="queued requests beyond which new ones get 503")  # fmt: skip
+    serve.add_argument("--grace-period", type=float, default=10.0,
+                       help="seconds to finish in-flight requests on shutdown")  # fmt: skip
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad flags or input: one clear line, no traceback
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

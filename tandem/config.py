@@ -1,0 +1,70 @@
+"""Engine configuration: one dataclass, validated once, shared by every component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes the engine; names follow vLLM where vLLM has one."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixes the cache size exactly
+    kv_cache_memory_gib: float = 1.0  # CPU: cache size when num_kv_blocks is not given
+    gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory for the cache
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    async_scheduling: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        self.torch_device  # noqa: B018 - validates the device name
+        self.torch_dtype  # noqa: B018 - validates the dtype name
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but CUDA is not available")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {self.device!r}: use 'cpu' or 'cuda'")
+        return device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose from {sorted(_DTYPES)}")
+        return _DTYPES[self.dtype]

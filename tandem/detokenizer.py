@@ -1,0 +1,59 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced by the tokenizers library's DecodeStream, which never splits a multi-byte
+character. While a request runs, text that could still turn out to be the start of a stop string
+is held back, so a stop string (which is never part of the output) is never streamed by mistake.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+_PREFIX_TOKENS = 4  # prompt tokens that seed the stream, so the first word gets its spacing right
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool,
+    ):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(
+            ids=prompt_token_ids[-_PREFIX_TOKENS:], skip_special_tokens=skip_special_tokens
+        )
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0
+
+    def add(self, token_id: int) -> bool:
+        """Appends one token's text; True if a stop string appeared (the text is cut before it)."""
+        piece = self._stream.step(self._tokenizer, token_id)
+        if not piece:
+            return False
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += piece
+        if not self._stop:
+            return False
+        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self._emitted]
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet emitted; unless finished, minus what a stop string might still claim."""
+        end = len(self.text) if finished or not self._stop else len(self.text) - self._holdback
+        if end <= self._emitted:
+            return ""
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out

@@ -1,0 +1,348 @@
+"""The engine loop: schedule, build, launch, retire; synchronous or asynchronous.
+
+Async (the default) launches step N+1 before retiring step N, so the host's scheduling and
+building overlap the device's compute. The scheduler speculates that nothing in flight finishes;
+a request that does finish has its one extra in-flight token discarded at retirement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from tandem.batch import BatchBuilder
+from tandem.config import EngineConfig
+from tandem.detokenizer import IncrementalDetokenizer
+from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from tandem.metrics import RequestTiming, StepRecord, RunSummary, summarize
+from tandem.models import load_model
+from tandem.request import Request, RequestOutput, SamplingParams
+from tandem.runner import ModelRunner
+from tandem.sampling import seed_key
+from tandem.scheduler import ScheduledBatch, Scheduler
+from tandem.streams import StepHandle
+
+logger = logging.getLogger("tandem")
+
+
+@dataclass
+class _InFlight:
+    batch: ScheduledBatch
+    handle: StepHandle
+    record: StepRecord
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
+        if config.model is None:
+            from tandem.default_model import default_model_path
+
+            model_path = default_model_path()
+        else:
+            model_path = Path(config.model)
+        loaded = load_model(model_path, dtype, device, max_model_len=config.max_model_len)
+        self.model_path = loaded.path
+        self.spec = loaded.spec
+        self.tokenizer = loaded.tokenizer
+        self._backend_tokenizer = loaded.tokenizer.backend_tokenizer
+        self.eos_token_ids = _eos_token_ids(loaded)
+
+        max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        if max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.spec.max_position_embeddings}"
+            )
+        bytes_per_block = kv_bytes_per_block(
+            self.spec.num_layers, config.block_size, self.spec.num_kv_heads, self.spec.head_dim, dtype
+        )
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            bytes_per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
+        )
+        cache_tokens = num_blocks * config.block_size
+        if cache_tokens < max_model_len:
+            logger.info("KV cache holds %d tokens: max_model_len lowered from %d", cache_tokens, max_model_len)
+            max_model_len = cache_tokens
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_blocks
+
+        self.scheduler = Scheduler(
+            num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+        )
+        self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
+        kv_caches = allocate_kv_cache(
+            self.spec.num_layers, num_blocks, config.block_size, self.spec.num_kv_heads,
+            self.spec.head_dim, dtype, device,
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            loaded.model, kv_caches, self.scheduler.slots.size, max_model_len, config.block_size, device
+        )
+        self._depth = 1 if config.async_scheduling else 0
+        self._inflight: deque[_InFlight] = deque()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._live_ids: set[str] = set()
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seed_counter = itertools.count()
+        self.step_records: list[StepRecord] = []
+        self.finished_timings: list[RequestTiming] = []
+
+    # ------------------------------------------------------------------ API
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request (thread-safe). Bad input raises ValueError, nothing else."""
+        return self.submit(self.make_request(prompt, params, request_id))
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Tokenize and validate, without queuing: raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        seed = params.seed
+        if seed is None:  # derived from the engine seed and arrival order: runs are reproducible
+            seed = hash((self.config.seed, next(self._seed_counter)))
+        return Request(
+            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=seed,
+            sampling_row=(params.temperature, params.top_k, params.top_p, params.min_p, seed_key(seed)),
+            max_tokens=max_tokens,
+            arrival_time=time.perf_counter(),
+        )
+
+    def submit(self, request: Request) -> str:
+        with self._lock:
+            if request.request_id in self._live_ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._live_ids.add(request.request_id)
+        self._inbox.put(("add", request))
+        self._wakeup.set()
+        return request.request_id
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block an idle loop thread until a request arrives (or timeout); True if there is work."""
+        if self.has_unfinished():
+            return True
+        self._wakeup.wait(timeout)
+        self._wakeup.clear()
+        return self.has_unfinished()
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; aborting an unknown or finished request does nothing."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids) or bool(self._inflight)
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._depth == 1
+
+    @async_scheduling.setter
+    def async_scheduling(self, enabled: bool) -> None:
+        """Switch loops between runs (the benchmark compares both on one set of weights)."""
+        if self.has_unfinished():
+            raise RuntimeError("switch the loop only while the engine is idle")
+        self._depth = 1 if enabled else 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        """One turn of the loop. Async: launch the next step, then retire the previous one."""
+        outputs = self._drain_inbox()
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            t1 = time.perf_counter()
+            inputs = self.builder.build(batch)
+            t2 = time.perf_counter()
+            handle = self.runner.launch(inputs)
+            t3 = time.perf_counter()
+            record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
+            record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
+            self._inflight.append(_InFlight(batch, handle, record))
+        while self._inflight and (len(self._inflight) > self._depth or batch is None):
+            outputs.extend(self._retire(self._inflight.popleft()))
+        return outputs
+
+    def stream_outputs(self) -> Iterator[RequestOutput]:
+        """Run until every queued request has finished, yielding outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def reset_metrics(self) -> None:
+        self.step_records = []
+        self.finished_timings = []
+
+    def summary(self) -> RunSummary:
+        return summarize(self.step_records, self.finished_timings)
+
+    def close(self) -> None:
+        while self._inflight:
+            self._retire(self._inflight.popleft())
+        self.runner.close()
+
+    # ------------------------------------------------------------- internals
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            token_ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return token_ids
+
+    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens, which leaves no room to generate within "
+                f"max_model_len {self.max_model_len}"
+            )
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        return params.max_tokens
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                self._requests[payload.request_id] = payload
+                self._detok[payload.request_id] = IncrementalDetokenizer(
+                    self._backend_tokenizer,
+                    payload.prompt_token_ids,
+                    payload.params.stop,
+                    payload.params.skip_special_tokens,
+                )
+                self.scheduler.add(payload)
+            elif (request := self._requests.get(payload)) is not None:
+                outputs.append(self._finish(request, "abort"))  # live, so it finishes here
+
+    def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
+        record = inflight.record
+        t0 = time.perf_counter()
+        sampled_ids = inflight.handle.wait().tolist()  # the step's one deliberate sync
+        t1 = time.perf_counter()
+        outputs = []
+        for item, token in zip(inflight.batch.sampled, sampled_ids, strict=True):
+            request = item.request
+            request.num_inflight -= 1
+            if request.finished:
+                continue  # the speculative token of a request that finished a step earlier
+            output = self._append_token(request, token, t1)
+            if output is not None:
+                outputs.append(output)
+        self.scheduler.retire_step(inflight.batch.step_id)
+        record.spans["wait"] = (t0, t1)
+        record.spans["update"] = (t1, time.perf_counter())
+        record.device = inflight.handle.device_span
+        self.step_records.append(record)
+        return outputs
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput | None:
+        request.output_token_ids.append(token)
+        request.token_times.append(now)
+        params = request.params
+        detok = self._detok[request.request_id]
+        reason = None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif detok.add(token):
+            reason = "stop"
+        elif len(request.output_token_ids) >= request.max_tokens:
+            reason = "length"
+        if reason is not None:
+            return self._finish(request, reason)
+        return self._output(request, detok, detok.delta(finished=False), [token])
+
+    def _finish(self, request: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        self.finished_timings.append(RequestTiming(request.arrival_time, request.token_times))
+        detok = self._detok.pop(request.request_id)
+        new_ids = request.output_token_ids[-1:] if reason != "abort" else []
+        output = self._output(request, detok, detok.delta(finished=True), new_ids, finished=True)
+        del self._requests[request.request_id]
+        with self._lock:
+            self._live_ids.discard(request.request_id)
+        return output
+
+    @staticmethod
+    def _output(
+        request: Request,
+        detok: IncrementalDetokenizer,
+        delta_text: str,
+        delta_ids: list[int],
+        finished: bool = False,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            text=detok.emitted_text,
+            # Cumulative ids: a copy when finished, else the live list (copying every step is O(n^2)).
+            token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+        )
+
+
+def _eos_token_ids(loaded) -> set[int]:
+    ids: set[int] = set()
+    for source in (loaded.hf_config.eos_token_id, loaded.tokenizer.eos_token_id):
+        ids.update(source if isinstance(source, list) else [source] if source is not None else [])
+    if (loaded.path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(loaded.path, local_files_only=True).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

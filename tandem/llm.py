@@ -1,0 +1,59 @@
+"""The offline Python API, in the shape vLLM users know: LLM(...).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.request import RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in order. Every prompt is validated before any runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            try:  # refuse the whole call before any work starts: nothing is half done
+                requests.append(engine.make_request(prompt, p))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        ids = [engine.submit(request) for request in requests]
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        show = sys.stderr.isatty() and len(ids) > 1 if use_tqdm is None else use_tqdm
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+            for output in engine.stream_outputs():
+                if output.finished and output.request_id in index:
+                    results[index[output.request_id]] = output
+                    bar.update(1)
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.engine.close()

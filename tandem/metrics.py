@@ -1,0 +1,141 @@
+"""Step spans and what they add up to: device busy and idle time, throughput, TTFT, ITL.
+
+Host spans (schedule, build, launch, wait, update) come from the engine loop; device spans come
+from the stream (CUDA events or the CPU worker's clock), all on the host's perf_counter clock.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HOST_PHASES = ("schedule", "build", "launch", "wait", "update")
+
+
+@dataclass
+class StepRecord:
+    step_id: int
+    num_tokens: int
+    num_seqs: int
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # host phases
+    device: tuple[float, float] = (0.0, 0.0)
+
+
+@dataclass
+class RequestTiming:
+    arrival: float
+    token_times: list[float]
+
+
+@dataclass
+class RunSummary:
+    wall_s: float
+    device_busy_s: float
+    num_steps: int
+    output_tokens: int
+    ttft_s: list[float]
+    itl_s: list[float]
+    host_ms_per_step: dict[str, float]
+
+    @property
+    def device_idle_fraction(self) -> float:
+        return max(0.0, 1.0 - self.device_busy_s / self.wall_s) if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "wall_s": self.wall_s,
+            "device_busy_pct": 100 * (1 - self.device_idle_fraction),
+            "device_idle_pct": 100 * self.device_idle_fraction,
+            "tokens_per_s": self.tokens_per_s,
+            "steps": self.num_steps,
+            "output_tokens": self.output_tokens,
+            "ttft_p50_ms": _pct(self.ttft_s, 50) * 1e3,
+            "ttft_p99_ms": _pct(self.ttft_s, 99) * 1e3,
+            "itl_p50_ms": _pct(self.itl_s, 50) * 1e3,
+            "itl_p99_ms": _pct(self.itl_s, 99) * 1e3,
+            **{f"host_{k}_ms": v for k, v in self.host_ms_per_step.items()},
+        }
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def summarize(steps: list[StepRecord], requests: list[RequestTiming]) -> RunSummary:
+    """Wall time runs from the first step's scheduling to the last step's retirement."""
+    if not steps:
+        return RunSummary(0.0, 0.0, 0, 0, [], [], {})
+    start = min(s.spans["schedule"][0] for s in steps)
+    end = max(max(span[1] for span in s.spans.values()) for s in steps)
+    busy = sum(s.device[1] - s.device[0] for s in steps)
+    ttft = [r.token_times[0] - r.arrival for r in requests if r.token_times]
+    itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    host = {
+        phase: 1e3 * float(np.mean([s.spans[phase][1] - s.spans[phase][0] for s in steps if phase in s.spans]))
+        for phase in HOST_PHASES
+        if any(phase in s.spans for s in steps)
+    }
+    tokens = sum(len(r.token_times) for r in requests)
+    return RunSummary(end - start, busy, len(steps), tokens, ttft, itl, host)
+
+
+def chrome_trace(runs: dict[str, list[StepRecord]]) -> dict:
+    """A Chrome/Perfetto trace: one process per run, a host lane and a device lane."""
+    events = []
+    for pid, (name, steps) in enumerate(runs.items()):
+        if not steps:
+            continue
+        origin = min(s.spans["schedule"][0] for s in steps)
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
+        for tid, lane in ((0, "host"), (1, "device")):
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
+        for s in steps:
+            lanes = [(0, phase, span) for phase, span in s.spans.items()] + [(1, "step", s.device)]
+            for tid, phase, (a, b) in lanes:
+                events.append({
+                    "ph": "X", "pid": pid, "tid": tid, "name": f"{phase} {s.step_id}",
+                    "ts": (a - origin) * 1e6, "dur": max(0.0, b - a) * 1e6,
+                    "args": {"tokens": s.num_tokens, "seqs": s.num_seqs},
+                })  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(runs: dict[str, list[StepRecord]], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(runs)))
+
+
+def plot_timeline(runs: dict[str, list[StepRecord]], path: str | Path, max_steps: int = 40) -> None:
+    """A PNG of the first steps of each run: host phases above, device work below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"schedule": "#4c72b0", "build": "#55a868", "launch": "#8172b2", "wait": "#cccccc",
+              "update": "#dd8452", "device": "#c44e52"}  # fmt: skip
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.8 * len(runs) + 0.6), squeeze=False)
+    for ax, (name, steps) in zip(axes[:, 0], runs.items(), strict=True):
+        steps = steps[:max_steps]
+        if not steps:
+            continue
+        origin = min(s.spans["schedule"][0] for s in steps)
+        for s in steps:
+            for phase, (a, b) in s.spans.items():
+                ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (10, 8), color=colors[phase])
+            a, b = s.device
+            ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (0, 8), color=colors["device"])
+        ax.set_yticks([4, 14], ["device", "host"])
+        ax.set_title(name, loc="left", fontsize=10)
+        ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="upper right", ncol=len(colors), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,143 @@
+"""Load a Hugging Face checkpoint folder from disk: config.json, safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from tandem.models.llama import LlamaModel, LlamaSpec, Rotary
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be served: the message names the file or field at fault."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    spec: LlamaSpec
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    path: Path
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None
+) -> LoadedModel:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint")
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # malformed JSON, unknown model_type ...
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    spec = _spec_from_config(hf_config)
+    positions = max_model_len or spec.max_position_embeddings
+    with torch.device("meta"):
+        model = LlamaModel(spec)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = Rotary(*_inv_freq(hf_config), positions).to(device)
+    _load_weights(model, path)
+    model.eval().requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer files in {path}: {exc}") from exc
+    return LoadedModel(model, spec, hf_config, tokenizer, path)
+
+
+def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
+    archs = getattr(config, "architectures", None) or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or 'none given'}; "
+            f"Tandem supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    sliding_window = None
+    if arch == "MistralForCausalLM":
+        sliding_window = getattr(config, "sliding_window", None)
+    elif getattr(config, "use_sliding_window", False):
+        raise ModelLoadError(f"{arch} with use_sliding_window=True is not supported")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return LlamaSpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=sliding_window,
+    )
+
+
+def _inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """Inverse rope frequencies and attention scaling, computed by transformers' own functions."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise ModelLoadError(f"rope_type {rope_type!r} is not supported")
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv, float(scaling)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is malformed: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def _load_weights(model: LlamaModel, path: Path) -> None:
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    filled = model.load_weight(name, f.get_tensor(name))
+                    if filled:
+                        loaded.add(filled)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ModelLoadError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")

@@ -1,0 +1,116 @@
+"""Paged attention over packed (ragged) batches, in portable PyTorch.
+
+The batch holds decode tokens first (one query each), then prefill chunks. Every token's K/V is
+first written into the paged cache; decodes then attend to their cache in one batched call, and
+each prefill chunk attends to its cached prefix plus causally within itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One prefill chunk: host ints, so the per-chunk loop never reads the device."""
+
+    token_start: int  # offset of the chunk in the packed batch
+    num_tokens: int
+    context_len: int  # KV length after this chunk (cached prefix + chunk)
+    row: int  # row of the chunk's request in block_tables
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat KV-cache slot of every token
+    block_tables: torch.Tensor  # [R, max_blocks] of the batch's requests, decodes first
+    context_lens: torch.Tensor  # [R] KV length after this step
+    num_decodes: int
+    decode_max_blocks: int  # columns of block_tables that decodes need
+    prefills: list[PrefillSegment]
+    block_size: int
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter the step's keys and values into the paged cache ([blocks, block_size, heads, dim])."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    d = meta.num_decodes
+    if d:
+        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale, sliding_window)
+    for seg in meta.prefills:
+        rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+        if seg.context_len == seg.num_tokens:  # no cached prefix: attend to the fresh K/V
+            keys, values = k[rows], v[rows]
+        else:
+            keys, values = _gather_context(k_cache, v_cache, meta, seg)
+        out[rows] = _chunk_attention(q[rows], keys, values, seg, scale, sliding_window)
+    return out
+
+
+def _gather_context(k_cache, v_cache, meta: AttentionMetadata, seg: PrefillSegment):
+    num_blocks = -(-seg.context_len // meta.block_size)
+    blocks = meta.block_tables[seg.row, :num_blocks]
+    shape = (num_blocks * meta.block_size, *k_cache.shape[2:])
+    return (
+        k_cache[blocks].view(shape)[: seg.context_len],
+        v_cache[blocks].view(shape)[: seg.context_len],
+    )
+
+
+def _chunk_attention(q, keys, values, seg: PrefillSegment, scale, sliding_window):
+    """Causal attention of one chunk whose first query sits at position context_len - num_tokens."""
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    keys = keys.transpose(0, 1).unsqueeze(0)
+    values = values.transpose(0, 1).unsqueeze(0)
+    if seg.context_len == seg.num_tokens and sliding_window is None:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        q_pos = torch.arange(seg.context_len - seg.num_tokens, seg.context_len, device=q.device)
+        k_pos = torch.arange(seg.context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window):
+    """All single-token queries at once: gather each request's blocks, mask past its length."""
+    d, width = meta.num_decodes, meta.decode_max_blocks
+    blocks = meta.block_tables[:d, :width]
+    length = width * meta.block_size
+    keys = k_cache[blocks].view(d, length, *k_cache.shape[2:]).transpose(1, 2)
+    values = v_cache[blocks].view(d, length, *v_cache.shape[2:]).transpose(1, 2)
+    ctx = meta.context_lens[:d, None]
+    k_pos = torch.arange(length, device=q.device)[None, :]
+    mask = k_pos < ctx
+    if sliding_window is not None:
+        mask &= k_pos >= ctx - sliding_window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)

@@ -1,0 +1,133 @@
+"""Requests, their sampling parameters and the outputs streamed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request; named and defaulted as in vLLM. Invalid values raise ValueError."""
+
+    max_tokens: int | None = 16  # None: up to the context limit
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        self.top_k = max(self.top_k, 0)
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One request's host-side state.
+
+    Token bookkeeping in the asynchronous loop: `output_token_ids` holds retired tokens only;
+    `num_inflight` counts tokens that launched steps will sample but that the host has not read
+    yet. `num_computed_tokens` counts tokens whose KV a launched step writes.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the effective sampling seed: the user's, or one derived from the engine's seed
+    sampling_row: tuple[float, int, float, float, int]  # temperature, top_k, top_p, min_p, seed key
+    max_tokens: int  # resolved against the context limit
+    arrival_time: float
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_inflight: int = 0
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    slot: int | None = None  # row of the device token table
+    last_step: int = -1  # id of the last launched step that involves this request
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    aborted: bool = False
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known or in flight: the sequence length once every launched step retires."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_scheduled_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def can_sample_more(self) -> bool:
+        """Lengths are certain, so the scheduler never over-schedules past max_tokens."""
+        return self.num_scheduled_outputs < self.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of a request: cumulative text and ids plus what is new since last time."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    error: str | None = None

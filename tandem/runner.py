@@ -1,0 +1,154 @@
+"""ModelRunner: turns a step's host arrays into device work and launches it without waiting.
+
+Everything a step does runs on the stream: copy inputs in, write host-known tokens into the token
+table, gather input ids from the table, forward, sample, scatter the sampled ids into the table
+(where the next step gathers them), copy them out. The host learns the sampled ids only in
+`handle.wait()`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.batch import StepInputs
+from tandem.models.llama import LlamaModel
+from tandem.ops.attention import AttentionMetadata
+from tandem.sampling import SamplingTensors, sample
+from tandem.streams import StepHandle, make_stream
+
+_INT_FIELDS = (
+    "token_index", "positions", "slot_mapping", "known_index", "known_tokens", "logits_index",
+    "sample_index", "context_lens", "top_k", "seed_keys", "output_index",
+)  # fmt: skip
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+class _PinnedStaging:
+    """Double-buffered pinned host memory for one packed host-to-device copy per step.
+
+    A buffer is rewritten only after the copy that last read it has completed (its event).
+    """
+
+    def __init__(self, device: torch.device, num_buffers: int = 2):
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self._events: list[torch.cuda.Event | None] = [None] * num_buffers
+        self._next = 0
+
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # normally long done: the step that used it retired
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < array.size or buf.dtype != _torch_dtype(array):
+            buf = torch.empty(max(array.size, 1 << 14), dtype=_torch_dtype(array), pin_memory=True)
+            self._buffers[i] = buf
+        buf[: array.size].numpy()[:] = array
+        out = buf[: array.size].to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[i] = event
+        return out
+
+
+def _torch_dtype(array: np.ndarray) -> torch.dtype:
+    return torch.float32 if array.dtype == np.float32 else torch.int64
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[torch.Tensor],
+        table_rows: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        # Every running request's tokens, by (table row, position): the only copy the device needs.
+        self.token_table = torch.zeros(table_rows * max_model_len, dtype=torch.int64, device=device)
+        self.stream = make_stream(device)
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._int_staging = _PinnedStaging(device)
+            self._float_staging = _PinnedStaging(device)
+            self._out = [torch.empty(table_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._out_next = 0
+
+    def launch(self, inputs: StepInputs) -> StepHandle:
+        """Enqueue the step and return at once; the handle's wait() yields the sampled ids."""
+        return self.stream.submit(lambda: self._execute(inputs))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # ------------------------------------------------------------ on the stream
+    @torch.inference_mode()
+    def _execute(self, x: StepInputs):
+        t = self._to_device(x)
+        table = self.token_table
+        if len(x.known_index):
+            table.index_copy_(0, t["known_index"], t["known_tokens"])
+        input_ids = table[t["token_index"]]
+        meta = AttentionMetadata(
+            slot_mapping=t["slot_mapping"],
+            block_tables=t["block_tables"],
+            context_lens=t["context_lens"],
+            num_decodes=x.num_decodes,
+            decode_max_blocks=x.decode_max_blocks,
+            prefills=x.prefills,
+            block_size=self.block_size,
+        )
+        hidden = self.model(input_ids, t["positions"], self.kv_caches, meta)
+        if not x.num_sampled:
+            return self._to_host(torch.empty(0, dtype=torch.int64, device=self.device))
+        logits = self.model.compute_logits(hidden[t["logits_index"]])
+        ids = sample(logits, self._sampling_tensors(x, t))
+        table.index_copy_(0, t["sample_index"], ids)
+        return self._to_host(ids)
+
+    def _sampling_tensors(self, x: StepInputs, t: dict[str, torch.Tensor]) -> SamplingTensors:
+        return SamplingTensors(
+            temperature=t["temperature"],
+            top_k=t["top_k"],
+            top_p=t["top_p"],
+            min_p=t["min_p"],
+            seed_keys=t["seed_keys"],
+            output_index=t["output_index"],
+            all_greedy=bool((x.temperature == 0).all()),
+            use_top_k=bool((x.top_k > 0).any()),
+            use_top_p=bool((x.top_p < 1).any()),
+            use_min_p=bool((x.min_p > 0).any()),
+        )
+
+    def _to_device(self, x: StepInputs) -> dict[str, torch.Tensor]:
+        """CPU: zero-copy views. CUDA: one packed copy for the ints, one for the floats."""
+        tables = x.block_tables.reshape(-1)
+        if not self._cuda:
+            out = {name: torch.from_numpy(getattr(x, name)) for name in _INT_FIELDS + _FLOAT_FIELDS}
+            out["block_tables"] = torch.from_numpy(x.block_tables)
+            return out
+        ints = [getattr(x, name) for name in _INT_FIELDS] + [tables]
+        floats = [getattr(x, name) for name in _FLOAT_FIELDS]
+        int_dev = self._int_staging.upload(np.concatenate(ints).astype(np.int64, copy=False))
+        float_dev = self._float_staging.upload(np.concatenate(floats).astype(np.float32, copy=False))
+        out = dict(zip(_INT_FIELDS + ("block_tables",), int_dev.split([len(a) for a in ints]), strict=True))
+        out.update(zip(_FLOAT_FIELDS, float_dev.split([len(a) for a in floats]), strict=True))
+        out["block_tables"] = out["block_tables"].view(x.block_tables.shape)
+        return out
+
+    def _to_host(self, ids: torch.Tensor):
+        if not self._cuda:
+            return ids
+        buf = self._out[self._out_next]
+        self._out_next = 1 - self._out_next
+        host = buf[: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        return host
+

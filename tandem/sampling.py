@@ -1,0 +1,97 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Randomness comes from a counter-based hash of (request seed, output index, vocabulary id), so a
+request's tokens are a pure function of its seed and its logits: the same whatever else shares the
+batch, in whatever order requests arrived, sync or async. Sampling uses the exponential race
+(argmax of p / E with E ~ Exp(1)), which draws exactly from the categorical distribution p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per sampled row, on the device; the flags are host facts that let us skip unused work."""
+
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    seed_keys: torch.Tensor  # [S] int64, a 32-bit hash of the request's seed
+    output_index: torch.Tensor  # [S] int64
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32, without overflowing int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply), for well-spread hash bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """Fold a Python int seed (any size, any sign) into the 32-bit key the device hash uses."""
+    seed %= 2**64
+    x = torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64)
+    return int(mix32(mix32(x[:1]) ^ x[1:])[0])
+
+
+def uniform_noise(seed_keys: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) noise [S, V] that depends only on (seed, output index, vocab id)."""
+    row = mix32(seed_keys ^ mix32(output_index & _MASK32))
+    col = mix32(torch.arange(vocab, device=seed_keys.device, dtype=torch.int64) + 0x9E3779B9)
+    bits = mix32(mix32(row[:, None] ^ col[None, :]) ^ row[:, None])
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [S, V] float32 -> token ids [S] int64."""
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    if t.use_top_k or t.use_top_p:
+        logits = _top_k_top_p(logits, t)
+    probs = logits.softmax(dim=-1)
+    if t.use_min_p:
+        threshold = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    exponential = -uniform_noise(t.seed_keys, t.output_index, logits.shape[-1]).log()
+    sampled = (probs / exponential).argmax(dim=-1)
+    return torch.where(t.temperature > 0, sampled, greedy)
+
+
+def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (the best token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if t.use_top_k:
+        k = torch.where(t.top_k > 0, t.top_k, vocab)
+        drop |= ranks >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if t.use_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= (mass_before >= t.top_p[:, None]) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,135 @@
+"""Where launched work runs: one interface, a CUDA stream or a CPU worker thread.
+
+`submit(fn)` returns at once with a `StepHandle`; `handle.wait()` is the one deliberate
+host-device synchronisation of a step. Both record when the device started and finished each step
+(on the host's perf_counter clock), which is what the idle-time metrics are made of.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class StepHandle:
+    """A launched step; `wait()` blocks until the device has finished it and returns its result."""
+
+    def wait(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        """(start, end) of the step on the device, perf_counter seconds; valid after wait()."""
+        raise NotImplementedError
+
+
+class _CPUHandle(StepHandle):
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._span = (0.0, 0.0)
+
+    def wait(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._span
+
+
+class CPUStream:
+    """Runs submitted work in order on one worker thread.
+
+    Torch kernels release the GIL, so while the worker computes step N the host thread schedules
+    and builds step N+1: the CPU stand-in for a CUDA stream.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="tandem-device", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> StepHandle:
+        handle = _CPUHandle()
+        self._queue.put((fn, handle))
+        return handle
+
+    def _work(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, handle = job
+            start = time.perf_counter()
+            try:
+                handle._result = fn()
+            except BaseException as exc:  # handed to the waiter, never lost in the thread
+                handle._error = exc
+            handle._span = (start, time.perf_counter())
+            handle._done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+class _CUDAHandle(StepHandle):
+    def __init__(self, stream: CUDAStream, result: Any, start: torch.cuda.Event, end: torch.cuda.Event):
+        self._stream = stream
+        self._result = result
+        self._start = start
+        self._end = end
+        self._span = (0.0, 0.0)
+
+    def wait(self) -> Any:
+        self._end.synchronize()  # the step's one deliberate sync
+        origin_event, origin_time = self._stream.origin
+        self._span = (
+            origin_time + origin_event.elapsed_time(self._start) / 1e3,
+            origin_time + origin_event.elapsed_time(self._end) / 1e3,
+        )
+        result = self._result
+        return result() if callable(result) else result
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._span
+
+
+class CUDAStream:
+    """Work is enqueued on a dedicated compute stream; timing events place it on the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        event = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)  # once, at start-up: anchors device time to host time
+        event.record(self.stream)
+        event.synchronize()
+        self.origin = (event, time.perf_counter())
+
+    def submit(self, fn: Callable[[], Any]) -> StepHandle:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            result = fn()
+            end.record(self.stream)
+        return _CUDAHandle(self, result, start, end)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_stream(device: torch.device) -> CPUStream | CUDAStream:
+    return CUDAStream(device) if device.type == "cuda" else CPUStream()
