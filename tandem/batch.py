@@ -78,8 +78,14 @@ class BatchBuilder:
         # In flight ones are already there, put by the step that sampled them.
         known_counts = np.fromiter(
             (
-                max(0, min(it.start + it.num_tokens, len(it.request.prompt_token_ids)
-                           + len(it.request.output_token_ids)) - it.start)
+                max(
+                    0,
+                    min(
+                        it.start + it.num_tokens,
+                        len(it.request.prompt_token_ids) + len(it.request.output_token_ids),
+                    )
+                    - it.start,
+                )
                 for it in items
             ),
             np.int64,
@@ -99,7 +105,9 @@ class BatchBuilder:
         ends = starts + counts
         cu = np.cumsum(counts)
         sample_mask = np.fromiter((it.sample for it in items), bool, r)
-        params = np.array([it.request.sampling_row for it in sampled], dtype=np.float64).reshape(-1, 5)
+        params = np.array([it.request.sampling_row for it in sampled], dtype=np.float64).reshape(
+            -1, 5
+        )
         width = int(-(-ends.max() // bs))
         d = batch.num_decodes
         return StepInputs(

@@ -27,7 +27,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",
                    help="offline: all at once; poisson: at --rate requests/s")  # fmt: skip
     g.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling"
+    )
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--modes", default="sync,async", help="which loops to run, in order")
     g.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) of both runs")
@@ -45,7 +47,10 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
     rng = random.Random(args.workload_seed)
 
     def length(mean: int) -> int:
-        lo, hi = max(1, round(mean * (1 - args.len_spread))), max(1, round(mean * (1 + args.len_spread)))
+        lo, hi = (
+            max(1, round(mean * (1 - args.len_spread))),
+            max(1, round(mean * (1 + args.len_spread))),
+        )
         return rng.randint(lo, hi)
 
     prompts, outputs, arrivals, t = [], [], [], 0.0
@@ -98,7 +103,12 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     workload = make_workload(args, engine.spec.vocab_size, engine.max_model_len)
     warmup = Workload(workload.prompts[:4], [4] * min(4, len(workload.prompts)), [0.0] * 4)
     results: dict[str, tuple[RunSummary, list[StepRecord], list[list[int]]]] = {}
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         for mode in modes:
             engine.async_scheduling = mode == "async"

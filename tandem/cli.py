@@ -13,7 +13,9 @@ from tandem.request import SamplingParams
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in tiny Llama)")
+    g.add_argument(
+        "--model", default=None, help="HF checkpoint folder (default: built-in tiny Llama)"
+    )
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
@@ -24,7 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CUDA: fraction of free memory for the KV cache")  # fmt: skip
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output)")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (prompt + output)"
+    )
     g.add_argument("--no-async", dest="async_scheduling", action="store_false",
                    help="synchronous loop: the host waits for each step before preparing the next")  # fmt: skip
 

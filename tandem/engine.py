@@ -18,14 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import GenerationConfig
 
 from tandem.batch import BatchBuilder
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
-from tandem.metrics import RequestTiming, StepRecord, RunSummary, summarize
+from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import load_model
 from tandem.request import Request, RequestOutput, SamplingParams
 from tandem.runner import ModelRunner
@@ -67,20 +66,32 @@ class Engine:
                 f"{self.spec.max_position_embeddings}"
             )
         bytes_per_block = kv_bytes_per_block(
-            self.spec.num_layers, config.block_size, self.spec.num_kv_heads, self.spec.head_dim, dtype
+            self.spec.num_layers,
+            config.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            dtype,
         )
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             bytes_per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
         )
         cache_tokens = num_blocks * config.block_size
         if cache_tokens < max_model_len:
-            logger.info("KV cache holds %d tokens: max_model_len lowered from %d", cache_tokens, max_model_len)
+            logger.info(
+                "KV cache holds %d tokens: max_model_len lowered from %d",
+                cache_tokens,
+                max_model_len,
+            )
             max_model_len = cache_tokens
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_blocks
 
         self.scheduler = Scheduler(
-            num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+            num_blocks,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
         )
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
         kv_caches = allocate_kv_cache(
@@ -88,7 +99,12 @@ class Engine:
             self.spec.head_dim, dtype, device,
         )  # fmt: skip
         self.runner = ModelRunner(
-            loaded.model, kv_caches, self.scheduler.slots.size, max_model_len, config.block_size, device
+            loaded.model,
+            kv_caches,
+            self.scheduler.slots.size,
+            max_model_len,
+            config.block_size,
+            device,
         )
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
@@ -130,7 +146,13 @@ class Engine:
             prompt_token_ids=token_ids,
             params=params,
             seed=seed,
-            sampling_row=(params.temperature, params.top_k, params.top_p, params.min_p, seed_key(seed)),
+            sampling_row=(
+                params.temperature,
+                params.top_k,
+                params.top_p,
+                params.min_p,
+                seed_key(seed),
+            ),
             max_tokens=max_tokens,
             arrival_time=time.perf_counter(),
         )
@@ -231,7 +253,9 @@ class Engine:
             raise ValueError("prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})"
+            )
         return token_ids
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
@@ -296,9 +320,11 @@ class Engine:
         params = request.params
         detok = self._detok[request.request_id]
         reason = None
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            reason = "stop"
-        elif detok.add(token):
+        if (
+            token in params.stop_token_ids
+            or (token in self.eos_token_ids and not params.ignore_eos)
+            or detok.add(token)
+        ):
             reason = "stop"
         elif len(request.output_token_ids) >= request.max_tokens:
             reason = "length"

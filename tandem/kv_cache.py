@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 
@@ -11,13 +9,14 @@ class FreeList:
     """Hands out integer ids (KV blocks, token-table rows) and records each id's owner.
 
     Ownership makes the accounting checkable: an id is never handed out while owned, and freeing an
-    id its caller does not own raises instead of corrupting another request.
+    id its caller does not own raises instead of corrupting another request. Last freed is first
+    reused (a stack), which keeps the working set small and makes reuse hazards show at once.
     """
 
     def __init__(self, size: int, what: str):
         self.size = size
         self.what = what
-        self._free: deque[int] = deque(range(size))
+        self._free: list[int] = list(range(size - 1, -1, -1))
         self._owner: dict[int, str] = {}
 
     @property
@@ -31,7 +30,7 @@ class FreeList:
     def allocate(self, n: int, owner: str) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} {self.what}s with {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._owner[i] = owner
         return ids
@@ -39,7 +38,9 @@ class FreeList:
     def free(self, ids: list[int], owner: str) -> None:
         for i in ids:
             if self._owner.get(i) != owner:
-                raise RuntimeError(f"{self.what} {i} freed by {owner!r}, owned by {self._owner.get(i)!r}")
+                raise RuntimeError(
+                    f"{self.what} {i} freed by {owner!r}, owned by {self._owner.get(i)!r}"
+                )
             del self._owner[i]
         self._free.extend(ids)
 
@@ -53,7 +54,9 @@ def kv_bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
-def num_blocks_for_budget(bytes_per_block: int, device: torch.device, gib: float, fraction: float) -> int:
+def num_blocks_for_budget(
+    bytes_per_block: int, device: torch.device, gib: float, fraction: float
+) -> int:
     """CPU: a fixed size in GiB. CUDA: a fraction of the memory still free after loading weights."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

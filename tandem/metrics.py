@@ -76,9 +76,10 @@ def summarize(steps: list[StepRecord], requests: list[RequestTiming]) -> RunSumm
     end = max(max(span[1] for span in s.spans.values()) for s in steps)
     busy = sum(s.device[1] - s.device[0] for s in steps)
     ttft = [r.token_times[0] - r.arrival for r in requests if r.token_times]
-    itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    itl = [float(x) for r in requests for x in np.diff(r.token_times)]
     host = {
-        phase: 1e3 * float(np.mean([s.spans[phase][1] - s.spans[phase][0] for s in steps if phase in s.spans]))
+        phase: 1e3
+        * float(np.mean([s.spans[phase][1] - s.spans[phase][0] for s in steps if phase in s.spans]))
         for phase in HOST_PHASES
         if any(phase in s.spans for s in steps)
     }
@@ -95,7 +96,9 @@ def chrome_trace(runs: dict[str, list[StepRecord]]) -> dict:
         origin = min(s.spans["schedule"][0] for s in steps)
         events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
         for tid, lane in ((0, "host"), (1, "device")):
-            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
+            events.append(
+                {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}}
+            )
         for s in steps:
             lanes = [(0, phase, span) for phase, span in s.spans.items()] + [(1, "step", s.device)]
             for tid, phase, (a, b) in lanes:

@@ -32,7 +32,9 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
+            )
         self.top_k = max(self.top_k, 0)
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -115,7 +117,9 @@ class Request:
 
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        return (
+            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        )
 
 
 @dataclass

@@ -78,7 +78,9 @@ class ModelRunner:
         if self._cuda:
             self._int_staging = _PinnedStaging(device)
             self._float_staging = _PinnedStaging(device)
-            self._out = [torch.empty(table_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._out = [
+                torch.empty(table_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)
+            ]
             self._out_next = 0
 
     def launch(self, inputs: StepInputs) -> StepHandle:
@@ -137,8 +139,12 @@ class ModelRunner:
         ints = [getattr(x, name) for name in _INT_FIELDS] + [tables]
         floats = [getattr(x, name) for name in _FLOAT_FIELDS]
         int_dev = self._int_staging.upload(np.concatenate(ints).astype(np.int64, copy=False))
-        float_dev = self._float_staging.upload(np.concatenate(floats).astype(np.float32, copy=False))
-        out = dict(zip(_INT_FIELDS + ("block_tables",), int_dev.split([len(a) for a in ints]), strict=True))
+        float_dev = self._float_staging.upload(
+            np.concatenate(floats).astype(np.float32, copy=False)
+        )
+        out = dict(
+            zip(_INT_FIELDS + ("block_tables",), int_dev.split([len(a) for a in ints]), strict=True)
+        )
         out.update(zip(_FLOAT_FIELDS, float_dev.split([len(a) for a in floats]), strict=True))
         out["block_tables"] = out["block_tables"].view(x.block_tables.shape)
         return out
@@ -151,4 +157,3 @@ class ModelRunner:
         host = buf[: ids.numel()]
         host.copy_(ids, non_blocking=True)
         return host
-

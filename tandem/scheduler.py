@@ -74,6 +74,7 @@ class Scheduler:
         self._pending: list[_PendingFree] = []
         self.next_step_id = 0
         self.last_retired_step = -1
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -183,6 +184,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> bool:
@@ -211,7 +213,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """The one place a request's blocks and table row are given up (now or after its step)."""
-        pending = _PendingFree(request.last_step, request.request_id, request.block_ids, request.slot)
+        pending = _PendingFree(
+            request.last_step, request.request_id, request.block_ids, request.slot
+        )
         request.block_ids = []
         request.slot = None
         if pending.after_step <= self.last_retired_step:

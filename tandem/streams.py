@@ -84,7 +84,9 @@ class CPUStream:
 
 
 class _CUDAHandle(StepHandle):
-    def __init__(self, stream: CUDAStream, result: Any, start: torch.cuda.Event, end: torch.cuda.Event):
+    def __init__(
+        self, stream: CUDAStream, result: Any, start: torch.cuda.Event, end: torch.cuda.Event
+    ):
         self._stream = stream
         self._result = result
         self._start = start

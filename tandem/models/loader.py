@@ -98,7 +98,9 @@ def _inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         return inv, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":

@@ -35,7 +35,11 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Scatter the step's keys and values into the paged cache ([blocks, block_size, heads, dim])."""
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)

@@ -1,0 +1,139 @@
+"""Shared fixtures and helpers: tiny offline checkpoints and Hugging Face reference outputs.
+
+The checkpoints are built once per test session from the shipped corpus, so the suite never
+touches the network. The engine is judged against transformers' own greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+from pathlib import Path
+
+# Set before transformers is imported anywhere, so nothing tries to reach the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tandem.default_model import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
+
+# Small models gain nothing from many threads, and parallel test workers would oversubscribe.
+torch.set_num_threads(2)
+
+# Special tokens are trained first, so they take ids 0 .. NUM_SPECIAL_TOKENS - 1.
+NUM_SPECIAL_TOKENS = len(SPECIAL_TOKENS)
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama checkpoint with build_checkpoint's defaults (vocab 1024, 2 layers, GQA 4:2)."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One checkpoint per supported architecture, each exercising a different loader path.
+
+    Llama uses Llama 3 rope scaling, Mistral ties its embeddings, Qwen2 (with qkv bias) is
+    sharded into several safetensors files, and Qwen3 (with q/k norms) has a head_dim unequal
+    to hidden_size / heads.
+    """
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+    checkpoints = {
+        "LlamaForCausalLM": build_checkpoint(
+            root / "llama3",
+            "LlamaForCausalLM",
+            max_position_embeddings=2048,
+            extra_config={"rope_scaling": dict(LLAMA3_ROPE_SCALING)},
+        ),
+        # With tied embeddings, 0.1 still makes greedy output repeat the same token a lot.
+        "MistralForCausalLM": build_checkpoint(
+            root / "mistral", "MistralForCausalLM", tie_word_embeddings=True, initializer_range=0.2
+        ),
+        "Qwen2ForCausalLM": build_checkpoint(
+            root / "qwen2", "Qwen2ForCausalLM", shard_size="200KB"
+        ),
+        "Qwen3ForCausalLM": build_checkpoint(root / "qwen3", "Qwen3ForCausalLM", head_dim=32),
+    }
+    shards = list(checkpoints["Qwen2ForCausalLM"].glob("model-*.safetensors"))
+    assert len(shards) >= 2, "the Qwen2 checkpoint is meant to be sharded"
+    return checkpoints
+
+
+@functools.cache
+def _load_hf_model(path: str) -> torch.nn.Module:
+    """Load a checkpoint with transformers once per path, in fp32 eval mode.
+
+    The model's own generation_config is replaced by a blank one: ``generate`` fills every unset
+    field of the config it is given from ``model.generation_config``, so its eos_token_id would
+    otherwise come back and stop generation early.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config = GenerationConfig()
+    return model.eval()
+
+
+# (path, prompt) -> the longest greedy continuation computed so far.
+_reference_cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
+def hf_greedy_reference(path: Path, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Return exactly ``max_new_tokens`` greedy tokens that transformers generates after the prompt.
+
+    The request runs alone (batch of one, no padding) and never stops at EOS, so it can be
+    compared token for token with the engine run with ignore_eos. Greedy decoding of n tokens
+    starts with greedy decoding of fewer, so a cached longer run answers shorter requests.
+    """
+    from transformers import GenerationConfig
+
+    key = (str(Path(path).resolve()), tuple(prompt_token_ids))
+    cached = _reference_cache.get(key)
+    if cached is not None and len(cached) >= max_new_tokens:
+        return cached[:max_new_tokens]
+    if max_new_tokens == 0:
+        return []
+
+    model = _load_hf_model(key[0])
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=model.config.pad_token_id,
+    )
+    with torch.no_grad():
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+        )
+    new_tokens = output[0, len(prompt_token_ids) :].tolist()
+    assert len(new_tokens) == max_new_tokens, "transformers stopped before max_new_tokens"
+    _reference_cache[key] = new_tokens
+    return list(new_tokens)
+
+
+def random_prompts(
+    rng: random.Random, n: int, vocab_size: int, min_len: int = 1, max_len: int = 300
+) -> list[list[int]]:
+    """Make ``n`` prompts of random ordinary token ids, with lengths in [min_len, max_len].
+
+    Special token ids are left out so that no prompt contains a stray BOS, EOS or pad.
+    """
+    return [
+        [
+            rng.randrange(NUM_SPECIAL_TOKENS, vocab_size)
+            for _ in range(rng.randint(min_len, max_len))
+        ]
+        for _ in range(n)
+    ]

@@ -1,0 +1,261 @@
+"""Engine behaviour: seeds, stops, aborts, streaming, bad input, the async protocol's promises."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from tandem import SamplingParams
+from tandem.detokenizer import IncrementalDetokenizer
+
+from conftest import hf_greedy_reference, random_prompts
+from helpers import assert_idle_and_balanced, greedy, make_llm
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return make_llm(tiny_llama, max_num_batched_tokens=64, block_size=8)
+
+
+def run_collect(engine):
+    """Run to completion; per request, every output seen (for exactly-once and stream checks)."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+def test_seeded_sampling_ignores_batch_company(llm):
+    rng = random.Random(5)
+    target = random_prompts(rng, 1, 1024, 30, 30)[0]
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], params)[0].token_ids
+    others = random_prompts(rng, 9, 1024, 1, 100)
+    other_params = [SamplingParams(max_tokens=15, temperature=0.8, seed=i) for i in range(9)]
+    for position in (0, 4, 9):
+        prompts = others[:position] + [target] + others[position:]
+        ps = other_params[:position] + [params] + other_params[position:]
+        assert llm.generate(prompts, ps)[position].token_ids == alone
+    # A different seed gives a different sample (the seed is really used).
+    params.seed = 4321
+    assert llm.generate([target], params)[0].token_ids != alone
+
+
+def test_unseeded_requests_are_reproducible_per_engine_seed(tiny_llama):
+    prompts = random_prompts(random.Random(1), 4, 1024, 5, 20)
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    runs = [
+        [o.token_ids for o in make_llm(tiny_llama, seed=s).generate(prompts, params)]
+        for s in (0, 0, 1)
+    ]
+    assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_token_mid_flight_discards_the_extra_token(tiny_llama, async_scheduling):
+    """Requests end on a stop id or on EOS; the speculative next token never reaches the user."""
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    engine = llm.engine
+    rng = random.Random(2)
+    prompts = random_prompts(rng, 8, 1024, 5, 60)
+    refs = [hf_greedy_reference(tiny_llama, prompt, 24) for prompt in prompts]
+    # Even requests: pretend a token they produce is EOS (the EOS path, on this engine only).
+    engine.eos_token_ids.update(ref[3 + i] for i, ref in enumerate(refs) if i % 2 == 0)
+    expected = {}
+    for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+        stop_ids = [ref[3 + i]] if i % 2 else []
+        params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=stop_ids)
+        ends = [k for k, t in enumerate(ref) if t in engine.eos_token_ids or t in stop_ids]
+        expected[engine.add_request(prompt, params)] = ref[: ends[0] + 1]
+    seen = run_collect(engine)
+    for request_id, outs in seen.items():
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        streamed = [t for o in outs for t in o.delta_token_ids]
+        assert streamed == outs[-1].token_ids == expected[request_id]
+        assert outs[-1].finish_reason == "stop"
+    assert_idle_and_balanced(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_strings_are_cut_and_never_streamed(tiny_llama, async_scheduling):
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    prompts = [p for p in random_prompts(random.Random(3), 6, 1024, 5, 40)]
+    full = [o.text for o in llm.generate(prompts, greedy(30))]
+    engine = llm.engine
+    expected = {}
+    for prompt, text in zip(prompts, full, strict=True):
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        params = SamplingParams(
+            max_tokens=30, temperature=0, ignore_eos=True, stop=["@@never@@", stop]
+        )
+        expected[engine.add_request(prompt, params)] = (text[: text.index(stop)], stop)
+    for request_id, outs in run_collect(engine).items():
+        want, stop = expected[request_id]
+        assert outs[-1].text == want and outs[-1].finish_reason == "stop"
+        assert "".join(o.delta_text for o in outs) == want
+        assert all(stop not in o.text for o in outs)
+    assert_idle_and_balanced(engine)
+
+
+def test_detokenizer_never_splits_characters(llm):
+    tokenizer = llm.get_tokenizer()
+    text = " café naïve Zürich 🎉🚀 — ünïcödé ✓"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, [0], [], True)
+    deltas = []
+    for token in ids:
+        detok.add(token)
+        deltas.append(detok.delta(finished=False))
+    assert "".join(deltas) + detok.delta(finished=True) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert len(ids) > len(text.split())  # multi-byte characters really span tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_waiting_running_and_in_flight(tiny_llama, async_scheduling):
+    llm = make_llm(
+        tiny_llama, async_scheduling=async_scheduling, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    engine = llm.engine
+    prompts = random_prompts(random.Random(4), 10, 1024, 10, 80)
+    ids = [engine.add_request(p, greedy(20)) for p in prompts]
+    seen: dict[str, list] = {}
+    to_abort = {2: ids[0], 4: ids[9], 6: ids[3], 9: ids[5]}  # running, waiting, ...
+    step = 0
+    while engine.has_unfinished():
+        if step in to_abort:
+            engine.abort(to_abort[step])
+            engine.abort(to_abort[step])  # twice: still ends once
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+        step += 1
+    engine.abort(ids[1])  # already finished: nothing happens
+    assert engine.step() == []
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        outs = seen[request_id]
+        assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+        ref = hf_greedy_reference(tiny_llama, prompt, 20)
+        if request_id in to_abort.values():
+            assert outs[-1].finish_reason == "abort"
+            assert ref[: len(outs[-1].token_ids)] == outs[-1].token_ids
+        else:
+            assert outs[-1].token_ids == ref
+    assert_idle_and_balanced(engine)
+
+
+def test_bad_requests_fail_alone(llm):
+    engine = llm.engine
+    good = random_prompts(random.Random(6), 3, 1024, 5, 30)
+    ids = [engine.add_request(p, greedy(8)) for p in good]
+    bad_cases = [
+        ("", None, "empty"),
+        ([], None, "empty"),
+        ([5, 99999], None, "outside the vocabulary"),
+        ([5] * engine.max_model_len, None, "no room"),
+        ([5] * 10, SamplingParams(max_tokens=engine.max_model_len), "exceeds max_model_len"),
+        ("hello", "not params", None),
+    ]
+    for prompt, params, message in bad_cases[:-1]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(good[0], greedy(4), request_id=ids[0])
+    seen = run_collect(engine)
+    for request_id, prompt in zip(ids, good, strict=True):
+        assert seen[request_id][-1].token_ids == hf_greedy_reference(
+            llm.engine.model_path, prompt, 8
+        )
+    assert_idle_and_balanced(engine)
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(["fine", ""], greedy(4))
+    assert not engine.has_unfinished()  # the valid prompt of a refused call never started
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_launch_returns_while_the_device_is_busy_and_waits_once_per_step(tiny_llama):
+    """Invariant 4: no hidden sync in launch; the loop waits exactly once per retired step."""
+    llm = make_llm(tiny_llama, async_scheduling=True)
+    engine, runner = llm.engine, llm.engine.runner
+    gate = threading.Event()
+    forward = runner.model.forward
+
+    def slow_forward(*args, **kwargs):
+        gate.wait(timeout=30)  # the "device" is busy until the test lets it go
+        return forward(*args, **kwargs)
+
+    waits = []
+    launch = runner.launch
+
+    def counting_launch(inputs):
+        handle = launch(inputs)
+        original_wait = handle.wait
+
+        def wait():
+            waits.append(inputs.step_id)
+            return original_wait()
+
+        handle.wait = wait
+        return handle
+
+    runner.model.forward = slow_forward
+    runner.launch = counting_launch
+    try:
+        engine.add_request([5, 6, 7], greedy(6))
+        assert engine.step() == []  # step 0 launched, nothing to retire yet
+        assert len(engine._inflight) == 1 and not waits
+        assert not engine._inflight[0].handle._done.is_set()  # still running on the device
+        gate.set()
+        outputs = list(engine.stream_outputs())
+    finally:
+        runner.model.forward = forward
+        runner.launch = launch
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 6
+    steps = [r.step_id for r in engine.step_records]
+    assert waits == steps == sorted(set(steps))
+
+
+def test_async_overlaps_host_and_device(tiny_llama):
+    """With a slow device, async schedules step N+1 while step N runs: idle time nearly vanishes."""
+    import time
+
+    results = {}
+    for mode in (False, True):
+        llm = make_llm(tiny_llama, async_scheduling=mode)
+        forward = llm.engine.runner.model.forward
+
+        def slow_forward(*args, _forward=forward, **kwargs):
+            time.sleep(0.01)
+            return _forward(*args, **kwargs)
+
+        llm.engine.runner.model.forward = slow_forward
+        prompts = random_prompts(random.Random(8), 4, 1024, 5, 10)
+        llm.engine.reset_metrics()
+        llm.generate(prompts, greedy(12))
+        results[mode] = llm.engine.summary()
+    sync, async_ = results[False], results[True]
+    assert sync.num_steps == async_.num_steps
+    assert 0 <= async_.device_idle_fraction < sync.device_idle_fraction
+    # The host's work per step is hidden: its device is busy nearly all the wall time.
+    assert async_.device_busy_s / async_.wall_s > 0.9
