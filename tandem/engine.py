@@ -34,6 +34,8 @@ from tandem.streams import StepHandle
 
 logger = logging.getLogger("tandem")
 
+METRICS_HISTORY = 100_000  # step and request records kept: bounded, so a server can run for days
+
 
 @dataclass
 class _InFlight:
@@ -115,8 +117,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_counter = itertools.count()
-        self.step_records: list[StepRecord] = []
-        self.finished_timings: list[RequestTiming] = []
+        self.step_records: deque[StepRecord] = deque(maxlen=METRICS_HISTORY)
+        self.finished_timings: deque[RequestTiming] = deque(maxlen=METRICS_HISTORY)
 
     # ------------------------------------------------------------------ API
     def add_request(
@@ -226,11 +228,12 @@ class Engine:
             yield from self.step()
 
     def reset_metrics(self) -> None:
-        self.step_records = []
-        self.finished_timings = []
+        self.step_records.clear()
+        self.finished_timings.clear()
 
     def summary(self) -> RunSummary:
-        return summarize(self.step_records, self.finished_timings)
+        """Figures over the records kept (the last METRICS_HISTORY steps and requests)."""
+        return summarize(list(self.step_records), list(self.finished_timings))
 
     def close(self) -> None:
         while self._inflight:

@@ -125,7 +125,7 @@ def plot_timeline(runs: dict[str, list[StepRecord]], path: str | Path, max_steps
               "update": "#dd8452", "device": "#c44e52"}  # fmt: skip
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.8 * len(runs) + 0.6), squeeze=False)
     for ax, (name, steps) in zip(axes[:, 0], runs.items(), strict=True):
-        steps = steps[:max_steps]
+        steps = list(steps)[:max_steps]
         if not steps:
             continue
         origin = min(s.spans["schedule"][0] for s in steps)
