@@ -140,6 +140,7 @@ class Engine:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        top_k = params.top_k if params.top_k < self.spec.vocab_size else 0  # whole vocab: off
         seed = params.seed
         if seed is None:  # derived from the engine seed and arrival order: runs are reproducible
             seed = hash((self.config.seed, next(self._seed_counter)))
@@ -150,7 +151,7 @@ class Engine:
             seed=seed,
             sampling_row=(
                 params.temperature,
-                params.top_k,
+                top_k,
                 params.top_p,
                 params.min_p,
                 seed_key(seed),

@@ -8,6 +8,8 @@ table, gather input ids from the table, forward, sample, scatter the sampled ids
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -74,6 +76,7 @@ class ModelRunner:
         # Every running request's tokens, by (table row, position): the only copy the device needs.
         self.token_table = torch.zeros(table_rows * max_model_len, dtype=torch.int64, device=device)
         self.stream = make_stream(device)
+        weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._int_staging = _PinnedStaging(device)

@@ -65,18 +65,19 @@ class CPUStream:
 
     def _work(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            fn, handle = job
-            start = time.perf_counter()
-            try:
-                handle._result = fn()
-            except BaseException as exc:  # handed to the waiter, never lost in the thread
-                handle._error = exc
-            handle._span = (start, time.perf_counter())
-            handle._done.set()
+        while (job := self._queue.get()) is not None:
+            self._run(*job)
+            del job  # hold no reference to finished work (it pins the runner and its KV cache)
+
+    @staticmethod
+    def _run(fn: Callable[[], Any], handle: _CPUHandle) -> None:
+        start = time.perf_counter()
+        try:
+            handle._result = fn()
+        except BaseException as exc:  # handed to the waiter, never lost in the thread
+            handle._error = exc
+        handle._span = (start, time.perf_counter())
+        handle._done.set()
 
     def close(self) -> None:
         self._queue.put(None)

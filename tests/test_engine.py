@@ -259,3 +259,27 @@ def test_async_overlaps_host_and_device(tiny_llama):
     assert 0 <= async_.device_idle_fraction < sync.device_idle_fraction
     # The host's work per step is hidden: its device is busy nearly all the wall time.
     assert async_.device_busy_s / async_.wall_s > 0.9
+
+
+def test_a_dropped_engine_is_collected_and_stops_its_worker(tiny_llama):
+    import gc
+    import weakref
+
+    llm = make_llm(tiny_llama)
+    llm.generate([[5, 6]], greedy(2))
+    runner = weakref.ref(llm.engine.runner)
+    thread = llm.engine.runner.stream._thread
+    del llm
+    gc.collect()
+    assert runner() is None  # its KV cache is gone with it
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_top_k_beyond_the_vocabulary_samples_the_whole_vocabulary(llm):
+    base = dict(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    outs = llm.generate(
+        [[5, 6, 7]] * 3,
+        [SamplingParams(top_k=k, **base) for k in (0, 2**63, 1024)],
+    )
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids

@@ -1,0 +1,132 @@
+"""Request bodies of the OpenAI API subset we serve, validated strictly.
+
+Unknown fields are refused (extra="forbid") and wrong types are not coerced (strict=True), so a
+client never gets an answer to a question it did not ask. OpenAI parameters that Tandem does not
+implement are declared only so that their neutral value (what the official client sends when the
+user sets it to the default) is accepted; any other value is refused, naming the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from tandem.request import SamplingParams
+
+
+def _only(*neutral: Any) -> AfterValidator:
+    """Accept an unsupported parameter only at a value that changes nothing."""
+
+    def check(value: Any) -> Any:
+        if value not in neutral and not (isinstance(value, (list, dict)) and not value):
+            shown = " or ".join(json.dumps(v) for v in neutral)
+            raise ValueError(f"not supported by this server (only {shown} is accepted)")
+        return value
+
+    return AfterValidator(check)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by both endpoints: sampling, streaming, and refused OpenAI features."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    # Extensions with vLLM's names.
+    # Bounded: values of 2**63 and up overflow the engine's float64 -> int64 sampling table.
+    top_k: Annotated[int | None, Field(le=2**31 - 1)] = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # OpenAI parameters Tandem does not implement: neutral values only.
+    n: Annotated[int | None, _only(1, None)] = None
+    presence_penalty: Annotated[float | None, _only(0, None)] = None
+    frequency_penalty: Annotated[float | None, _only(0, None)] = None
+    logit_bias: Annotated[dict[str, float] | None, _only(None)] = None
+    user: str | None = None  # an opaque end-user id; it changes nothing about generation
+
+    def default_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises ValueError (from SamplingParams) naming the parameter that is out of range."""
+        values: dict[str, Any] = {
+            "max_tokens": self.default_max_tokens(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+        }
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. One prompt per request: a string or a list of token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: Annotated[bool, _only(False)] = False
+    best_of: Annotated[int | None, _only(1, None)] = None
+    logprobs: Annotated[int | None, _only(None)] = None
+    suffix: Annotated[str | None, _only(None, "")] = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions. The prompt is the tokenizer's chat template applied to messages."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: Annotated[bool | None, _only(False, None)] = None
+    top_logprobs: Annotated[int | None, _only(0, None)] = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, Any]] | None, _only(None)] = None
+    tool_choice: Annotated[str | None, _only("none", None)] = None
+
+    def default_max_tokens(self) -> int | None:
+        """max_completion_tokens supersedes max_tokens; neither means up to the context limit."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens

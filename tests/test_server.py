@@ -1,0 +1,572 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on 127.0.0.1, real clients.
+
+Greedy answers must equal the offline `LLM.generate`; streams must be well formed under
+concurrency; a client that leaves must give its KV blocks back; bad input, overload and shutdown
+must each get their documented status, and the server must keep serving afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem import LLM, Engine, EngineConfig, SamplingParams
+from tandem.server import create_app
+from tandem.server.service import GenerationService
+
+ENGINE_OPTIONS = {
+    "dtype": "float32",
+    "device": "cpu",
+    "num_kv_blocks": 256,
+    "max_model_len": 256,
+}
+PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time, in a land far away"]
+
+
+# ----------------------------------------------------------------- harness
+@dataclass
+class LiveServer:
+    """A uvicorn server on a free loopback port, run on a background thread."""
+
+    url: str
+    engine: Engine
+    server: uvicorn.Server
+    thread: threading.Thread
+    service: GenerationService
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def run_in_server_loop(self, coro) -> object:
+        """Schedule a coroutine on the server's event loop; returns its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.service._aloop)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the server thread did not stop"
+        self.engine.close()
+
+
+def start_server(model: Path, engine_options: dict | None = None, **app_options) -> LiveServer:
+    engine = Engine(EngineConfig(model=str(model), **{**ENGINE_OPTIONS, **(engine_options or {})}))
+    app = create_app(engine, **app_options)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "server start")
+    return LiveServer(f"http://127.0.0.1:{port}", engine, server, thread, app.state.service)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (name, sorted labels); the text must parse."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
+    """Decoded `data:` payloads of an event stream; "[DONE]" is returned as the string."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def chat_prompt_ids(engine: Engine, messages: list[dict]) -> list[int]:
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="session")
+def live(tiny_llama: Path) -> Iterator[LiveServer]:
+    server = start_server(tiny_llama)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_llama: Path) -> Iterator[LLM]:
+    llm = LLM(str(tiny_llama), **ENGINE_OPTIONS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def model(live: LiveServer) -> str:
+    return live.engine.model_path.name
+
+
+def assert_idle(live: LiveServer, timeout: float = 5.0) -> None:
+    """Every KV block back and nothing in flight (the block count's idle value)."""
+    blocks = live.engine.scheduler.blocks
+    wait_until(
+        lambda: blocks.num_free == live.engine.num_kv_blocks and live.service.num_in_flight == 0,
+        timeout,
+        f"idle engine ({blocks.num_free}/{live.engine.num_kv_blocks} blocks free)",
+    )
+
+
+# ------------------------------------------------------------------- tests
+def test_models_and_health(live: LiveServer, model: str) -> None:
+    assert httpx.get(f"{live.url}/health").status_code == 200
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [model]
+    # The checkpoint's path is accepted as the model name too.
+    out = live.client().completions.create(
+        model=str(live.engine.model_path), prompt="Hi", max_tokens=2
+    )
+    assert out.model == model
+
+
+def test_completions_match_offline(live: LiveServer, model: str, offline: LLM) -> None:
+    client = live.client()
+    token_prompt = offline.get_tokenizer()("A list of token ids").input_ids
+    prompts: list[str | list[int]] = [*PROMPTS, token_prompt]
+    expected = offline.generate(prompts, greedy(12))
+    for prompt, ref in zip(prompts, expected, strict=True):
+        kwargs = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        out = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == ref.text
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.completion_tokens == len(ref.token_ids) == 12
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+        chunks = list(
+            client.completions.create(
+                **kwargs,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+        assert {c.id for c in chunks} == {chunks[0].id}
+
+
+def test_chat_matches_offline(live: LiveServer, model: str, offline: LLM) -> None:
+    client = live.client()
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    ref = offline.generate([chat_prompt_ids(live.engine, messages)], greedy(10))[0]
+    kwargs = {"model": model, "messages": messages, "temperature": 0, "seed": 1}
+    out = client.chat.completions.create(
+        **kwargs, max_completion_tokens=10, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == 10
+
+    stream = client.chat.completions.create(
+        **kwargs, max_tokens=10, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
+
+
+def test_stop_string_and_natural_stop(live: LiveServer, model: str, offline: LLM) -> None:
+    client = live.client()
+    full = offline.generate(PROMPTS[0], greedy(20))[0].text
+    stop = full[5:8]
+    out = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert stop not in out.choices[0].text and full.startswith(out.choices[0].text)
+
+
+def test_64_concurrent_streams(live: LiveServer, model: str, offline: LLM) -> None:
+    n = 64
+    prompts = [f"Client {i} says hello to {i % 7} friends" for i in range(n)]
+    lengths = [8 + i % 17 for i in range(n)]
+    refs = offline.generate(prompts, [greedy(m) for m in lengths])
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> None:
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompts[i],
+            max_tokens=lengths[i],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [c async for c in stream]
+        body, last = chunks[:-1], chunks[-1]
+        assert {c.id for c in chunks} == {chunks[0].id}
+        assert all(len(c.choices) == 1 and c.usage is None for c in body)
+        assert all(c.choices[0].finish_reason is None for c in body[:-1])
+        assert body[-1].choices[0].finish_reason == "length"
+        assert "".join(c.choices[0].text for c in body) == refs[i].text
+        assert last.choices == []
+        assert last.usage.completion_tokens == lengths[i]
+        assert last.usage.prompt_tokens == len(refs[i].prompt_token_ids)
+        assert last.usage.total_tokens == lengths[i] + len(refs[i].prompt_token_ids)
+
+    async def main() -> None:
+        async with live.async_client() as client:
+            await asyncio.gather(*(one(client, i) for i in range(n)))
+
+    asyncio.run(main())
+    assert_idle(live)
+
+
+def _abort_count(url: str) -> float:
+    key = ("tandem_requests_finished_total", (("finish_reason", "abort"),))
+    return metric_samples(url).get(key, 0.0)
+
+
+def test_disconnect_mid_stream_frees_blocks(live: LiveServer, model: str) -> None:
+    assert_idle(live)
+    aborted = _abort_count(live.url)
+    body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": True}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+        first, second = next(events), next(events)
+        assert first["choices"][0]["finish_reason"] is None and second["choices"]
+        assert live.engine.scheduler.blocks.num_free < live.engine.num_kv_blocks
+    # Closing the response closed the connection: the request is aborted, its blocks freed.
+    assert_idle(live)
+    assert _abort_count(live.url) == aborted + 1
+
+    # A non-streaming client that gives up is noticed too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    assert_idle(live)
+    wait_until(lambda: _abort_count(live.url) == aborted + 2, 5, "abort counted")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("completions", "{not json", 400, None),
+        ("completions", {"model": "M", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("completions", {"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("completions", {"model": "M", "prompt": 42}, 400, "prompt"),
+        ("completions", {"model": "M"}, 400, "prompt"),
+        ("completions", ["not", "an", "object"], 400, None),
+        ("completions", {"model": "M", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("completions", {"model": "M", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ("completions", {"model": "M", "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+        ("completions", {"model": "M", "prompt": "x", "stop": [""]}, 400, "stop"),
+        ("completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("completions", {"model": "M", "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+        ("completions", {"model": "M", "prompt": "x " * 600}, 400, "prompt"),
+        ("completions", {"model": "M", "prompt": ""}, 400, "prompt"),
+        ("completions", {"model": "M", "prompt": [5, 99999]}, 400, "prompt"),
+        ("completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt"),
+        ("completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("completions", {"model": "M", "prompt": "x", "n": 2}, 400, "n"),
+        ("completions", {"model": "M", "prompt": "x", "best_of": 3}, 400, "best_of"),
+        ("completions", {"model": "M", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ("completions", {"model": "M", "prompt": "x", "echo": True}, 400, "echo"),
+        ("completions", {"model": "M", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        (
+            "completions",
+            {"model": "M", "prompt": "x", "presence_penalty": 1},
+            400,
+            "presence_penalty",
+        ),
+        ("completions", {"model": "M", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ("completions", {"model": "M", "prompt": "x", "made_up": 1}, 400, "made_up"),
+        ("completions", {"model": "M", "prompt": "x", "stream_options": {}}, 400, "stream_options"),
+        ("chat/completions", {"model": "M", "messages": []}, 400, "messages"),
+        (
+            "chat/completions",
+            {"model": "M", "messages": [{"role": "x", "content": "y"}]},
+            400,
+            "messages[0].role",
+        ),  # fmt: skip
+        (
+            "chat/completions",
+            {
+                "model": "M",
+                "messages": [{"role": "user", "content": "y"}],
+                "tools": [{"type": "function"}],
+            },
+            400,
+            "tools",
+        ),  # fmt: skip
+        (
+            "chat/completions",
+            {
+                "model": "M",
+                "messages": [{"role": "user", "content": "y"}],
+                "frequency_penalty": 0.5,
+            },
+            400,
+            "frequency_penalty",
+        ),  # fmt: skip
+        (
+            "chat/completions",
+            {
+                "model": "M",
+                "messages": [{"role": "user", "content": "y"}],
+                "max_completion_tokens": -3,
+            },
+            400,
+            "max_completion_tokens",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_input(
+    live: LiveServer, model: str, path: str, body: object, status: int, param: str | None
+) -> None:
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": model}
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        f"{live.url}/v1/{path}", content=content, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert param.split("[")[0] in error["message"]
+
+
+def test_server_keeps_serving_after_errors(live: LiveServer, model: str) -> None:
+    client = live.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="x", n=3)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    # Defaults the client sends explicitly are accepted, not refused.
+    out = client.completions.create(
+        model=model, prompt="x", max_tokens=3, n=1, echo=False, presence_penalty=0, best_of=1
+    )
+    assert out.usage.completion_tokens <= 3
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_chat_without_template_is_refused(live: LiveServer, model: str) -> None:
+    tokenizer = live.engine.tokenizer
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            live.client().chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert "chat template" in info.value.body["message"]
+    finally:
+        tokenizer.chat_template = template
+
+
+def test_metrics_move_with_requests(live: LiveServer, model: str) -> None:
+    before = metric_samples(live.url)
+    out = live.client().completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=7, extra_body={"ignore_eos": True}
+    )
+    after = metric_samples(live.url)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("tandem_requests_finished_total", finish_reason="length") == 1
+    assert delta("tandem_generation_tokens_total") == 7
+    assert delta("tandem_prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("tandem_time_to_first_token_seconds_count") == 1
+    assert delta("tandem_inter_token_latency_seconds_count") == 6
+    assert after[("tandem_kv_blocks_total", ())] == live.engine.num_kv_blocks
+    for gauge in ("running", "waiting", "in_flight"):
+        assert (f"tandem_requests_{gauge}", ()) in after
+    assert 0.0 <= after[("tandem_device_idle_fraction", ())] <= 1.0
+
+
+def test_admission_control(tiny_llama: Path) -> None:
+    """Capacity is max_num_seqs + max_waiting = 4: a burst of 16 gets 503s, the rest finish."""
+    live = start_server(tiny_llama, {"max_num_seqs": 2}, max_waiting=2)
+    try:
+        model = live.engine.model_path.name
+        body = {"model": model, "prompt": "burst", "max_tokens": 100, "ignore_eos": True}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+                calls = [client.post("/v1/completions", json=body) for _ in range(16)]
+                return await asyncio.gather(*calls)
+
+        responses = asyncio.run(burst())
+        accepted = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code != 200]
+        assert 4 <= len(accepted) < 16 and refused
+        for r in refused:
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "service_unavailable"
+        for r in accepted:
+            assert r.json()["usage"]["completion_tokens"] == 100
+        rejected = metric_samples(live.url)[("tandem_requests_rejected_total", ())]
+        assert rejected == len(refused)
+        # Once the burst has drained, requests are accepted again.
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert_idle(live)
+    finally:
+        live.stop()
+
+
+def test_graceful_shutdown_in_process(tiny_llama: Path) -> None:
+    """Draining: 503 to new requests and /health, in-flight requests finish within the grace
+    period, a request still running when it ends is aborted with an in-stream error."""
+    live = start_server(tiny_llama, {"max_model_len": 2048, "num_kv_blocks": 160})
+    try:
+        model = live.engine.model_path.name
+        url = f"{live.url}/v1/completions"
+        short = {"model": model, "prompt": "short", "max_tokens": 40, "ignore_eos": True}
+        long = {**short, "prompt": "long", "max_tokens": 2000}
+        with (
+            httpx.Client(timeout=60) as a,
+            httpx.Client(timeout=60) as b,
+            a.stream("POST", url, json={**short, "stream": True}) as rs,
+            b.stream("POST", url, json={**long, "stream": True}) as rl,
+        ):
+            short_events, long_events = sse_events(rs.iter_lines()), sse_events(rl.iter_lines())
+            next(short_events), next(long_events)  # both are running
+            drained = live.run_in_server_loop(live.service.shutdown(0.5))
+
+            health = httpx.get(f"{live.url}/health")
+            assert health.status_code == 503 and "retry-after" in health.headers
+            refused = httpx.post(url, json=short)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+
+            rest = list(short_events)
+            assert rest[-1] == "[DONE]"
+            assert rest[-2]["choices"][0]["finish_reason"] == "length"
+            long_rest = list(long_events)
+            assert long_rest[-1] == "[DONE]"
+            assert long_rest[-2]["error"]["code"] == "aborted"
+        drained.result(10)
+        assert_idle(live)
+    finally:
+        live.stop()
+
+
+def test_engine_crash_fails_requests_cleanly(tiny_llama: Path) -> None:
+    """If engine.step raises, open streams end with an error event and the server says 503."""
+    live = start_server(tiny_llama)
+    try:
+        model = live.engine.model_path.name
+        url = f"{live.url}/v1/completions"
+        body = {"model": model, "prompt": "crash", "max_tokens": 200, "ignore_eos": True}
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", url, json={**body, "stream": True}) as r,
+        ):
+            events = sse_events(r.iter_lines())
+            next(events)
+
+            def broken_step() -> list:
+                raise RuntimeError("device on fire")
+
+            live.engine.step = broken_step  # the loop thread looks the method up every turn
+            rest = list(events)
+        assert rest[-1] == "[DONE]"
+        error = rest[-2]["error"]
+        assert error["type"] == "server_error" and "device on fire" in error["message"]
+        assert httpx.get(f"{live.url}/health").status_code == 503
+        refused = httpx.post(url, json=body)
+        assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
+    finally:
+        del live.engine.step
+        live.stop()
+
+
+def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
+    """The real path: `serve()` in its own process, SIGTERM while a request streams."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "from tandem.server import serve; from tandem import EngineConfig; "
+        f"serve(EngineConfig(model={str(tiny_llama)!r}, dtype='float32', device='cpu', "
+        f"num_kv_blocks=64, max_model_len=512), port={port}, grace_period=20)"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, 60, "server process health")
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "drain me", "max_tokens": 400, "ignore_eos": True}
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r,
+        ):
+            events = sse_events(r.iter_lines())
+            next(events)
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 10, "503 health")
+            assert httpx.post(f"{url}/v1/completions", json=body).status_code == 503
+            rest = list(events)
+        assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
