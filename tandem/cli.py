@@ -29,6 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (prompt + output)"
     )
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU: torch compute threads (default: one per core)")  # fmt: skip
     g.add_argument("--no-async", dest="async_scheduling", action="store_false",
                    help="synchronous loop: the host waits for each step before preparing the next")  # fmt: skip
 

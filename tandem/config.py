@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
+    cpu_threads: int | None = None  # CPU: torch's intra-op threads (process-wide); None: default
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -43,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import GenerationConfig
 
 from tandem.batch import BatchBuilder
@@ -48,6 +49,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        if device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         if config.model is None:
             from tandem.default_model import default_model_path
 

@@ -114,8 +114,11 @@ def write_chrome_trace(runs: dict[str, list[StepRecord]], path: str | Path) -> N
     Path(path).write_text(json.dumps(chrome_trace(runs)))
 
 
-def plot_timeline(runs: dict[str, list[StepRecord]], path: str | Path, max_steps: int = 40) -> None:
-    """A PNG of the first steps of each run: host phases above, device work below."""
+def plot_timeline(runs: dict[str, list[StepRecord]], path: str | Path, max_steps: int = 24) -> None:
+    """A PNG of `max_steps` steps from the middle of each run: host phases above, device below.
+
+    Device steps alternate two shades so that the gaps between them (device idle) stand out.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,17 +128,22 @@ def plot_timeline(runs: dict[str, list[StepRecord]], path: str | Path, max_steps
               "update": "#dd8452", "device": "#c44e52"}  # fmt: skip
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.8 * len(runs) + 0.6), squeeze=False)
     for ax, (name, steps) in zip(axes[:, 0], runs.items(), strict=True):
-        steps = list(steps)[:max_steps]
+        steps = list(steps)
+        first = max(0, len(steps) // 2 - max_steps // 2)
+        steps = steps[first : first + max_steps]
         if not steps:
             continue
         origin = min(s.spans["schedule"][0] for s in steps)
-        for s in steps:
+        for i, s in enumerate(steps):
             for phase, (a, b) in s.spans.items():
                 ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (10, 8), color=colors[phase])
             a, b = s.device
-            ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (0, 8), color=colors["device"])
+            shade = colors["device"] if i % 2 == 0 else "#8c2d2f"
+            ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (0, 8), color=shade)
         ax.set_yticks([4, 14], ["device", "host"])
-        ax.set_title(name, loc="left", fontsize=10)
+        ax.set_title(
+            f"{name}: steps {steps[0].step_id}-{steps[-1].step_id}", loc="left", fontsize=10
+        )
         ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="upper right", ncol=len(colors), fontsize=8)

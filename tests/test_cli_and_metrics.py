@@ -78,7 +78,8 @@ def test_bench_compares_both_loops_and_writes_trace_and_plot(tiny_llama, tmp_pat
 
 def test_bench_with_poisson_arrivals(tiny_llama, capsys):
     args = ["bench", "--model", str(tiny_llama), "--num-requests", "5", "--prompt-len", "8",
-            "--output-len", "4", "--arrivals", "poisson", "--rate", "200", "--modes", "async",
+            "--output-len", "4", "--arrivals", "poisson", "--rate", "200", "--modes", "async,sync",
+            "--repeats", "2",
             "--temperature", "0.8"]  # fmt: skip
     assert main(args) == 0
     assert "async" in capsys.readouterr().out
