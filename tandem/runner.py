@@ -27,18 +27,22 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
 class _PinnedStaging:
-    """Double-buffered pinned host memory for one packed host-to-device copy per step.
+    """Double-buffered pinned host memory and a copy stream: one host-to-device copy per step.
 
-    A buffer is rewritten only after the copy that last read it has completed (its event).
+    The copy runs on its own stream, so step N+1's inputs travel while step N computes; the
+    compute stream waits for it with an event. A buffer is rewritten only after the copy that last
+    read it has completed.
     """
 
     def __init__(self, device: torch.device, num_buffers: int = 2):
         self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
         self._events: list[torch.cuda.Event | None] = [None] * num_buffers
         self._next = 0
 
     def upload(self, array: np.ndarray) -> torch.Tensor:
+        """Called on the compute stream; returns the device copy, ordered before later work."""
         i = self._next
         self._next = (i + 1) % len(self._buffers)
         if self._events[i] is not None:
@@ -48,9 +52,13 @@ class _PinnedStaging:
             buf = torch.empty(max(array.size, 1 << 14), dtype=_torch_dtype(array), pin_memory=True)
             self._buffers[i] = buf
         buf[: array.size].numpy()[:] = array
-        out = buf[: array.size].to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.stream(self.copy_stream):
+            out = buf[: array.size].to(self.device, non_blocking=True)
+            event.record(self.copy_stream)
+        compute.wait_event(event)
+        out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
         self._events[i] = event
         return out
 

@@ -38,14 +38,16 @@ def test_each_architecture_matches_hf(tiny_checkpoints, arch, async_scheduling):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
-def test_chunked_prefill_and_block_sizes(tiny_llama, block_size):
+def test_chunked_prefill_and_block_sizes(tiny_llama, block_size, async_scheduling):
     """A 40-token budget splits most prompts into chunks that share steps with decodes."""
     rng = random.Random(block_size)
     prompts = random_prompts(rng, 20, 1024, 1, 200)
     _check_against_hf(
-        tiny_llama, prompts, [16] * len(prompts), block_size=block_size, max_num_batched_tokens=40
-    )
+        tiny_llama, prompts, [16] * len(prompts),
+        block_size=block_size, max_num_batched_tokens=40, async_scheduling=async_scheduling,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
