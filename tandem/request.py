@@ -124,7 +124,11 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What a caller sees of a request: cumulative text and ids plus what is new since last time."""
+    """What a caller sees of a request: cumulative text and ids plus what is new since last time.
+
+    While the request runs, `token_ids` is its live list (copying it every step would cost
+    O(n^2)); copy it to keep a snapshot. A finished output owns its list.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
