@@ -311,9 +311,7 @@ class Engine:
             request.num_inflight -= 1
             if request.finished:
                 continue  # the speculative token of a request that finished a step earlier
-            output = self._append_token(request, token, t1)
-            if output is not None:
-                outputs.append(output)
+            outputs.append(self._append_token(request, token, t1))
         self.scheduler.retire_step(inflight.batch.step_id)
         record.spans["wait"] = (t0, t1)
         record.spans["update"] = (t1, time.perf_counter())
@@ -321,7 +319,7 @@ class Engine:
         self.step_records.append(record)
         return outputs
 
-    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput | None:
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
         request.output_token_ids.append(token)
         request.token_times.append(now)
         params = request.params
