@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from dataclasses import dataclass
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -96,6 +98,26 @@ def run_workload(
     return engine.summary(), list(engine.step_records), [outputs[r] for r in order]
 
 
+def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
+    """On a CPU, say why async can or cannot beat sync here: the figures alone don't tell."""
+    if engine.config.torch_device.type != "cpu" or not {"sync", "async"} <= results.keys():
+        return None
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads < cores:
+        return (
+            f"note: {threads} compute thread(s) on {cores} cores: the host schedules step N+1 on "
+            "a core of its own while step N computes, so async hides the host's time."
+        )
+    return (
+        f"note: all {cores} cores compute, so the host's scheduling of step N+1 takes a core "
+        "from the compute team, which then waits for it at its next barrier: on a CPU this "
+        "cost is physical and async can at best break even here. Async wins where a core is "
+        f"left to the host (--cpu-threads {max(1, cores - 1)}; Tandem picks that itself when "
+        "it does not slow the step by more than the host's share) and on a GPU."
+    )
+
+
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     console = Console(stderr=True)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -160,6 +182,10 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         "outputs identical (all runs)", *[""] * (len(results) - 1), "yes" if identical else "NO"
     )
     Console().print(table)
+    Console().print(f"execution: {engine.execution.describe()}")
+    note = cpu_overlap_note(engine, results)
+    if note:
+        Console().print(note)
     timelines = {mode: records for mode, (_, records, _) in results.items()}
     if args.trace:
         write_chrome_trace(timelines, args.trace)

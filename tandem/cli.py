@@ -33,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU: torch compute threads (default: one per core)")  # fmt: skip
     g.add_argument("--no-async", dest="async_scheduling", action="store_false",
                    help="synchronous loop: the host waits for each step before preparing the next")  # fmt: skip
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="portable PyTorch ops only: no fused kernels, no pre-packed GEMMs")  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

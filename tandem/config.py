@@ -35,6 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
     cpu_threads: int | None = None  # CPU: torch's intra-op threads (process-wide); None: default
+    enforce_eager: bool = False  # True: portable PyTorch ops only (no fused kernels, no packing)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -26,7 +26,7 @@ from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
-from tandem.models import load_model
+from tandem.models import fast_path, load_model
 from tandem.request import Request, RequestOutput, SamplingParams
 from tandem.runner import ModelRunner
 from tandem.sampling import seed_key
@@ -58,6 +58,8 @@ class Engine:
         else:
             model_path = Path(config.model)
         loaded = load_model(model_path, dtype, device, max_model_len=config.max_model_len)
+        self.execution = fast_path.prepare(loaded.model, device, dtype, config.enforce_eager)
+
         self.model_path = loaded.path
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
@@ -111,6 +113,9 @@ class Engine:
             config.block_size,
             device,
         )
+        if device.type == "cpu" and config.cpu_threads is None and self.execution.kernels:
+            self._tune_cpu_threads(loaded.model)
+        logger.info("execution: %s", self.execution.describe())
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -245,6 +250,17 @@ class Engine:
         self.runner.close()
 
     # ------------------------------------------------------------- internals
+    def _tune_cpu_threads(self, model) -> None:
+        """Time a decode step per thread count where the steps will run (the device thread, with
+        its own OpenMP team) and keep the fastest, for the device thread and this one alike."""
+        batch = min(self.config.max_num_seqs, 32)
+        timings = self.runner.stream.submit(lambda: fast_path.tune_cpu_threads(model, batch))
+        self.execution.thread_timings_ms = timings.wait()
+        best = fast_path.pick_cpu_threads(self.execution.thread_timings_ms, batch)
+        self.execution.cpu_threads = best
+        torch.set_num_threads(best)
+        self.runner.stream.submit(lambda: torch.set_num_threads(best)).wait()
+
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:

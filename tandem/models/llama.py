@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.ops.attention import AttentionMetadata, paged_attention
+from tandem.ops.elementwise import PortableOps
+from tandem.ops.linear import Linear, can_prepack, linear, prepack
 
 
 @dataclass
@@ -41,13 +42,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The same arithmetic as Hugging Face's, so fp32 outputs match token for token.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
 
 class Rotary(nn.Module):
     """A cos/sin table by position, built once from the inverse frequencies."""
@@ -60,15 +54,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, q, k, positions):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+@dataclass
+class ForwardContext:
+    """What every layer of one forward reads besides its input."""
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    rotary: Rotary
+    ops: type[PortableOps]
 
 
 class Attention(nn.Module):
@@ -77,35 +71,38 @@ class Attention(nn.Module):
         self.spec = spec
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o = Linear(self.q_size, spec.hidden_size)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.scale = spec.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
-        s = self.spec
+    def forward(self, x, kv_cache, ctx: ForwardContext):
+        s, ops = self.spec, ctx.ops
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, s.sliding_window)
-        return self.o(out.reshape(-1, self.q_size))
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rotary(q, k, ctx.positions, ctx.rotary.cos, ctx.rotary.sin)
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window,
+            fused_decode=ops.fused_decode_attention,
+        )  # fmt: skip
+        return self.o(out.view(-1, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: LlamaSpec):
         super().__init__()
-        self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
+        self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x, ops: type[PortableOps]):
+        return self.down(ops.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -116,9 +113,30 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.attn(self.input_norm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+    def flat_weights(self) -> list[torch.Tensor]:
+        """This layer's weights in the order `tandem::llama_forward` reads them (csrc)."""
+        none = torch.empty(0)
+        a, m = self.attn, self.mlp
+        q_norm = a.q_norm.weight if a.spec.qk_norm else none
+        k_norm = a.k_norm.weight if a.spec.qk_norm else none
+        return [
+            self.input_norm.weight, a.qkv.weight, _or(a.qkv.packed, none), _or(a.qkv.bias, none),
+            q_norm, k_norm, a.o.weight, _or(a.o.packed, none), self.post_attn_norm.weight,
+            m.gate_up.weight, _or(m.gate_up.packed, none), m.down.weight, _or(m.down.packed, none),
+        ]  # fmt: skip
+
+    def forward(self, x, residual, kv_cache, ctx: ForwardContext):
+        """x: the previous sublayer's output (the embeddings for the first layer, where
+        residual is None). Returns this layer's MLP output and the residual stream before it."""
+        ops = ctx.ops
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        a = self.attn(h, kv_cache, ctx)
+        norm = self.post_attn_norm
+        h, residual = ops.add_rms_norm(a, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -131,7 +149,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        self.ops: type[PortableOps] = PortableOps
+        self._packed_logits_weight: torch.Tensor | None = None
+        self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
+
+    def use_fast_path(self, ops: type[PortableOps]) -> bool:
+        """Switch to `ops` and pre-pack every GEMM weight where MKL's packed path exists.
+
+        With the fused CPU ops the whole forward then runs as one kernel call
+        (`tandem::llama_forward`), which needs the GIL once per step instead of once per op.
+        Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
+        self.ops = ops
+        packed = [m.prepack() for m in self.modules() if isinstance(m, Linear)]
+        if self.spec.tie_word_embeddings and can_prepack(self.embed.weight):
+            self._packed_logits_weight = prepack(self.embed.weight)
+        if ops.fused_decode_attention:
+            self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
+        return all(packed)
 
     def forward(
         self,
@@ -140,14 +175,32 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
+        if self._fused_weights is not None:
+            return self._fused_forward(input_ids, positions, kv_caches, meta)
+        ctx = ForwardContext(positions, meta, self.rotary, self.ops)
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, kv_cache, ctx)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        s = self.spec
+        segments = [(p.token_start, p.num_tokens, p.context_len, p.row) for p in meta.prefills]
+        prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 4)
+        return torch.ops.tandem.llama_forward(
+            input_ids, positions, self.embed.weight, self._fused_weights, kv_caches,
+            self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
+            meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
+            s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,
+            s.sliding_window or 0,
+        )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.spec.tie_word_embeddings:
+            logits = linear(hidden, self.embed.weight, None, self._packed_logits_weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float()
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         """Copy one HF checkpoint tensor into place; returns the parameter it filled, or None."""
@@ -221,3 +274,7 @@ class LlamaModel(nn.Module):
         if rest == "mlp.up_proj.weight":
             return f"{p}.mlp.gate_up.weight", self._inter, self._inter
         return None, None, None
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor

@@ -2,7 +2,9 @@
 
 The batch holds decode tokens first (one query each), then prefill chunks. Every token's K/V is
 first written into the paged cache; decodes then attend to their cache in one batched call, and
-each prefill chunk attends to its cached prefix plus causally within itself.
+each prefill chunk attends to its cached prefix plus causally within itself. The portable decode
+path gathers each request's blocks into a dense copy; with the fused CPU kernels
+(`csrc/cpu_kernels.cpp`) decodes read the paged cache in place instead.
 """
 
 from __future__ import annotations
@@ -55,11 +57,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    fused_decode: bool = False,
 ) -> torch.Tensor:
+    """Attention of every token of the packed batch; `fused_decode` reads the cache in place."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     d = meta.num_decodes
-    if d:
+    if d and fused_decode:
+        torch.ops.tandem.paged_decode_attention(
+            out[:d], q[:d], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+            sliding_window or 0,
+        )  # fmt: skip
+    elif d:
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale, sliding_window)
     for seg in meta.prefills:
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)

@@ -1,0 +1,118 @@
+"""Choose how the model executes on this machine: fused kernels and packed GEMMs, or eager.
+
+The choice is automatic. On a CPU in float32 the fast path pre-packs every GEMM weight for MKL
+and runs the fused kernels (built once and cached on disk; the build time is reported). Where a
+piece is unavailable (no MKL, no compiler, another dtype or device) that piece falls back to
+portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
+Hugging Face's own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.models.llama import LlamaModel
+from tandem.ops import cpu_kernels
+from tandem.ops.attention import AttentionMetadata
+from tandem.ops.elementwise import FusedCPUOps, PortableOps
+
+
+@dataclass
+class ExecutionPlan:
+    ops: str  # "portable" or "fused-cpu"
+    packed_gemm: bool
+    kernels: cpu_kernels.KernelBuild | None  # None: not attempted (eager, CUDA, not float32)
+    cpu_threads: int | None = None  # compute threads, when Tandem chose them
+    thread_timings_ms: dict[int, float] = field(default_factory=dict)  # decode step ms by threads
+
+    def describe(self) -> str:
+        gemm = "MKL pre-packed GEMMs" if self.packed_gemm else "default GEMMs"
+        text = f"{self.ops} ops, {gemm}"
+        if self.thread_timings_ms:
+            tried = ", ".join(
+                f"{n}: {ms:.2f} ms" for n, ms in sorted(self.thread_timings_ms.items())
+            )
+            text += f"; {self.cpu_threads} compute thread(s) (decode step {tried})"
+        k = self.kernels
+        if k is not None and k.available:
+            how = "loaded from the disk cache" if k.cached else "built and cached on disk"
+            text += f"; fused kernels {how} in {k.seconds:.1f} s"
+        elif k is not None:
+            text += "; fused kernels unavailable (see the log)"
+        return text
+
+
+def prepare(
+    model: LlamaModel, device: torch.device, dtype: torch.dtype, enforce_eager: bool
+) -> ExecutionPlan:
+    if enforce_eager or device.type != "cpu" or dtype != torch.float32:
+        return ExecutionPlan(PortableOps.name, False, None)
+    build = cpu_kernels.load()
+    ops = FusedCPUOps if build.available else PortableOps
+    packed = model.use_fast_path(ops)
+    return ExecutionPlan(ops.name, packed, build)
+
+
+def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dict[int, float]:
+    """Median decode-step time (ms) of `model` at `batch` requests, for each candidate count.
+
+    Why: on a small model the per-op work is too small to split, and a second compute thread
+    only adds barriers (and takes the core the asynchronous host needs); on a compute-bound
+    model every core pays. Timing one synthetic step per count settles it for this machine.
+    Results are the same whatever the count (each output is computed by one thread), so the
+    choice changes speed only. Candidates go up to the cores this process may run on; torch's
+    thread count is left as it was found.
+    """
+    spec = model.spec
+    before = torch.get_num_threads()
+    most = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    candidates = sorted({1, max(1, most - 1), most})
+    blocks_each, context = 2, block_size + 1
+    caches = [
+        torch.zeros(2, batch * blocks_each, block_size, spec.num_kv_heads, spec.head_dim)
+        for _ in range(spec.num_layers)
+    ]
+    tables = torch.arange(batch * blocks_each).view(batch, blocks_each)
+    meta = AttentionMetadata(
+        slot_mapping=tables[:, 1] * block_size,
+        block_tables=tables,
+        context_lens=torch.full((batch,), context),
+        num_decodes=batch,
+        decode_max_blocks=blocks_each,
+        prefills=[],
+        block_size=block_size,
+    )
+    ids = torch.randint(0, spec.vocab_size, (batch,))
+    positions = torch.full((batch,), context - 1)
+    timings = {}
+    try:
+        with torch.inference_mode():
+            for n in candidates:
+                torch.set_num_threads(n)
+                runs = []
+                for i in range(10):
+                    start = time.perf_counter()
+                    model.compute_logits(model(ids, positions, caches, meta)).argmax(-1)
+                    if i >= 2:  # the first runs warm caches and thread pools
+                        runs.append(time.perf_counter() - start)
+                timings[n] = min(runs) * 1e3  # the least disturbed run: others share the cores
+    finally:
+        torch.set_num_threads(before)
+    return timings
+
+
+def pick_cpu_threads(timings_ms: dict[int, float], batch: int) -> int:
+    """The count with the shortest step once the host's share is charged where it lands.
+
+    With every core computing, the host's scheduling of the next step (about 0.2 ms plus 15 us
+    per request, measured by benchmarks/host_cost.py) takes a core from the compute team, which
+    then waits for it at its next barrier; with a core left free the host runs beside the step.
+    """
+    cores = max(timings_ms)
+    host_ms = 0.2 + 0.015 * batch
+    cost = {n: ms + (host_ms if n == cores and cores > 1 else 0.0) for n, ms in timings_ms.items()}
+    return min(cost, key=cost.get)

@@ -1,0 +1,97 @@
+"""Build (once, cached on disk) and load the fused CPU kernels in `csrc/cpu_kernels.cpp`.
+
+The build is a one-time cost of some tens of seconds on a small machine; the shared library is
+kept under the Tandem cache folder, named by a hash of the source, the compiler flags, the torch
+version and the CPU's instruction sets, so a later start (or another process) loads it at once
+and a different machine never loads a library built for another CPU. `load()` reports how long it
+took; a build that fails (no compiler) is logged and the engine keeps the portable path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tandem")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@dataclass
+class KernelBuild:
+    """What loading the kernels cost, for the start-up report."""
+
+    available: bool
+    seconds: float
+    cached: bool  # True when a library built earlier was loaded
+    path: Path | None = None
+    error: str | None = None
+
+
+_loaded: KernelBuild | None = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_name() -> str:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode()):
+        key.update(part)
+    key.update(_cpu_flags().encode())
+    return f"tandem_cpu_kernels_{key.hexdigest()[:16]}"
+
+
+def load() -> KernelBuild:
+    """Load the kernels, building them first if no cached build fits this machine."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    build_dir = cache_root() / "kernels" / name
+    cached = (build_dir / f"{name}.so").is_file()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+        )
+    except Exception as exc:  # no compiler, no ninja: the portable path still works
+        _loaded = KernelBuild(False, time.perf_counter() - start, False, error=str(exc))
+        logger.warning("fused CPU kernels unavailable (%s); using portable ops", exc)
+        return _loaded
+    seconds = time.perf_counter() - start
+    _loaded = KernelBuild(True, seconds, cached, build_dir)
+    logger.info(
+        "fused CPU kernels %s in %.1f s (%s)",
+        "loaded" if cached else "built",
+        seconds,
+        build_dir,
+    )
+    return _loaded

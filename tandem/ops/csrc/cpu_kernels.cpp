@@ -1,0 +1,444 @@
+// Fused CPU kernels for the forward pass (float32), registered as torch.ops.tandem.*.
+//
+// Why they exist: on a CPU the eager forward spends its time in many small ops (norms, rotary,
+// activation: several passes over memory and a dispatch each) and, for decode attention, in
+// copying every request's whole context out of the paged cache before attending to it. These
+// kernels make one pass each, and the decode attention reads the paged cache in place.
+//
+// Every kernel takes tensors whose last dimension is contiguous; a row stride is honoured so
+// that views of a fused projection (q, k, v of one qkv matmul) need no copy.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_float_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+// exp(x) in a form the compiler vectorises (libm's expf is a scalar call): 2^n * e^f with
+// Cody-Waite range reduction and Cephes' degree-6 polynomial, within a few ulp of expf.
+__attribute__((always_inline)) inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  // Adding 1.5 * 2^23 rounds to the nearest integer and leaves it in the low mantissa bits
+  // (std::floor would keep the loop from vectorising without -ffast-math).
+  const float shifted = x * 1.44269504088896341f + 12582912.f;
+  const float n = shifted - 12582912.f;
+  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.f;
+  int32_t rounded;
+  std::memcpy(&rounded, &shifted, sizeof(rounded));
+  const int32_t bits = (rounded - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Rows per task such that a task touches at least ~32K floats: below that, waking another
+// thread costs more than it saves (ATen uses the same grain for its elementwise ops).
+inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+  return acc;
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)), row by row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float_rows(x, "x");
+  auto x2 = x.reshape({-1, x.size(-1)});
+  auto out = at::empty_like(x2, at::MemoryFormat::Contiguous);
+  const int64_t rows = x2.size(0), cols = x2.size(1), stride = x2.stride(0);
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * stride;
+      float* orow = op + r * cols;
+      const float inv = 1.f / std::sqrt(sum_of_squares(xr, cols) / cols + (float)eps);
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) orow[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return out.view(x.sizes());
+}
+
+// residual += x; returns weight * rms_normalised(residual). residual is updated in place.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  check_float_rows(x, "x");
+  check_float_rows(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(),
+              "residual must be contiguous and shaped like x");
+  auto out = at::empty_like(residual);
+  const int64_t cols = x.size(-1), rows = x.numel() / cols, stride = x.stride(-2);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * stride;
+      float* rr = rp + r * cols;
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) rr[i] = rr[i] + xr[i];
+      const float inv = 1.f / std::sqrt(sum_of_squares(rr, cols) / cols + (float)eps);
+      float* orow = op + r * cols;
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) orow[i] = wp[i] * (rr[i] * inv);
+    }
+  });
+  return out;
+}
+
+// Neox-style rotary embedding, in place: x [T, heads, D] with any token stride.
+// cos / sin [max_pos, D] hold the (scaled) tables with both halves, as Hugging Face builds them.
+void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
+             const at::Tensor& sin) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(1) == x.size(2), "x must be [T, heads, D], heads packed");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t stride = x.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * dim;
+      const float* s = sp + pos[t] * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + t * stride + h * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// [T, 2I] -> [T, I]: silu(gate) * up, the Llama MLP's activation in one pass.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
+  auto out = at::empty({rows, inter}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(inter * 8), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * stride;
+      const float* u = g + inter;
+      float* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// One query per request against its paged K/V, read in place through the block table.
+//   q [R, H, D] (any row stride), caches [blocks, block_size, Hkv, D] contiguous,
+//   block_tables [>=R, max_blocks] int64, context_lens [>=R] int64, out [R, H, D] contiguous.
+// The query heads of a group share each K/V row read; tasks are requests or (request, kv head).
+struct DecodeProblem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int64_t* block_tables;
+  const int64_t* context_lens;
+  float* out;
+  int64_t heads, kv_heads, group, block_size, q_stride, bt_stride, sliding_window;
+  float scale;
+};
+
+// Attention of request r's query heads of kv heads [h0, h1). DIM > 0 fixes the head size at
+// compile time (unrolled dot products); 0 reads it from `dim`. Taking several kv heads at once
+// uses every byte of each cache line a token's K/V row spans (heads are interleaved per token).
+template <int64_t DIM>
+void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t dim,
+            std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t D = DIM > 0 ? DIM : dim;
+  const int64_t G = p.group, token_stride = p.kv_heads * D, nh = (h1 - h0) * G;
+  const int64_t len = p.context_lens[r];
+  const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
+  const int64_t n = len - first;
+  scores.resize(nh * n);
+  acc.assign(nh * D, 0.f);
+  const float* qr = p.q + r * p.q_stride + h0 * G * D;  // the nh query heads, D apart
+  const int64_t* blocks = p.block_tables + r * p.bt_stride;
+  // Rows of K (then V) are visited block by block, each row serving every query head it feeds.
+  auto for_each_row = [&](const float* cache, auto&& body) {
+    for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
+      const int64_t t0 = b * p.block_size;
+      const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
+      const float* base = cache + (blocks[b] * p.block_size) * token_stride + h0 * D;
+      for (int64_t o = lo; o < hi; ++o) body(t0 + o - first, base + o * token_stride);
+    }
+  };
+  for_each_row(p.k, [&](int64_t i, const float* row) {
+    for (int64_t j = 0; j < nh; ++j) {  // query head j reads kv head j / G of this row
+      const float* qj = qr + j * D;
+      const float* kj = row + (j / G) * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qj[d] * kj[d];
+      scores[j * n + i] = s * p.scale;
+    }
+  });
+  std::vector<float> inv_sums(nh);
+  for (int64_t j = 0; j < nh; ++j) {
+    float* s = scores.data() + j * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = fast_exp(s[i] - m);
+      total += s[i];
+    }
+    inv_sums[j] = 1.f / total;
+  }
+  for_each_row(p.v, [&](int64_t i, const float* row) {
+    for (int64_t j = 0; j < nh; ++j) {
+      const float w = scores[j * n + i];
+      const float* vj = row + (j / G) * D;
+      float* a = acc.data() + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * vj[d];
+    }
+  });
+  for (int64_t j = 0; j < nh; ++j) {
+    float* o = p.out + (r * p.heads + h0 * G + j) * D;
+    const float* a = acc.data() + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv_sums[j];
+  }
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window) {
+  check_float_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [R, H, D], heads packed");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1), "out must be shaped like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  const int64_t reqs = q.size(0), dim = q.size(2), kv_heads = k_cache.size(2);
+  DecodeProblem p{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                  block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                  out.data_ptr<float>(), q.size(1), kv_heads, q.size(1) / kv_heads,
+                  k_cache.size(1), q.stride(0), block_tables.stride(0), sliding_window,
+                  (float)scale};
+  // Every core reads, whatever torch's thread count (which is tuned for the GEMMs): attention is
+  // bound by memory bandwidth, which a second core nearly doubles. Tasks are handed out
+  // dynamically, so a core that the host takes for a moment only shifts work to the others.
+  // Short contexts stay on one thread: waking others would cost more than it saves.
+  int64_t total_rows = 0;
+  for (int64_t r = 0; r < reqs; ++r) total_rows += p.context_lens[r];
+  const int threads = total_rows * kv_heads < 16384 ? 1 : omp_get_num_procs();
+  const int64_t heads_per_task = reqs >= 4 * threads ? kv_heads : 1;
+  const int64_t tasks_per_req = kv_heads / heads_per_task, items = reqs * tasks_per_req;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t r = item / tasks_per_req, h0 = (item % tasks_per_req) * heads_per_task;
+      const int64_t h1 = h0 + heads_per_task;
+      switch (dim) {
+        case 64: attend<64>(p, r, h0, h1, dim, scores, acc); break;
+        case 128: attend<128>(p, r, h0, h1, dim, scores, acc); break;
+        case 32: attend<32>(p, r, h0, h1, dim, scores, acc); break;
+        default: attend<0>(p, r, h0, h1, dim, scores, acc);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole Llama-family forward in one call. Why: run op by op from Python, every op returns to
+// the interpreter and needs the GIL, and a CPU "device" thread that needs the GIL a hundred times
+// a step stalls behind the host thread whenever the host is scheduling the next step. One call
+// per step releases the GIL once, so the host's work truly overlaps. The arithmetic is the
+// Python model's with the fused ops above (tandem/models/llama.py is the reference).
+
+// Per layer, in this order; a missing optional weight is an empty tensor.
+enum LayerWeight {
+  kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kPostNorm,
+  kGateUp, kGateUpPacked, kDown, kDownPacked, kWeightsPerLayer
+};
+
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
+                  const at::Tensor& bias) {
+  const c10::optional<at::Tensor> b = present(bias) ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+  if (!present(packed)) return at::linear(x, weight, b);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkl::_mkl_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const c10::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, weight, b, x.size(0));
+}
+
+struct ForwardShape {
+  int64_t heads, kv_heads, head_dim, block_size, num_decodes, sliding_window;
+  double eps, scale;
+};
+
+// Causal attention of one prefill chunk (as ops/attention.py's _chunk_attention).
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_row, int64_t num_tokens, int64_t context_len,
+                           const ForwardShape& s) {
+  at::Tensor keys = k, values = v;
+  if (context_len != num_tokens) {  // a cached prefix: gather the request's blocks
+    const int64_t nb = (context_len + s.block_size - 1) / s.block_size;
+    auto blocks = block_row.narrow(0, 0, nb);
+    keys = k_cache.index_select(0, blocks).view({nb * s.block_size, s.kv_heads, s.head_dim});
+    values = v_cache.index_select(0, blocks).view({nb * s.block_size, s.kv_heads, s.head_dim});
+    keys = keys.narrow(0, 0, context_len);
+    values = values.narrow(0, 0, context_len);
+  }
+  auto qh = q.transpose(0, 1).unsqueeze(0);
+  auto kh = keys.transpose(0, 1).unsqueeze(0);
+  auto vh = values.transpose(0, 1).unsqueeze(0);
+  at::Tensor out;
+  if (context_len == num_tokens && s.sliding_window <= 0) {
+    out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, true, s.scale, true);
+  } else {
+    auto opts = q.options().dtype(at::kLong);
+    auto q_pos = at::arange(context_len - num_tokens, context_len, opts).unsqueeze(1);
+    auto k_pos = at::arange(context_len, opts).unsqueeze(0);
+    auto mask = k_pos <= q_pos;
+    if (s.sliding_window > 0) mask = mask.logical_and(k_pos > q_pos - s.sliding_window);
+    out = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, false, s.scale, true);
+  }
+  return out.squeeze(0).transpose(0, 1);
+}
+
+at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tensor& kv_cache,
+                           const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const at::Tensor& prefills, const ForwardShape& s, double norm_eps) {
+  const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
+  auto qkv = linear(h, w[kQkv], w[kQkvPacked], w[kQkvBias]);
+  auto q = qkv.narrow(1, 0, q_size).view({-1, s.heads, s.head_dim});
+  auto k = qkv.narrow(1, q_size, kv_size).view({-1, s.kv_heads, s.head_dim});
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, s.kv_heads, s.head_dim});
+  if (present(w[kQNorm])) {
+    q = rms_norm(q, w[kQNorm], norm_eps);
+    k = rms_norm(k, w[kKNorm], norm_eps);
+  }
+  rotary_(q, positions, cos, sin);
+  rotary_(k, positions, cos, sin);
+  auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  k_cache.view({-1, s.kv_heads, s.head_dim}).index_copy_(0, slot_mapping, k);
+  v_cache.view({-1, s.kv_heads, s.head_dim}).index_copy_(0, slot_mapping, v);
+  auto out = at::empty({h.size(0), s.heads, s.head_dim}, h.options());
+  if (s.num_decodes > 0) {
+    paged_decode_attention(out.narrow(0, 0, s.num_decodes), q.narrow(0, 0, s.num_decodes),
+                           k_cache, v_cache, block_tables, context_lens, s.scale,
+                           s.sliding_window);
+  }
+  const int64_t* seg = prefills.data_ptr<int64_t>();  // rows: token_start, tokens, context, row
+  for (int64_t i = 0; i < prefills.size(0); ++i, seg += 4) {
+    out.narrow(0, seg[0], seg[1])
+        .copy_(chunk_attention(q.narrow(0, seg[0], seg[1]), k.narrow(0, seg[0], seg[1]),
+                               v.narrow(0, seg[0], seg[1]), k_cache, v_cache,
+                               block_tables.select(0, seg[3]), seg[1], seg[2], s));
+  }
+  return linear(out.view({-1, q_size}), w[kO], w[kOPacked], at::Tensor());
+}
+
+at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                         const at::Tensor& embed, at::TensorList weights,
+                         at::TensorList kv_caches, const at::Tensor& final_norm,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, int64_t num_decodes,
+                         const at::Tensor& prefills, int64_t block_size, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                         int64_t sliding_window) {
+  TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
+              "expected ", kWeightsPerLayer, " weights per layer");
+  const ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, sliding_window,
+                       eps, scale};
+  at::Tensor x = at::embedding(embed, input_ids), residual, h;
+  for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+    auto w = weights.slice(layer * kWeightsPerLayer, kWeightsPerLayer);
+    if (layer == 0) {
+      residual = x;
+      h = rms_norm(x, w[kInputNorm], eps);
+    } else {
+      h = add_rms_norm(x, residual, w[kInputNorm], eps);
+    }
+    auto a = attention_block(h, w, kv_caches[layer], positions, cos, sin, slot_mapping,
+                             block_tables, context_lens, prefills, s, eps);
+    h = add_rms_norm(a, residual, w[kPostNorm], eps);
+    x = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], at::Tensor())), w[kDown],
+               w[kDownPacked], at::Tensor());
+  }
+  return add_rms_norm(x, residual, final_norm, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
+  m.def(
+      "llama_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor[] weights, "
+      "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor context_lens, int num_decodes, Tensor prefills, "
+      "int block_size, int heads, int kv_heads, int head_dim, float eps, float scale, "
+      "int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("llama_forward", &llama_forward);
+}
+
+// MKL's packed weights are opaque MkldnnCPU tensors: the whole forward is reached through them.
+TORCH_LIBRARY_IMPL(tandem, MkldnnCPU, m) { m.impl("llama_forward", &llama_forward); }

@@ -1,0 +1,174 @@
+"""The fast CPU path: fused kernels against the portable ops, and the model against transformers.
+
+The fused kernels sum in another order than PyTorch, so they are held to a tolerance; the test
+models' greedy tokens stay equal to transformers' (tests/test_equivalence.py runs the fast path,
+the default). `enforce_eager` keeps the portable arithmetic, which matches transformers exactly.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.models import fast_path, load_model
+from tandem.ops import cpu_kernels
+from tandem.ops.attention import AttentionMetadata, PrefillSegment, _decode_attention
+from tandem.ops.elementwise import FusedCPUOps, PortableOps
+
+from conftest import _load_hf_model, hf_greedy_reference, random_prompts
+from helpers import greedy, make_llm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> cpu_kernels.KernelBuild:
+    build = cpu_kernels.load()
+    assert build.available, build.error  # the CI machine has a compiler: the fast path must build
+    return build
+
+
+def test_elementwise_kernels_match_portable_ops() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(37, 96, generator=g), torch.randn(37, 96, generator=g)
+    w = torch.randn(96, generator=g)
+    torch.testing.assert_close(FusedCPUOps.rms_norm(x, w, 1e-6), PortableOps.rms_norm(x, w, 1e-6))
+    fused, fused_res = FusedCPUOps.add_rms_norm(x, residual.clone(), w, 1e-5)
+    ref, ref_res = PortableOps.add_rms_norm(x, residual, w, 1e-5)
+    torch.testing.assert_close(fused, ref)
+    assert torch.equal(fused_res, ref_res)  # one addition per element: exact
+
+    qkv = torch.randn(37, 4 * 16 + 2 * 2 * 16, generator=g)  # q and k are strided views
+    q, k = qkv[:, :64].view(-1, 4, 16), qkv[:, 64:96].view(-1, 2, 16)
+    positions = torch.randint(0, 50, (37,), generator=g)
+    cos, sin = torch.randn(50, 16, generator=g), torch.randn(50, 16, generator=g)
+    q_ref, k_ref = PortableOps.rotary(q, k, positions, cos, sin)
+    q_out, k_out = FusedCPUOps.rotary(q.clone(), k.clone(), positions, cos, sin)
+    torch.testing.assert_close(q_out, q_ref)
+    torch.testing.assert_close(k_out, k_ref)
+
+    gate_up = torch.cat([torch.linspace(-30, 30, 1000).view(1, -1)] * 2, dim=1)
+    gate_up = torch.cat([gate_up, torch.randn(36, 2000, generator=g)])
+    torch.testing.assert_close(
+        FusedCPUOps.silu_and_mul(gate_up), PortableOps.silu_and_mul(gate_up), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 48])  # 48: the kernel's generic-size path
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3)])
+@pytest.mark.parametrize("num_requests", [1, 3, 40])  # few: a task per kv head; many: per request
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_decode_attention_reads_the_cache_in_place(
+    head_dim, heads, kv_heads, num_requests, window
+) -> None:
+    rng = random.Random(head_dim * 100 + heads * 10 + num_requests)
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    num_blocks, block_size = 96, 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    lens = [rng.randint(1, 40) for _ in range(num_requests)]
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
+    # Decode queries as the model makes them: a strided view of a fused projection.
+    fused = torch.randn(num_requests, heads * head_dim + 8, generator=g)
+    q = fused[:, : heads * head_dim].view(num_requests, heads, head_dim)
+    context = torch.tensor(lens)
+    meta = AttentionMetadata(torch.zeros(0), tables, context, num_requests, width, [], block_size)
+    ref = _decode_attention(q, k_cache, v_cache, meta, 0.3, window)
+    out = torch.empty(num_requests, heads, head_dim)
+    torch.ops.tandem.paged_decode_attention(
+        out, q, k_cache, v_cache, tables, context, 0.3, window or 0
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_requests", [3, 12])  # per kv head / per request, on every core
+def test_paged_decode_attention_on_long_contexts(num_requests) -> None:
+    """Contexts long enough that the kernel spreads the work over all cores."""
+    g = torch.Generator().manual_seed(num_requests)
+    heads, kv_heads, dim, block_size, num_blocks = 8, 2, 32, 16, 1200
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    context = torch.randint(1500, 3000, (num_requests,), generator=g)
+    width = -(-int(context.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in context])
+    q = torch.randn(num_requests, heads, dim, generator=g)
+    meta = AttentionMetadata(torch.zeros(0), tables, context, num_requests, width, [], block_size)
+    ref = _decode_attention(q, k_cache, v_cache, meta, 0.2, None)
+    out = torch.empty_like(q)
+    torch.ops.tandem.paged_decode_attention(out, q, k_cache, v_cache, tables, context, 0.2, 0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits at every position: a prefill of all but the last token, then one decode step."""
+    spec = model.spec
+    n = len(prompt)
+    num_blocks = -(-n // block_size)
+    caches = [
+        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        for _ in range(spec.num_layers)
+    ]
+    tables = torch.arange(num_blocks).view(1, -1)
+    ids = torch.tensor(prompt)
+    positions = torch.arange(n)
+    prefill = AttentionMetadata(
+        positions[: n - 1], tables, torch.tensor([n - 1]), 0, 0,
+        [PrefillSegment(0, n - 1, n - 1, 0)], block_size,
+    )  # fmt: skip
+    decode = AttentionMetadata(
+        positions[n - 1 :], tables, torch.tensor([n]), 1, num_blocks, [], block_size
+    )
+    with torch.inference_mode():
+        first = model(ids[: n - 1], positions[: n - 1], caches, prefill)
+        last = model(ids[n - 1 :], positions[n - 1 :], caches, decode)
+        return model.compute_logits(torch.cat([first, last]))
+
+
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+)
+def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> None:
+    """Fast path: within 1e-4 of transformers' logits; eager path: within float32 noise."""
+    path = tiny_checkpoints[arch]
+    prompt = random_prompts(random.Random(3), 1, 1024, 60, 60)[0]
+    with torch.no_grad():
+        reference = _load_hf_model(str(path))(torch.tensor([prompt])).logits[0]
+    diffs = {}
+    for eager in (True, False):
+        loaded = load_model(path, torch.float32, torch.device("cpu"))
+        plan = fast_path.prepare(loaded.model, torch.device("cpu"), torch.float32, eager)
+        assert plan.ops == ("portable" if eager else "fused-cpu")
+        assert plan.packed_gemm == (not eager)
+        logits = _prefill_then_decode_logits(loaded.model, prompt)
+        diffs[eager] = (logits - reference).abs().max().item()
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert diffs[True] < 2e-5, diffs  # the portable path is transformers' arithmetic
+    assert diffs[False] < 1e-4, diffs
+
+
+def test_enforce_eager_matches_transformers_exactly(tiny_llama) -> None:
+    rng = random.Random(11)
+    prompts = random_prompts(rng, 6, 1024, 5, 80)
+    llm = make_llm(tiny_llama, enforce_eager=True)
+    assert llm.engine.execution.ops == "portable" and not llm.engine.execution.packed_gemm
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(12)), strict=True):
+        assert out.token_ids == hf_greedy_reference(tiny_llama, prompt, 12)
+
+
+def test_without_a_compiler_the_engine_falls_back_to_portable_ops(tiny_llama, monkeypatch) -> None:
+    failed = cpu_kernels.KernelBuild(False, 0.1, False, error="no compiler")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: failed)
+    llm = make_llm(tiny_llama)
+    assert llm.engine.execution.ops == "portable" and llm.engine.execution.packed_gemm
+    assert "unavailable" in llm.engine.execution.describe()
+    prompt = random_prompts(random.Random(5), 1, 1024, 30, 30)[0]
+    assert llm.generate([prompt], greedy(8))[0].token_ids == hf_greedy_reference(
+        tiny_llama, prompt, 8
+    )
+
+
+def test_kernel_build_is_cached_on_disk(kernels, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)  # forget this process's load
+    again = cpu_kernels.load()
+    assert again.available and again.cached and again.path == kernels.path
