@@ -8,6 +8,7 @@ host-device synchronisation of a step. Both record when the device started and f
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,14 +47,24 @@ class _CPUHandle(StepHandle):
         return self._span
 
 
+# How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
+# worker needs the GIL briefly at each end of a step; behind a host thread that is scheduling the
+# next step it would otherwise wait for the host's whole Python phase, and the overlap would be
+# lost. A fraction of a millisecond keeps its waits short at a negligible switching cost.
+GIL_SWITCH_INTERVAL_S = 2e-4
+
+
 class CPUStream:
     """Runs submitted work in order on one worker thread.
 
     Torch kernels release the GIL, so while the worker computes step N the host thread schedules
-    and builds step N+1: the CPU stand-in for a CUDA stream.
+    and builds step N+1: the CPU stand-in for a CUDA stream. Creating one lowers the interpreter's
+    GIL switch interval to `GIL_SWITCH_INTERVAL_S` (process-wide; never raises it).
     """
 
     def __init__(self) -> None:
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="tandem-device", daemon=True)
         self._thread.start()

@@ -17,9 +17,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <latch>
 #include <limits>
 #include <vector>
 
@@ -259,20 +261,20 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                   out.data_ptr<float>(), q.size(1), kv_heads, q.size(1) / kv_heads,
                   k_cache.size(1), q.stride(0), block_tables.stride(0), sliding_window,
                   (float)scale};
-  // Every core reads, whatever torch's thread count (which is tuned for the GEMMs): attention is
-  // bound by memory bandwidth, which a second core nearly doubles. Tasks are handed out
-  // dynamically, so a core that the host takes for a moment only shifts work to the others.
-  // Short contexts stay on one thread: waking others would cost more than it saves.
+  // Every core reads, whatever torch's thread count (tuned for the GEMMs): attention is bound by
+  // memory bandwidth, which a second core nearly doubles. Helpers come from torch's inter-op
+  // pool, whose threads sleep when idle (OpenMP's spin and would take the core the host needs);
+  // tasks are claimed one by one, so a core the host takes for a moment only shifts work to
+  // the others. Short contexts stay on this thread: waking others would cost more than it saves.
   int64_t total_rows = 0;
   for (int64_t r = 0; r < reqs; ++r) total_rows += p.context_lens[r];
-  const int threads = total_rows * kv_heads < 16384 ? 1 : omp_get_num_procs();
+  const int64_t threads = total_rows * kv_heads * dim < (1 << 21) ? 1 : omp_get_num_procs();
   const int64_t heads_per_task = reqs >= 4 * threads ? kv_heads : 1;
   const int64_t tasks_per_req = kv_heads / heads_per_task, items = reqs * tasks_per_req;
-#pragma omp parallel num_threads(threads)
-  {
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
     std::vector<float> scores, acc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
+    for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t r = item / tasks_per_req, h0 = (item % tasks_per_req) * heads_per_task;
       const int64_t h1 = h0 + heads_per_task;
       switch (dim) {
@@ -282,7 +284,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         default: attend<0>(p, r, h0, h1, dim, scores, acc);
       }
     }
+  };
+  std::latch helpers_done(threads - 1);
+  for (int64_t t = 1; t < threads; ++t) {
+    at::launch([&] {
+      work();
+      helpers_done.count_down();
+    });
   }
+  work();
+  helpers_done.wait();
 }
 
 // ---------------------------------------------------------------------------------------------
