@@ -326,16 +326,12 @@ class Engine:
     def _fan_out(self, request: Request) -> list[Request]:
         """n > 1: the request's samples, each its own Request with its own seed.
 
-        Sample i > 0 waits for sample 0's prompt prefill (its `leader`) when the prompt has a
-        full block to share; it then finds those blocks in the prefix cache and computes only
-        the prompt's tail, at most one block, with its own seed.
+        They share the prompt through the prefix cache: sample 0 prefills it, and the others,
+        held back while its blocks are being computed (`Scheduler`), then find them cached and
+        compute only the prompt's tail (at most one block) before sampling with their own seed.
         """
-        n = request.params.n
-        if n == 1:
-            return [request]
-        shares = (request.num_prompt_tokens - 1) // self.config.block_size > 0
         samples = [request]
-        for i in range(1, n):
+        for i in range(1, request.params.n):
             sample = copy.copy(request)
             for name, value in vars(request).items():  # fresh per-sample state, nothing aliased
                 if isinstance(value, (list, dict, set)) and name != "prompt_token_ids":
@@ -343,7 +339,6 @@ class Engine:
             sample.index = i
             sample.seed = sample_seed(request.seed, i)
             sample.sampling_row = self._sampling_row(request.params, sample.seed)
-            sample.leader = request if shares else None
             samples.append(sample)
         return samples
 

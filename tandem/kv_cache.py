@@ -113,6 +113,11 @@ class BlockPool:
         return len(self._owners)
 
     @property
+    def num_free_cached(self) -> int:
+        """Free blocks that still hold a cached full block."""
+        return len(self._free_cached)
+
+    @property
     def num_cached(self) -> int:
         """Blocks holding a registered full block (in use or free)."""
         return len(self._hash_of)

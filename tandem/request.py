@@ -96,7 +96,6 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     index: int = 0  # which of the request's n samples this is
-    leader: Request | None = None  # sample 0, whose prompt prefill this sample waits to share
     # Prefix cache: chained hashes of the full blocks of known tokens (computed lazily), and how
     # many leading blocks of block_ids are in the cache (hits at admission, then registered).
     block_hashes: list[bytes] = field(default_factory=list)

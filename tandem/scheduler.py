@@ -102,6 +102,10 @@ class Scheduler:
         self.last_retired_step = -1
         self.num_preemptions = 0
         self.stats = CacheStats()
+        # Hashes of full blocks that launched steps are computing (they join the cache when their
+        # step retires), counted, and which step computes which.
+        self._in_progress: Counter[bytes] = Counter()
+        self._in_progress_by_step: dict[int, list[bytes]] = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -143,17 +147,18 @@ class Scheduler:
             if group is decodes:
                 num_decodes = len(items)
 
-        # Waiting requests, first come first served; admission never preempts. A sample of an
-        # n > 1 request waiting for its leader's prompt blocks is passed over, not in the way.
+        # Waiting requests, first come first served; admission never preempts. A request whose
+        # next uncached block a launched step is computing waits for it (passed over, not in the
+        # way): that block is in the cache once the step retires.
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
-            if _waits_for_leader(request):
-                i += 1
-                continue
             if request.num_inflight or self.slots.num_free == 0:
                 break  # a preempted request waits until its in-flight token is known
             hits = self._cached_prefix(request)
+            if hits is None:
+                i += 1
+                continue
             cached = len(hits) * self.block_size
             n = min(request.num_tokens - cached, budget)
             need = -(-(cached + n) // self.block_size) - len(hits)
@@ -205,14 +210,34 @@ class Scheduler:
             parent = chain_hash(parent, request.known_token_ids(j * bs, (j + 1) * bs))
             hashes.append(parent)
 
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks of the request's longest cached prefix, short of its last token."""
+    def _cached_prefix(self, request: Request) -> list[int] | None:
+        """Cached blocks of the request's longest cached prefix, short of its last token; None
+        if a launched step is computing the block after them (better wait for it)."""
         root = self._cache_root(request)
         if root is None:
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_blocks(request, num_blocks, root)
-        return self.blocks.lookup(request.block_hashes[:num_blocks])
+        hashes = request.block_hashes
+        hits = self.blocks.lookup(hashes[:num_blocks])
+        if len(hits) < num_blocks and hashes[len(hits)] in self._in_progress:
+            return None
+        return hits
+
+    def _mark_in_progress(self, request: Request, start: int, end: int, step_id: int) -> None:
+        """Record the full blocks of known tokens that this step completes for the request."""
+        root = self._cache_root(request)
+        if root is None:
+            return
+        bs = self.block_size
+        known = request.num_prompt_tokens + len(request.output_token_ids)
+        first, last = max(start // bs, request.num_registered_blocks), min(end, known) // bs
+        if last <= first:
+            return
+        self._hash_blocks(request, last, root)
+        hashes = request.block_hashes[first:last]
+        self._in_progress.update(hashes)
+        self._in_progress_by_step.setdefault(step_id, []).extend(hashes)
 
     def _register_full_blocks(self, item: ScheduledRequest) -> None:
         """After `item`'s step retired: its request's blocks now full and written join the cache."""
@@ -244,6 +269,7 @@ class Scheduler:
         item = ScheduledRequest(
             request, request.slot, start, n, sample, request.num_scheduled_outputs
         )
+        self._mark_in_progress(request, start, start + n, step_id)
         request.num_computed_tokens += n
         request.num_inflight += int(sample)
         request.last_step = step_id
@@ -309,6 +335,10 @@ class Scheduler:
         self.last_retired_step = step_id
         for item in batch.items:
             self._register_full_blocks(item)
+        for h in self._in_progress_by_step.pop(step_id, ()):
+            self._in_progress[h] -= 1
+            if not self._in_progress[h]:
+                del self._in_progress[h]
         still_pending = []
         for pending in self._pending:
             if pending.after_step <= step_id:
@@ -332,10 +362,3 @@ class Scheduler:
         self.blocks.free(pending.blocks, pending.owner)
         if pending.slot is not None:
             self.slots.free([pending.slot], pending.owner)
-
-
-def _waits_for_leader(request: Request) -> bool:
-    """Samples 1..n-1 of a request start once sample 0's prompt prefill has retired, so that its
-    full blocks are in the cache for them to share instead of each computing its own copy."""
-    leader = request.leader
-    return leader is not None and not leader.finished and not leader.output_token_ids

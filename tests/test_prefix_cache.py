@@ -30,13 +30,13 @@ def shared_prefix_prompts(seed: int, num_prefixes: int, num_prompts: int, prefix
 
 
 def record_items(engine) -> list:
-    """Every ScheduledRequest the scheduler hands out, in order (start, num_tokens, ...)."""
+    """(step id, ScheduledRequest) of everything the scheduler hands out, in order."""
     items = []
     schedule = engine.scheduler.schedule
 
     def recording():
         batch = schedule()
-        items.extend(batch.items if batch else [])
+        items.extend((batch.step_id, item) for item in (batch.items if batch else []))
         return batch
 
     engine.scheduler.schedule = recording
@@ -46,7 +46,7 @@ def record_items(engine) -> list:
 def prefill_of(items, request_id: str, index: int = 0) -> list[tuple[int, int]]:
     """(start, num_tokens) of each chunk a request computed before its first sampled token."""
     chunks = []
-    for item in items:
+    for _, item in items:
         r = item.request
         if r.request_id == request_id and r.index == index and item.output_index == 0:
             chunks.append((item.start, item.num_tokens))
@@ -119,19 +119,26 @@ def test_a_shared_prefix_is_prefilled_once(tiny_llama, async_scheduling):
 
 
 @MODES
-def test_requests_admitted_together_prefill_independently(tiny_llama, async_scheduling):
-    """A block is shared only once the step that wrote it has retired: two requests admitted
-    into the same step both compute the prefix, and only one copy enters the cache."""
+def test_a_request_waits_for_the_prefix_a_launched_step_computes(tiny_llama, async_scheduling):
+    """A block is shareable only once the step that wrote it has retired: requests that arrive
+    together with a common prefix wait for the first one's prefill instead of computing copies,
+    and requests with other prefixes are not held up."""
     llm = make_llm(tiny_llama, block_size=8, async_scheduling=async_scheduling)
     engine = llm.engine
-    prompts = shared_prefix_prompts(4, 1, 2, 40)
+    items = record_items(engine)
+    prompts = shared_prefix_prompts(4, 2, 6, 40)  # prefixes P0, P1, P0, P1, P0, P1
     outs = llm.generate(prompts, greedy(4))
-    assert engine.scheduler.stats.hit_tokens == 0
     for out, prompt in zip(outs, prompts, strict=True):
         assert out.token_ids == hf_greedy_reference(tiny_llama, prompt, 4)
-    cached = engine.scheduler.blocks.check().free_cached
-    lengths = [len(p) + 3 for p in prompts]  # positions whose KV was written
-    assert cached == 40 // 8 + sum((n - 40) // 8 for n in lengths)  # the prefix once
+    first = {}
+    for step, item in items:
+        first.setdefault(item.request.request_id, (step, item.start))
+    steps, starts = zip(*(first[o.request_id] for o in outs), strict=True)
+    assert starts == (0, 0, 40, 40, 40, 40)
+    assert steps[0] == steps[1] == 0  # the two prefixes at once
+    assert min(steps[2:]) > 0  # the others once those have been computed
+    stats = engine.scheduler.stats
+    assert stats.hit_tokens == 4 * 40
     assert_idle_and_balanced(engine)
 
 
