@@ -127,7 +127,7 @@ class Scheduler:
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
         items: list[ScheduledRequest] = []
-        scheduled: set[tuple[str, int]] = set()
+        scheduled: set[Request] = set()  # by identity
 
         # Running requests, decodes first so they keep streaming while long prompts prefill.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -142,7 +142,7 @@ class Scheduler:
                 if not self._reserve_blocks(request, n, scheduled):
                     continue
                 items.append(self._schedule(request, n, step_id))
-                scheduled.add(request.key)
+                scheduled.add(request)
                 budget -= n
             if group is decodes:
                 num_decodes = len(items)
@@ -269,7 +269,8 @@ class Scheduler:
         item = ScheduledRequest(
             request, request.slot, start, n, sample, request.num_scheduled_outputs
         )
-        self._mark_in_progress(request, start, start + n, step_id)
+        if (start + n) // self.block_size > start // self.block_size:  # a block fills up
+            self._mark_in_progress(request, start, start + n, step_id)
         request.num_computed_tokens += n
         request.num_inflight += int(sample)
         request.last_step = step_id
@@ -278,7 +279,7 @@ class Scheduler:
     def _blocks_needed(self, request: Request, n: int) -> int:
         return -(-(request.num_computed_tokens + n) // self.block_size) - len(request.block_ids)
 
-    def _reserve_blocks(self, request: Request, n: int, scheduled: set[tuple[str, int]]) -> bool:
+    def _reserve_blocks(self, request: Request, n: int, scheduled: set[Request]) -> bool:
         """Find blocks for n more tokens, preempting the newest unscheduled requests if needed.
 
         Returns False when the request must sit this step out (preempted, or waiting for blocks
@@ -288,7 +289,7 @@ class Scheduler:
         while need > self.blocks.num_free:
             if need <= self.blocks.num_free + self.num_pending_blocks:
                 return False  # blocks come back when the in-flight step retires
-            victims = [r for r in self.running if r.key not in scheduled and r is not request]
+            victims = [r for r in self.running if r not in scheduled and r is not request]
             victim = victims[-1] if victims else request
             self.preempt(victim)
             if victim is request:
@@ -333,8 +334,13 @@ class Scheduler:
         it filled become shareable, and memory it could write is now free."""
         step_id = batch.step_id
         self.last_retired_step = step_id
-        for item in batch.items:
-            self._register_full_blocks(item)
+        bs, caching = self.block_size, self.enable_prefix_caching
+        for item in batch.items:  # the cheap checks first: most decodes fill no block
+            request = item.request
+            if (item.start + item.num_tokens) // bs > request.num_registered_blocks and (
+                caching or request.params.n > 1
+            ):
+                self._register_full_blocks(item)
         for h in self._in_progress_by_step.pop(step_id, ()):
             self._in_progress[h] -= 1
             if not self._in_progress[h]:
