@@ -121,7 +121,7 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
 
 
 @settings(
-    max_examples=30,
+    max_examples=25,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -56,6 +56,10 @@ class RequestStream:
     client_gone: bool = False
     first_token_time: float | None = None
     last_token_time: dict[int, float] = field(default_factory=dict)  # per choice
+    prompt_index: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_index = {engine_id: i for i, engine_id in enumerate(self.engine_ids)}
 
     @property
     def num_choices(self) -> int:
@@ -69,13 +73,8 @@ class RequestStream:
     def num_output_tokens(self) -> int:
         return sum(self.output_tokens.values())
 
-    @property
-    def finish_reason(self) -> str | None:
-        """Choice 0's (the whole answer's, with one choice)."""
-        return self.finish_reasons.get(0)
-
     def choice(self, engine_id: str, sample: int) -> int:
-        return self.engine_ids.index(engine_id) * self.n + sample
+        return self.prompt_index[engine_id] * self.n + sample
 
     async def next_deltas(self) -> list[Delta]:
         """Wait for at least one delta, then take every one already queued (a slow client
@@ -177,7 +176,7 @@ class GenerationService:
         the engine's validation becomes a 400 naming `prompt_param`.
         """
         num_seqs = len(prepares) * params.n
-        self._check_admission(num_seqs)
+        self._check_admission(num_seqs, "n" if params.n > 1 else prompt_param)
         self._admitting += num_seqs
         try:
             request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -233,14 +232,14 @@ class GenerationService:
             for engine_id in stream.engine_ids:
                 self.engine.abort(engine_id)
 
-    def _check_admission(self, num_seqs: int = 1) -> None:
+    def _check_admission(self, num_seqs: int = 1, param: str = "n") -> None:
         if not self.ready:
             raise self._refuse(self.unready_reason())
         if num_seqs > self.capacity:
             raise bad_request(
                 f"this request asks for {num_seqs} sequences (prompts x n); the server holds at "
                 f"most {self.capacity} at once",
-                param="n",
+                param=param,
             )
         if self.num_in_flight + num_seqs > self.capacity:
             raise self._refuse(
