@@ -220,6 +220,12 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     table.add_row("prefill tokens computed", *(str(results[c].prefill_computed) for c in columns))
     table.add_row("prefill tokens saved (cache)", *(str(results[c].prefill_saved) for c in columns))
 
+    def hit_rate(column: str) -> float:
+        run = results[column]
+        return 100 * run.prefill_saved / max(1, run.prefill_saved + run.prefill_computed)
+
+    table.add_row("prefix cache hit rate %", *(f"{hit_rate(c):.1f}" for c in columns))
+
     def ratio_row(name: str, pairs: dict[str, tuple[str, str]]) -> None:
         """`pairs`: column -> (numerator column, denominator column) of wall times."""
         cells = []

@@ -99,6 +99,10 @@ def test_bench_shared_prefix_compares_caching_off_and_on(tiny_llama, capsys, mon
     cells = {name: [c.strip() for c in values] for name, values in row.items()}
     # Columns: sync off, sync on, async off, async on. 6 of 8 requests reuse 64 tokens.
     assert cells["prefill tokens saved (cache)"] == ["0", "384", "0", "384"]
+    assert (
+        cells["prefix cache hit rate %"][0] == "0.0"
+        and float(cells["prefix cache hit rate %"][1]) > 50
+    )
     computed = [int(c) for c in cells["prefill tokens computed"]]
     assert computed[0] - computed[1] == 384 == computed[2] - computed[3]
     assert cells["speedup (cache off wall / cache on wall)"][1].endswith("x")
