@@ -171,8 +171,8 @@ def run_hf(args: argparse.Namespace, model_path: Path, work: Workload, warm: Wor
     60% of system RAM), which takes many GB. ``num_blocks`` caps the cache at what the workload
     needs. Why the persistent manager: ``generate_batch`` otherwise builds (and allocates) a fresh
     manager on every call, which would be timed; with ``persistent_manager=True`` the warm-up call
-    builds it and the timed calls reuse it. Block sharing (HF's prefix cache) is off, as Tandem has
-    none; the random prompts share no prefixes anyway, but repeated timed runs would.
+    builds it and the timed calls reuse it. Block sharing (HF's prefix cache) is off, as Tandem's
+    is: the random prompts share no prefixes, but repeated timed runs would hit the cache.
     """
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()
@@ -184,7 +184,7 @@ def run_hf(args: argparse.Namespace, model_path: Path, work: Workload, warm: Wor
         num_blocks=pages_needed + 1,
         max_batch_tokens=args.max_batch_tokens,
         max_requests_per_batch=args.max_num_seqs,
-        # Tandem has no prefix cache; HF's would also serve repeated prompts (--repeats) from cache.
+        # Off on both sides: either cache would serve repeated prompts (--repeats) from cache.
         allow_block_sharing=False,
         seed=args.seed,
     )
@@ -254,6 +254,7 @@ def run_tandem(
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max(work.max_seq_len, warm.max_seq_len),
+        enable_prefix_caching=False,  # as HF's block sharing: repeats must not hit the cache
     )
 
     def call(w: Workload) -> tuple[list[list[int]], float]:

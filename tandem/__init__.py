@@ -3,7 +3,7 @@
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
-from tandem.request import RequestOutput, SamplingParams
+from tandem.request import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

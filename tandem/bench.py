@@ -1,4 +1,9 @@
-"""`tandem bench`: one workload, sync then async, in one process; device idle time side by side."""
+"""`tandem bench`: one workload, sync then async, in one process; device idle time side by side.
+
+`--workload shared-prefix` gives many requests over a few long system prompts and runs each loop
+with prefix caching off and on: prefill tokens computed and saved, and throughput, side by side.
+Every run starts with a cold prefix cache.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,15 @@ from tandem.request import SamplingParams
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                   help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
+                   "--num-prefixes system prompts, run with prefix caching off and on")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=64)
-    g.add_argument("--prompt-len", type=int, default=128, help="mean prompt length (tokens)")
+    g.add_argument("--prompt-len", type=int, default=128,
+                   help="mean prompt length (tokens; shared-prefix: after the system prompt)")  # fmt: skip
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts")
+    g.add_argument("--prefix-len", type=int, default=512,
+                   help="shared-prefix: tokens per system prompt")  # fmt: skip
     g.add_argument("--output-len", type=int, default=128, help="mean output length (tokens)")
     g.add_argument("--len-spread", type=float, default=0.5,
                    help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
@@ -57,11 +69,20 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
         )
         return rng.randint(lo, hi)
 
+    shared = args.workload == "shared-prefix"
+    if shared and (args.num_prefixes < 1 or args.prefix_len < 1):
+        raise ValueError("--num-prefixes and --prefix-len must be >= 1")
+    prefixes = [
+        [rng.randrange(3, vocab_size) for _ in range(args.prefix_len if shared else 0)]
+        for _ in range(args.num_prefixes if shared else 1)
+    ]
     prompts, outputs, arrivals, t = [], [], [], 0.0
-    for _ in range(args.num_requests):
+    for i in range(args.num_requests):
+        prefix = prefixes[i % len(prefixes)]
         n_out = min(length(args.output_len), max_model_len - 1)
-        n_in = min(length(args.prompt_len), max_model_len - n_out)
-        prompts.append([rng.randrange(3, vocab_size) for _ in range(n_in)])
+        n_in = min(len(prefix) + length(args.prompt_len), max_model_len - n_out)
+        suffix = [rng.randrange(3, vocab_size) for _ in range(max(0, n_in - len(prefix)))]
+        prompts.append((prefix + suffix)[:n_in])
         outputs.append(n_out)
         if args.arrivals == "poisson":
             t += rng.expovariate(args.rate)
@@ -69,11 +90,23 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
     return Workload(prompts, outputs, arrivals)
 
 
+@dataclass
+class Run:
+    summary: RunSummary
+    records: list[StepRecord]
+    outputs: list[list[int]]
+    prefill_computed: int  # prompt tokens computed (recomputation after preemption included)
+    prefill_saved: int  # prompt tokens served from the prefix cache
+
+
 def run_workload(
     engine: Engine, workload: Workload, temperature: float, progress: Progress | None, label: str
-) -> tuple[RunSummary, list[StepRecord], list[list[int]]]:
-    """Feed the workload by its arrival times; returns the summary, step records and outputs."""
+) -> Run:
+    """Feed the workload by its arrival times, from a cold prefix cache."""
     engine.reset_metrics()
+    engine.reset_prefix_cache()
+    stats = engine.scheduler.stats
+    queried, hit = stats.query_tokens, stats.hit_tokens
     params = [
         SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
         for i, n in enumerate(workload.output_lens)
@@ -95,7 +128,14 @@ def run_workload(
                 outputs[out.request_id] = out.token_ids
                 if progress:
                     progress.advance(task)
-    return engine.summary(), list(engine.step_records), [outputs[r] for r in order]
+    saved = stats.hit_tokens - hit
+    return Run(
+        engine.summary(),
+        list(engine.step_records),
+        [outputs[r] for r in order],
+        stats.query_tokens - queried - saved,
+        saved,
+    )
 
 
 def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
@@ -125,38 +165,55 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"--modes takes sync and/or async, got {args.modes!r}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    # shared-prefix: caching off, then on (only off with --no-prefix-caching).
+    compare = args.workload == "shared-prefix" and config.enable_prefix_caching
+    cachings = [False, True] if compare else [config.enable_prefix_caching]
+
+    def label(mode: str, caching: bool) -> str:
+        return f"{mode}, cache {'on' if caching else 'off'}" if compare else mode
+
+    columns = [label(m, c) for m in modes for c in cachings]
     engine = Engine(config)
     workload = make_workload(args, engine.spec.vocab_size, engine.max_model_len)
     warmup = Workload(workload.prompts[:4], [4] * min(4, len(workload.prompts)), [0.0] * 4)
-    runs: dict[str, list[tuple[RunSummary, list[StepRecord], list[list[int]]]]] = {
-        m: [] for m in modes
-    }
-    columns = (
+    runs: dict[str, list[Run]] = {c: [] for c in columns}
+    bars = (
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as progress:
+    with Progress(*bars, console=console, transient=False) as progress:
         for repeat in range(args.repeats):
             for mode in modes:
-                engine.async_scheduling = mode == "async"
-                run_workload(engine, warmup, args.temperature, None, f"warmup-{mode}")
-                label = mode if args.repeats == 1 else f"{mode} #{repeat + 1}"
-                runs[mode].append(run_workload(engine, workload, args.temperature, progress, label))
+                for caching in cachings:
+                    engine.async_scheduling = mode == "async"
+                    engine.enable_prefix_caching = caching
+                    run_workload(engine, warmup, args.temperature, None, f"warmup-{mode}")
+                    column = label(mode, caching)
+                    name = column if args.repeats == 1 else f"{column} #{repeat + 1}"
+                    runs[column].append(
+                        run_workload(engine, workload, args.temperature, progress, name)
+                    )
     engine.close()
     # Interleaved repeats and medians: a shared machine's noise is larger than the effect.
     results = {
-        mode: sorted(r, key=lambda run: run[0].wall_s)[len(r) // 2] for mode, r in runs.items()
+        c: sorted(r, key=lambda run: run.summary.wall_s)[len(r) // 2] for c, r in runs.items()
     }
-    identical = all(run[2] == runs[modes[0]][0][2] for r in runs.values() for run in r)
+    first = runs[columns[0]][0].outputs
+    identical = all(run.outputs == first for r in runs.values() for run in r)
 
     repeats = f", median of {args.repeats}" if args.repeats > 1 else ""
-    table = Table(title=f"tandem bench: {len(workload.prompts)} requests, "
+    kind = (
+        f", {args.num_prefixes} shared prefixes of {args.prefix_len} tokens"
+        if args.workload == "shared-prefix"
+        else ""
+    )
+    table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")
-    for mode in results:
-        table.add_column(mode, justify="right")
+    for column in columns:
+        table.add_column(column, justify="right")
     rows = [
         ("wall time (s)", "wall_s", "{:.3f}"),
         ("device busy %", "device_busy_pct", "{:.1f}"),
@@ -172,21 +229,53 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         ("host launch / step (ms)", "host_launch_ms", "{:.3f}"),
         ("host update / step (ms)", "host_update_ms", "{:.3f}"),
     ]
-    stats = {mode: summary.as_dict() for mode, (summary, _, _) in results.items()}
-    for label, key, fmt in rows:
-        table.add_row(label, *(fmt.format(stats[m].get(key, 0)) for m in results))
-    if "sync" in results and "async" in results:
-        speedup = results["sync"][0].wall_s / results["async"][0].wall_s
-        table.add_row("speedup (sync wall / async wall)", "", f"{speedup:.3f}x")
+    stats = {column: run.summary.as_dict() for column, run in results.items()}
+    for name, key, fmt in rows:
+        table.add_row(name, *(fmt.format(stats[c].get(key, 0)) for c in columns))
+    prompt_tokens = sum(len(p) for p in workload.prompts)
+
+    def all_tokens_per_s(column: str) -> float:
+        summary = results[column].summary
+        return (prompt_tokens + summary.output_tokens) / summary.wall_s
+
+    table.add_row("prompt + output tokens/s", *(f"{all_tokens_per_s(c):.1f}" for c in columns))
+    table.add_row("prefill tokens computed", *(str(results[c].prefill_computed) for c in columns))
+    table.add_row("prefill tokens saved (cache)", *(str(results[c].prefill_saved) for c in columns))
+
+    def hit_rate(column: str) -> float:
+        run = results[column]
+        return 100 * run.prefill_saved / max(1, run.prefill_saved + run.prefill_computed)
+
+    table.add_row("prefix cache hit rate %", *(f"{hit_rate(c):.1f}" for c in columns))
+
+    def ratio_row(name: str, pairs: dict[str, tuple[str, str]]) -> None:
+        """`pairs`: column -> (numerator column, denominator column) of wall times."""
+        cells = []
+        for column in columns:
+            a, b = pairs.get(column, (None, None))
+            wall = results[a].summary.wall_s / results[b].summary.wall_s if a else None
+            cells.append(f"{wall:.3f}x" if wall else "")
+        table.add_row(name, *cells)
+
+    if "sync" in modes and "async" in modes:
+        ratio_row(
+            "speedup (sync wall / async wall)",
+            {label("async", c): (label("sync", c), label("async", c)) for c in cachings},
+        )
+    if compare:
+        ratio_row(
+            "speedup (cache off wall / cache on wall)",
+            {label(m, True): (label(m, False), label(m, True)) for m in modes},
+        )
     table.add_row(
-        "outputs identical (all runs)", *[""] * (len(results) - 1), "yes" if identical else "NO"
+        "outputs identical (all runs)", *[""] * (len(columns) - 1), "yes" if identical else "NO"
     )
     Console().print(table)
     Console().print(f"execution: {engine.execution.describe()}")
     note = cpu_overlap_note(engine, results)
     if note:
         Console().print(note)
-    timelines = {mode: records for mode, (_, records, _) in results.items()}
+    timelines = {column: run.records for column, run in results.items()}
     if args.trace:
         write_chrome_trace(timelines, args.trace)
         console.print(f"trace written to {args.trace}")

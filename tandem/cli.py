@@ -35,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="synchronous loop: the host waits for each step before preparing the next")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="portable PyTorch ops only: no fused kernels, no pre-packed GEMMs")  # fmt: skip
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not share KV blocks between requests with a common prefix")  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -51,6 +53,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> 
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -63,6 +66,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         seed=args.sampling_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        n=args.n,
     )
 
 
@@ -81,13 +85,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(**vars(engine_config(args)))
     outputs = llm.generate(prompts, sampling_params(args))
     for prompt, out in zip(prompts, outputs, strict=True):
-        if args.json:
-            record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                      "finish_reason": out.finish_reason}  # fmt: skip
-            print(json.dumps(record, ensure_ascii=False))
-        else:
-            print(f"{prompt}{out.text}")
-            print(f"[{len(out.token_ids)} tokens, {out.finish_reason}]", file=sys.stderr)
+        for sample in out.outputs:  # one per --n
+            if args.json:
+                record = {"prompt": prompt, "text": sample.text, "token_ids": sample.token_ids,
+                          "finish_reason": sample.finish_reason}  # fmt: skip
+                if args.n > 1:
+                    record["index"] = sample.index
+                print(json.dumps(record, ensure_ascii=False))
+            else:
+                print(f"{prompt}{sample.text}")
+                print(f"[{len(sample.token_ids)} tokens, {sample.finish_reason}]", file=sys.stderr)
     llm.close()
     return 0
 

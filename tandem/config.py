@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True  # share full KV blocks between requests with a common prefix
     cpu_threads: int | None = None  # CPU: torch's intra-op threads (process-wide); None: default
     enforce_eager: bool = False  # True: portable PyTorch ops only (no fused kernels, no packing)
 

@@ -7,6 +7,8 @@ a request that does finish has its one extra in-flight token discarded at retire
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import itertools
 import logging
 import queue
@@ -99,6 +101,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_model_len,
+            config.enable_prefix_caching,
         )
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
         kv_caches = allocate_kv_cache(
@@ -122,8 +125,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._live_ids: set[str] = set()
-        self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, list[Request]] = {}  # request id -> its samples
+        self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._seed_counter = itertools.count()
         self.step_records: deque[StepRecord] = deque(maxlen=METRICS_HISTORY)
         self.finished_timings: deque[RequestTiming] = deque(maxlen=METRICS_HISTORY)
@@ -148,7 +151,6 @@ class Engine:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        top_k = params.top_k if params.top_k < self.spec.vocab_size else 0  # whole vocab: off
         seed = params.seed
         if seed is None:  # derived from the engine seed and arrival order: runs are reproducible
             seed = hash((self.config.seed, next(self._seed_counter)))
@@ -157,16 +159,14 @@ class Engine:
             prompt_token_ids=token_ids,
             params=params,
             seed=seed,
-            sampling_row=(
-                params.temperature,
-                top_k,
-                params.top_p,
-                params.min_p,
-                seed_key(seed),
-            ),
+            sampling_row=self._sampling_row(params, seed),
             max_tokens=max_tokens,
             arrival_time=time.perf_counter(),
         )
+
+    def _sampling_row(self, params: SamplingParams, seed: int) -> tuple:
+        top_k = params.top_k if params.top_k < self.spec.vocab_size else 0  # whole vocab: off
+        return (params.temperature, top_k, params.top_p, params.min_p, seed_key(seed))
 
     def submit(self, request: Request) -> str:
         with self._lock:
@@ -204,6 +204,25 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("switch the loop only while the engine is idle")
         self._depth = 1 if enabled else 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.scheduler.enable_prefix_caching
+
+    @enable_prefix_caching.setter
+    def enable_prefix_caching(self, enabled: bool) -> None:
+        """Switch prefix caching between runs (the benchmark compares both); switching drops
+        the cached blocks no request holds, so each run starts cold."""
+        if self.has_unfinished():
+            raise RuntimeError("switch prefix caching only while the engine is idle")
+        self.scheduler.enable_prefix_caching = enabled
+        self.scheduler.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (only while idle)."""
+        if self.has_unfinished():
+            raise RuntimeError("reset the prefix cache only while the engine is idle")
+        self.scheduler.reset_prefix_cache()
 
     @property
     def num_running(self) -> int:
@@ -305,22 +324,47 @@ class Engine:
             except queue.Empty:
                 return outputs
             if kind == "add":
-                self._requests[payload.request_id] = payload
-                self._detok[payload.request_id] = IncrementalDetokenizer(
-                    self._backend_tokenizer,
-                    payload.prompt_token_ids,
-                    payload.params.stop,
-                    payload.params.skip_special_tokens,
-                )
-                self.scheduler.add(payload)
-            elif (request := self._requests.get(payload)) is not None:
-                outputs.append(self._finish(request, "abort"))  # live, so it finishes here
+                samples = self._fan_out(payload)
+                self._requests[payload.request_id] = samples
+                for request in samples:
+                    self._detok[request.key] = IncrementalDetokenizer(
+                        self._backend_tokenizer,
+                        request.prompt_token_ids,
+                        request.params.stop,
+                        request.params.skip_special_tokens,
+                    )
+                    self.scheduler.add(request)
+            elif (samples := self._requests.get(payload)) is not None:
+                for request in samples:  # live, so at least one sample finishes here
+                    if not request.finished:
+                        outputs.append(self._finish(request, "abort"))
+
+    def _fan_out(self, request: Request) -> list[Request]:
+        """n > 1: the request's samples, each its own Request with its own seed.
+
+        They share the prompt through the prefix cache: sample 0 prefills it, and the others,
+        held back while its blocks are being computed (`Scheduler`), then find them cached and
+        compute only the prompt's tail (at most one block) before sampling with their own seed.
+        """
+        samples = [request]
+        for i in range(1, request.params.n):
+            sample = copy.copy(request)
+            for name, value in vars(request).items():  # fresh per-sample state, nothing aliased
+                if isinstance(value, (list, dict, set)) and name != "prompt_token_ids":
+                    setattr(sample, name, type(value)())
+            sample.index = i
+            sample.seed = sample_seed(request.seed, i)
+            sample.sampling_row = self._sampling_row(request.params, sample.seed)
+            samples.append(sample)
+        return samples
 
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
         record = inflight.record
         t0 = time.perf_counter()
         sampled_ids = inflight.handle.wait().tolist()  # the step's one deliberate sync
         t1 = time.perf_counter()
+        # Before the tokens: a request that finishes on one of them still caches its full blocks.
+        self.scheduler.retire_step(inflight.batch)
         outputs = []
         for item, token in zip(inflight.batch.sampled, sampled_ids, strict=True):
             request = item.request
@@ -328,7 +372,6 @@ class Engine:
             if request.finished:
                 continue  # the speculative token of a request that finished a step earlier
             outputs.append(self._append_token(request, token, t1))
-        self.scheduler.retire_step(inflight.batch.step_id)
         record.spans["wait"] = (t0, t1)
         record.spans["update"] = (t1, time.perf_counter())
         record.device = inflight.handle.device_span
@@ -339,7 +382,7 @@ class Engine:
         request.output_token_ids.append(token)
         request.token_times.append(now)
         params = request.params
-        detok = self._detok[request.request_id]
+        detok = self._detok[request.key]
         reason = None
         if (
             token in params.stop_token_ids
@@ -356,12 +399,14 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(request, reason)
         self.finished_timings.append(RequestTiming(request.arrival_time, request.token_times))
-        detok = self._detok.pop(request.request_id)
+        detok = self._detok.pop(request.key)
         new_ids = request.output_token_ids[-1:] if reason != "abort" else []
         output = self._output(request, detok, detok.delta(finished=True), new_ids, finished=True)
-        del self._requests[request.request_id]
-        with self._lock:
-            self._live_ids.discard(request.request_id)
+        samples = self._requests[request.request_id]
+        if all(sample.finished for sample in samples):
+            del self._requests[request.request_id]
+            with self._lock:
+                self._live_ids.discard(request.request_id)
         return output
 
     @staticmethod
@@ -382,7 +427,20 @@ class Engine:
             delta_token_ids=delta_ids,
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
+            index=request.index,
         )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`.
+
+    Sample 0 keeps the request's seed, so n = 1 and sample 0 of n > 1 agree; the others get
+    distinct seeds derived from (seed, index) by a stable hash: the same in every run and process.
+    """
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _eos_token_ids(loaded) -> set[int]:

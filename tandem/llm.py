@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
-from tandem.request import RequestOutput, SamplingParams
+from tandem.request import CompletionOutput, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
@@ -27,7 +27,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in order. Every prompt is validated before any runs."""
+        """One finished output per prompt, in order. Every prompt is validated before any runs.
+
+        Each output's `outputs` holds the prompt's n samples (SamplingParams.n) in index order;
+        its own text, token_ids and finish_reason are those of sample 0.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -46,14 +50,23 @@ class LLM:
                 raise ValueError(f"prompt {i}: {exc}") from None
         ids = [engine.submit(request) for request in requests]
         index = {request_id: i for i, request_id in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        show = sys.stderr.isatty() and len(ids) > 1 if use_tqdm is None else use_tqdm
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+        samples: list[dict[int, RequestOutput]] = [{} for _ in ids]
+        total = sum(request.params.n for request in requests)
+        show = sys.stderr.isatty() and total > 1 if use_tqdm is None else use_tqdm
+        with tqdm(total=total, desc="generate", unit="seq", disable=not show) as bar:
             for output in engine.stream_outputs():
                 if output.finished and output.request_id in index:
-                    results[index[output.request_id]] = output
+                    samples[index[output.request_id]][output.index] = output
                     bar.update(1)
-        return results  # type: ignore[return-value]
+        results = []
+        for finished in samples:
+            first = finished[0]
+            first.outputs = [
+                CompletionOutput(i, out.text, out.token_ids, out.finish_reason)
+                for i, out in sorted(finished.items())
+            ]
+            results.append(first)
+        return results
 
     def close(self) -> None:
         self.engine.close()

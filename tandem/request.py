@@ -21,8 +21,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # samples of the prompt; they share its KV blocks
 
     def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -64,9 +67,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the queues remove a request, not an equal one
 class Request:
-    """One request's host-side state.
+    """One request's host-side state; with n > 1, one sample of it (`index`).
 
     Token bookkeeping in the asynchronous loop: `output_token_ids` holds retired tokens only;
     `num_inflight` counts tokens that launched steps will sample but that the host has not read
@@ -92,6 +95,16 @@ class Request:
     aborted: bool = False
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    index: int = 0  # which of the request's n samples this is
+    # Prefix cache: chained hashes of the full blocks of known tokens (computed lazily), and how
+    # many leading blocks of block_ids are in the cache (hits at admission, then registered).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Unique among live requests: the owner of its KV blocks and token-table row."""
+        return (self.request_id, self.index)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,6 +128,14 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def known_token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end), all retired (prompt, then outputs)."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:n] + self.output_token_ids[max(0, start - n) : end - n]
+
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return (
@@ -123,11 +144,26 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One finished sample of a request (vLLM's name and fields)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
     """What a caller sees of a request: cumulative text and ids plus what is new since last time.
 
     While the request runs, `token_ids` is its live list (copying it every step would cost
     O(n^2)); copy it to keep a snapshot. A finished output owns its list.
+
+    With n > 1 the engine streams each sample separately: `index` says which one, and `finished`
+    refers to that sample. `LLM.generate` returns one output per prompt whose `outputs` holds
+    every sample in index order; its own text, token_ids and finish_reason are sample 0's, so
+    n = 1 code reads it as before.
     """
 
     request_id: str
@@ -139,3 +175,5 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort"
     error: str | None = None
+    index: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)  # filled by LLM.generate

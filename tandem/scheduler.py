@@ -4,16 +4,22 @@ The scheduler owns every request's KV blocks and token-table row, and frees them
 (`_release`). It works the same whether or not a step is still in flight: positions and KV slots of
 in-flight tokens are allocated in advance, and memory that an in-flight step may still write is
 returned only when that step retires.
+
+Prefix caching: a request admitted with a prefix whose full blocks are cached shares those blocks
+(reference counts) and computes only the rest. A full block joins the cache when the step that
+wrote its last slot retires (`retire_step`), never earlier: until then its K/V may not exist yet.
+Shared blocks are never written again: a request writes only positions past its cached prefix,
+and at least its last token is always computed, so its first output has logits.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.kv_cache import FreeList
+from tandem.kv_cache import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
 from tandem.request import Request, RequestStatus
 
 
@@ -45,9 +51,27 @@ class ScheduledBatch:
 @dataclass
 class _PendingFree:
     after_step: int  # freed once this step has retired
-    owner: str
+    owner: tuple[str, int]
     blocks: list[int]
     slot: int | None
+
+
+@dataclass
+class CacheStats:
+    """Admissions and the prefix cache, counted since the scheduler started (tokens unless named).
+
+    Every admission (a re-admission after preemption included) looks up its known tokens;
+    `query_tokens - hit_tokens` is the prefill work done, `hit_tokens` the work saved.
+    """
+
+    queries: int = 0  # admissions
+    hits: int = 0  # admissions that reused at least one cached block
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 class Scheduler:
@@ -58,12 +82,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        enable_prefix_caching: bool = True,
     ):
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.blocks = FreeList(num_blocks, "KV block")
+        self.blocks = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         # Twice max_num_seqs rows: rows of just-finished requests stay reserved until their last
         # step retires, and new requests must not wait for that.
         self.slots = FreeList(2 * max_num_seqs, "token-table row")
@@ -75,6 +101,11 @@ class Scheduler:
         self.next_step_id = 0
         self.last_retired_step = -1
         self.num_preemptions = 0
+        self.stats = CacheStats()
+        # Hashes of full blocks that launched steps are computing (they join the cache when their
+        # step retires), counted, and which step computes which.
+        self._in_progress: Counter[bytes] = Counter()
+        self._in_progress_by_step: dict[int, list[bytes]] = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -86,14 +117,17 @@ class Scheduler:
 
     @property
     def num_pending_blocks(self) -> int:
-        return sum(len(p.blocks) for p in self._pending)
+        """Blocks that come back to the pool when the in-flight step retires (shared ones whose
+        other owners keep running do not)."""
+        counts = Counter(b for p in self._pending for b in p.blocks)
+        return sum(1 for b, c in counts.items() if self.blocks.refcount(b) == c)
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch | None:
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
         items: list[ScheduledRequest] = []
-        scheduled: set[str] = set()
+        scheduled: set[Request] = set()  # by identity
 
         # Running requests, decodes first so they keep streaming while long prompts prefill.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -108,23 +142,30 @@ class Scheduler:
                 if not self._reserve_blocks(request, n, scheduled):
                     continue
                 items.append(self._schedule(request, n, step_id))
-                scheduled.add(request.request_id)
+                scheduled.add(request)
                 budget -= n
             if group is decodes:
                 num_decodes = len(items)
 
-        # Waiting requests, first come first served; admission never preempts.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # Waiting requests, first come first served; admission never preempts. A request whose
+        # next uncached block a launched step is computing waits for it (passed over, not in the
+        # way): that block is in the cache once the step retires.
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
             if request.num_inflight or self.slots.num_free == 0:
                 break  # a preempted request waits until its in-flight token is known
-            n = min(request.num_tokens, budget)
-            if self._blocks_needed(request, n) > self.blocks.num_free:
+            hits = self._cached_prefix(request)
+            if hits is None:
+                i += 1
+                continue
+            cached = len(hits) * self.block_size
+            n = min(request.num_tokens - cached, budget)
+            need = -(-(cached + n) // self.block_size) - len(hits)
+            if need > self.blocks.num_free - self.blocks.num_free_among(hits):
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.slot = self.slots.allocate(1, request.request_id)[0]
-            self.running.append(request)
+            del self.waiting[i]
+            self._admit(request, hits)
             self._allocate_blocks(request, n)
             items.append(self._schedule(request, n, step_id))
             budget -= n
@@ -134,12 +175,102 @@ class Scheduler:
         self.next_step_id += 1
         return ScheduledBatch(step_id, items, num_decodes)
 
+    def _admit(self, request: Request, hits: list[int]) -> None:
+        request.status = RequestStatus.RUNNING
+        request.slot = self.slots.allocate(1, request.key)[0]
+        self.running.append(request)
+        self.blocks.share(hits, request.key)
+        request.block_ids = list(hits)
+        request.num_registered_blocks = len(hits)
+        request.num_computed_tokens = len(hits) * self.block_size
+        self.block_table[request.slot, : len(hits)] = hits
+        stats = self.stats
+        stats.queries += 1
+        stats.query_tokens += request.num_tokens
+        if hits:
+            stats.hits += 1
+            stats.hit_tokens += request.num_computed_tokens
+
+    # ------------------------------------------------------------ prefix cache
+    def _cache_root(self, request: Request) -> bytes | None:
+        """Where the request's hash chain starts; None: it takes no part in caching.
+
+        With caching off, the samples of an n > 1 request still share their prompt, through a
+        chain private to them.
+        """
+        if self.enable_prefix_caching:
+            return ROOT_HASH
+        return group_root(request.request_id) if request.params.n > 1 else None
+
+    def _hash_blocks(self, request: Request, num_blocks: int, root: bytes) -> None:
+        """Extend the request's chain of block hashes to its first `num_blocks` blocks."""
+        hashes, bs = request.block_hashes, self.block_size
+        parent = hashes[-1] if hashes else root
+        for j in range(len(hashes), num_blocks):
+            parent = chain_hash(parent, request.known_token_ids(j * bs, (j + 1) * bs))
+            hashes.append(parent)
+
+    def _cached_prefix(self, request: Request) -> list[int] | None:
+        """Cached blocks of the request's longest cached prefix, short of its last token; None
+        if a launched step is computing the block after them (better wait for it)."""
+        root = self._cache_root(request)
+        if root is None:
+            return []
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        self._hash_blocks(request, num_blocks, root)
+        hashes = request.block_hashes
+        hits = self.blocks.lookup(hashes[:num_blocks])
+        if len(hits) < num_blocks and hashes[len(hits)] in self._in_progress:
+            return None
+        return hits
+
+    def _mark_in_progress(self, request: Request, start: int, end: int, step_id: int) -> None:
+        """Record the full blocks of known tokens that this step completes for the request."""
+        root = self._cache_root(request)
+        if root is None:
+            return
+        bs = self.block_size
+        known = request.num_prompt_tokens + len(request.output_token_ids)
+        first, last = max(start // bs, request.num_registered_blocks), min(end, known) // bs
+        if last <= first:
+            return
+        self._hash_blocks(request, last, root)
+        hashes = request.block_hashes[first:last]
+        self._in_progress.update(hashes)
+        self._in_progress_by_step.setdefault(step_id, []).extend(hashes)
+
+    def _register_full_blocks(self, item: ScheduledRequest) -> None:
+        """After `item`'s step retired: its request's blocks now full and written join the cache."""
+        request = item.request
+        # The same incarnation only: a request preempted after this step was scheduled has
+        # given up these blocks, and one re-admitted since holds a new token-table row (the old
+        # row stays reserved until this step retires).
+        if request.status is not RequestStatus.RUNNING or request.slot != item.slot:
+            return
+        known = request.num_prompt_tokens + len(request.output_token_ids)
+        full = min(item.start + item.num_tokens, known) // self.block_size
+        if full <= request.num_registered_blocks:
+            return
+        root = self._cache_root(request)
+        if root is None:
+            return
+        self._hash_blocks(request, full, root)
+        for j in range(request.num_registered_blocks, full):
+            self.blocks.register(request.block_ids[j], request.block_hashes[j])
+        request.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (the benchmark's cold start)."""
+        self.blocks.reset_cache()
+
     def _schedule(self, request: Request, n: int, step_id: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + n == request.num_tokens
         item = ScheduledRequest(
             request, request.slot, start, n, sample, request.num_scheduled_outputs
         )
+        if (start + n) // self.block_size > start // self.block_size:  # a block fills up
+            self._mark_in_progress(request, start, start + n, step_id)
         request.num_computed_tokens += n
         request.num_inflight += int(sample)
         request.last_step = step_id
@@ -148,7 +279,7 @@ class Scheduler:
     def _blocks_needed(self, request: Request, n: int) -> int:
         return -(-(request.num_computed_tokens + n) // self.block_size) - len(request.block_ids)
 
-    def _reserve_blocks(self, request: Request, n: int, scheduled: set[str]) -> bool:
+    def _reserve_blocks(self, request: Request, n: int, scheduled: set[Request]) -> bool:
         """Find blocks for n more tokens, preempting the newest unscheduled requests if needed.
 
         Returns False when the request must sit this step out (preempted, or waiting for blocks
@@ -158,9 +289,7 @@ class Scheduler:
         while need > self.blocks.num_free:
             if need <= self.blocks.num_free + self.num_pending_blocks:
                 return False  # blocks come back when the in-flight step retires
-            victims = [
-                r for r in self.running if r.request_id not in scheduled and r is not request
-            ]
+            victims = [r for r in self.running if r not in scheduled and r is not request]
             victim = victims[-1] if victims else request
             self.preempt(victim)
             if victim is request:
@@ -172,7 +301,7 @@ class Scheduler:
         need = self._blocks_needed(request, n)
         if need > 0:
             first = len(request.block_ids)
-            new = self.blocks.allocate(need, request.request_id)
+            new = self.blocks.allocate(need, request.key)
             request.block_ids.extend(new)
             self.block_table[request.slot, first : first + need] = new
 
@@ -200,9 +329,22 @@ class Scheduler:
         self._release(request)
         return True
 
-    def retire_step(self, step_id: int) -> None:
-        """Called after a step's outputs are processed: memory it could write is now free."""
+    def retire_step(self, batch: ScheduledBatch) -> None:
+        """Called once a step has finished, before its sampled tokens are processed: the blocks
+        it filled become shareable, and memory it could write is now free."""
+        step_id = batch.step_id
         self.last_retired_step = step_id
+        bs, caching = self.block_size, self.enable_prefix_caching
+        for item in batch.items:  # the cheap checks first: most decodes fill no block
+            request = item.request
+            if (item.start + item.num_tokens) // bs > request.num_registered_blocks and (
+                caching or request.params.n > 1
+            ):
+                self._register_full_blocks(item)
+        for h in self._in_progress_by_step.pop(step_id, ()):
+            self._in_progress[h] -= 1
+            if not self._in_progress[h]:
+                del self._in_progress[h]
         still_pending = []
         for pending in self._pending:
             if pending.after_step <= step_id:
@@ -213,10 +355,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """The one place a request's blocks and table row are given up (now or after its step)."""
-        pending = _PendingFree(
-            request.last_step, request.request_id, request.block_ids, request.slot
-        )
+        pending = _PendingFree(request.last_step, request.key, request.block_ids, request.slot)
         request.block_ids = []
+        request.num_registered_blocks = 0
         request.slot = None
         if pending.after_step <= self.last_retired_step:
             self._free(pending)

@@ -22,7 +22,8 @@ def assert_idle_and_balanced(engine: Engine) -> None:
     s = engine.scheduler
     assert not engine.has_unfinished()
     assert not s.running and not s.waiting
-    assert s.blocks.num_free == s.blocks.size, s.blocks.owners()
+    accounting = s.blocks.check()  # the pool's own invariants (no block listed twice, ...)
+    assert accounting.used == 0 and s.blocks.num_free == s.blocks.size, s.blocks.owners()
     assert s.slots.num_free == s.slots.size, s.slots.owners()
     assert not s.blocks.owners() and not s.slots.owners()
-    assert len(set(s.blocks._free)) == s.blocks.size  # no block listed free twice
+    assert len(set(s.slots._free)) == s.slots.size  # no row listed free twice

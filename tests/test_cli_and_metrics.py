@@ -28,6 +28,18 @@ def test_generate_prints_text_and_json(tiny_llama, capsys, monkeypatch):
     )
 
 
+def test_generate_n_samples_without_prefix_caching(tiny_llama, capsys):
+    args = ["generate", "Hello there", "--model", str(tiny_llama), "--max-tokens", "6", "-n", "3",
+            "--temperature", "1", "--sampling-seed", "4", "--ignore-eos", "--json"]  # fmt: skip
+    results = []
+    for extra in ([], ["--no-prefix-caching"]):
+        assert main([*args, *extra]) == 0
+        results.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert results[0] == results[1]
+    assert [r["index"] for r in results[0]] == [0, 1, 2]
+    assert len({tuple(r["token_ids"]) for r in results[0]}) == 3
+
+
 def test_generate_reads_prompts_from_a_file_and_stdin(tiny_llama, tmp_path, capsys, monkeypatch):
     import io
 
@@ -74,6 +86,27 @@ def test_bench_compares_both_loops_and_writes_trace_and_plot(tiny_llama, tmp_pat
         "schedule", "build", "launch", "wait", "update", "step",
     }  # fmt: skip
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_shared_prefix_compares_caching_off_and_on(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    args = ["bench", "--model", str(tiny_llama), "--workload", "shared-prefix",
+            "--num-requests", "8", "--num-prefixes", "2", "--prefix-len", "64",
+            "--prompt-len", "8", "--output-len", "4", "--block-size", "8"]  # fmt: skip
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in lines if "│" in line}
+    cells = {name: [c.strip() for c in values] for name, values in row.items()}
+    # Columns: sync off, sync on, async off, async on. 6 of 8 requests reuse 64 tokens.
+    assert cells["prefill tokens saved (cache)"] == ["0", "384", "0", "384"]
+    assert (
+        cells["prefix cache hit rate %"][0] == "0.0"
+        and float(cells["prefix cache hit rate %"][1]) > 50
+    )
+    computed = [int(c) for c in cells["prefill tokens computed"]]
+    assert computed[0] - computed[1] == 384 == computed[2] - computed[3]
+    assert cells["speedup (cache off wall / cache on wall)"][1].endswith("x")
+    assert cells["outputs identical (all runs)"][-1] == "yes"
 
 
 def test_bench_with_poisson_arrivals(tiny_llama, capsys):

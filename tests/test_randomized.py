@@ -1,22 +1,29 @@
-"""Randomized schedules (hypothesis): arrivals, lengths, budgets, block sizes, aborts.
+"""Randomized schedules (hypothesis): arrivals, lengths, budgets, block sizes, aborts, shared
+prefixes, n > 1 samples, preemption and prefix-cache eviction.
 
-Each schedule runs through both loops. After every step: no KV block is owned twice, and a block
-is never handed out while a step that used it may still be in flight. After each run: every
-request ended exactly once, its output equals the reference (a prefix of it when aborted), and
-every block is free again. Requests that were not aborted get the same tokens from both loops.
+Each schedule runs through both loops. After every step the KV block accounting is checked
+exactly: the pool's own invariants hold, every block's owners are exactly the requests (and
+deferred frees) that hold it, no request holds a block twice, a block is never handed out while
+a step that used it may still be in flight, a step never writes a shared or cached block, and a
+block joins the prefix cache only once every step that wrote it has retired. After each run:
+every sample ended exactly once, its output equals the reference (a prefix of it when aborted),
+and every block is free again. Samples that were not aborted get the same tokens from both loops.
 """
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference
 from helpers import assert_idle_and_balanced, greedy, make_llm
 
+tokens = st.integers(NUM_SPECIAL_TOKENS, 1023)
 request_strategy = st.fixed_dictionaries(
     {
-        "prompt": st.lists(st.integers(NUM_SPECIAL_TOKENS, 1023), min_size=1, max_size=60),
+        "prefix": st.integers(0, 2),  # which shared prefix the prompt starts with
+        "suffix": st.lists(tokens, min_size=1, max_size=30),
+        "n": st.sampled_from([1, 1, 2, 3]),
         "max_tokens": st.integers(1, 12),
         "arrival_step": st.integers(0, 10),
         "abort_step": st.none() | st.integers(0, 20),
@@ -24,78 +31,134 @@ request_strategy = st.fixed_dictionaries(
 )
 
 
-def run_schedule(path, requests, async_scheduling, **options):
-    """Feed `requests` by step number; returns each request's finished output, in order."""
-    engine = make_llm(path, async_scheduling=async_scheduling, **options).engine
-    scheduler = engine.scheduler
-    last_use: dict[int, int] = {}  # block -> last step whose batch covered it
-    allocate, schedule = scheduler.blocks.allocate, scheduler.schedule
+class BlockChecker:
+    """Wraps a scheduler to record which step last used and last wrote each block."""
 
-    def checked_allocate(n, owner):
-        blocks = allocate(n, owner)
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.last_use: dict[int, int] = {}  # block -> last step whose batch covered it
+        self.last_write: dict[int, int] = {}  # block -> last step that wrote one of its slots
+        pool = scheduler.blocks
+        self._allocate, self._register = pool.allocate, pool.register
+        self._schedule = scheduler.schedule
+        pool.allocate, pool.register = self.allocate, self.register
+        scheduler.schedule = self.schedule
+
+    def allocate(self, n, owner):
+        blocks = self._allocate(n, owner)
         for b in blocks:  # handed out only once no in-flight step can still touch it
-            assert last_use.get(b, -1) <= scheduler.last_retired_step, (b, last_use[b])
+            assert self.last_use.get(b, -1) <= self.scheduler.last_retired_step, b
         return blocks
 
-    def recording_schedule():
-        batch = schedule()
+    def register(self, block, block_hash):
+        # Shareable only once the step that wrote its last slot has retired.
+        assert self.last_write[block] <= self.scheduler.last_retired_step, block
+        return self._register(block, block_hash)
+
+    def schedule(self):
+        batch = self._schedule()
+        pool, bs = self.scheduler.blocks, self.scheduler.block_size
         for item in batch.items if batch else []:
-            for b in item.request.block_ids:
-                last_use[b] = batch.step_id
+            blocks = item.request.block_ids
+            for b in blocks:
+                self.last_use[b] = batch.step_id
+            written = {blocks[p // bs] for p in range(item.start, item.start + item.num_tokens)}
+            for b in written:  # a step writes only blocks its request holds alone, uncached
+                assert pool.refcount(b) == 1 and not pool.is_cached(b), (b, pool.owners()[b])
+                self.last_write[b] = batch.step_id
         return batch
 
-    scheduler.blocks.allocate, scheduler.schedule = checked_allocate, recording_schedule
+    def check_ownership(self) -> None:
+        """Every block's owners are exactly the requests and deferred frees holding it."""
+        s = self.scheduler
+        s.blocks.check()
+        expected: dict[int, set] = {}
+        for r in s.running + list(s.waiting):
+            assert len(r.block_ids) == len(set(r.block_ids))  # no request holds a block twice
+            for b in r.block_ids:
+                expected.setdefault(b, set()).add(r.key)
+            for b, h in zip(r.block_ids[: r.num_registered_blocks], r.block_hashes, strict=False):
+                # Cached under its own content, or private (another block held it first).
+                assert s.blocks.hash_of(b) in (h, None)
+        for pending in s._pending:
+            for b in pending.blocks:
+                expected.setdefault(b, set()).add(pending.owner)
+        assert s.blocks.owners() == expected
+
+
+def run_schedule(path, prompts, requests, async_scheduling, **options):
+    """Feed `requests` by step number; returns each sample's finished output, in order."""
+    engine = make_llm(path, async_scheduling=async_scheduling, **options).engine
+    checker = BlockChecker(engine.scheduler)
     ids: dict[int, str] = {}
-    finished: dict[str, list] = {}
+    finished: dict[tuple[str, int], list] = {}
     step = 0
     while len(ids) < len(requests) or engine.has_unfinished():
         for i, r in enumerate(requests):
             if r["arrival_step"] == step:
-                ids[i] = engine.add_request(r["prompt"], greedy(r["max_tokens"]))
+                ids[i] = engine.add_request(prompts[i], greedy(r["max_tokens"], n=r["n"]))
             if r["abort_step"] == step and i in ids:
                 engine.abort(ids[i])
         for out in engine.step():
             if out.finished:
-                finished.setdefault(out.request_id, []).append(out)
-        owned = [b for r in scheduler.running + list(scheduler.waiting) for b in r.block_ids]
-        assert len(owned) == len(set(owned))  # no block owned twice
-        assert set(owned) <= set(scheduler.blocks.owners())
+                finished.setdefault((out.request_id, out.index), []).append(out)
+        checker.check_ownership()
         step += 1
-        assert step < 2000, "the engine stopped making progress"
+        assert step < 3000, "the engine stopped making progress"
     assert_idle_and_balanced(engine)
+    if engine.scheduler.stats.hits:
+        event("prefix cache hits")
+    if engine.scheduler.num_preemptions:
+        event("preemptions")
+    if engine.scheduler.blocks.num_evictions:
+        event("cached blocks evicted")
     outputs = []
-    for i in range(len(requests)):
-        assert len(finished[ids[i]]) == 1  # ended exactly once
-        outputs.append(finished[ids[i]][0])
+    for i, r in enumerate(requests):
+        for k in range(r["n"]):
+            assert len(finished[ids[i], k]) == 1  # ended exactly once
+            outputs.append(finished[ids[i], k][0])
     return outputs
 
 
 @settings(
     max_examples=25,
     deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
+    prefixes=st.lists(st.lists(tokens, max_size=40), min_size=3, max_size=3),
     requests=st.lists(request_strategy, min_size=1, max_size=8),
     block_size=st.sampled_from([1, 2, 4, 8, 16]),
     extra_blocks=st.integers(0, 6) | st.integers(0, 40),
     max_num_batched_tokens=st.integers(8, 128),
     max_num_seqs=st.integers(1, 8),
+    enable_prefix_caching=st.sampled_from([True, True, True, False]),
 )
 def test_random_schedules_keep_the_invariants_in_both_loops(
-    tiny_llama, requests, block_size, extra_blocks, max_num_batched_tokens, max_num_seqs
+    tiny_llama,
+    prefixes,
+    requests,
+    block_size,
+    extra_blocks,
+    max_num_batched_tokens,
+    max_num_seqs,
+    enable_prefix_caching,
 ):
-    longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
+    prompts = [prefixes[r["prefix"]] + r["suffix"] for r in requests]
+    longest = max(len(p) + r["max_tokens"] for p, r in zip(prompts, requests, strict=True))
     options = dict(
         block_size=block_size,
         num_kv_blocks=-(-longest // block_size) + extra_blocks,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
     )
-    sync = run_schedule(tiny_llama, requests, False, **options)
-    async_ = run_schedule(tiny_llama, requests, True, **options)
-    for r, out_sync, out_async in zip(requests, sync, async_, strict=True):
-        reference = hf_greedy_reference(tiny_llama, r["prompt"], r["max_tokens"])
+    sync = run_schedule(tiny_llama, prompts, requests, False, **options)
+    async_ = run_schedule(tiny_llama, prompts, requests, True, **options)
+    samples = [(p, r) for p, r in zip(prompts, requests, strict=True) for _ in range(r["n"])]
+    for (prompt, r), out_sync, out_async in zip(samples, sync, async_, strict=True):
+        reference = hf_greedy_reference(tiny_llama, prompt, r["max_tokens"])
         for out in (out_sync, out_async):
             if out.finish_reason == "abort":
                 assert r["abort_step"] is not None

@@ -308,9 +308,11 @@ def test_disconnect_mid_stream_frees_blocks(live: LiveServer, model: str) -> Non
         ("completions", {"model": "M", "prompt": "x " * 600}, 400, "prompt"),
         ("completions", {"model": "M", "prompt": ""}, 400, "prompt"),
         ("completions", {"model": "M", "prompt": [5, 99999]}, 400, "prompt"),
-        ("completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt"),
+        ("completions", {"model": "M", "prompt": ["a", ""]}, 400, "prompt"),
+        ("completions", {"model": "M", "prompt": ["a", [5]]}, 400, "prompt"),
         ("completions", {"model": "nope", "prompt": "x"}, 404, "model"),
-        ("completions", {"model": "M", "prompt": "x", "n": 2}, 400, "n"),
+        ("completions", {"model": "M", "prompt": "x", "n": 0}, 400, "n"),
+        ("completions", {"model": "M", "prompt": "x", "n": 129}, 400, "n"),
         ("completions", {"model": "M", "prompt": "x", "best_of": 3}, 400, "best_of"),
         ("completions", {"model": "M", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
         ("completions", {"model": "M", "prompt": "x", "echo": True}, 400, "echo"),
@@ -384,8 +386,8 @@ def test_bad_input(
 def test_server_keeps_serving_after_errors(live: LiveServer, model: str) -> None:
     client = live.client()
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model, prompt="x", n=3)
-    assert info.value.body["param"] == "n"
+        client.completions.create(model=model, prompt="x", best_of=3)
+    assert info.value.body["param"] == "best_of"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     # Defaults the client sends explicitly are accepted, not refused.

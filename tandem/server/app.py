@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from tandem.engine import Engine
 from tandem.server.errors import APIError, error_body, install_error_handlers
-from tandem.server.generate import chat_prompt, completion_prompt, respond
+from tandem.server.generate import chat_prompt, completion_prompts, respond
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.server.service import GenerationService
@@ -73,12 +73,13 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await respond(service, request, body, completion_prompt(body), name)
+        return await respond(service, request, body, completion_prompts(body), name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await respond(service, request, body, chat_prompt(engine, body.messages), name)
+        prepare = chat_prompt(engine, body.messages)
+        return await respond(service, request, body, [prepare], name)
 
     @app.get("/v1/models")
     async def models() -> dict:

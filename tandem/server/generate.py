@@ -34,16 +34,12 @@ Prompt = str | list[int]
 
 
 # ---------------------------------------------------------------- prompts
-def completion_prompt(body: CompletionRequest) -> Callable[[], Prompt]:
+def completion_prompts(body: CompletionRequest) -> list[Callable[[], Prompt]]:
+    """One prompt, or a list of them (strings or token-id lists), as OpenAI accepts."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(
-                f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    return lambda: prompt
+        return [lambda p=p: p for p in prompt]
+    return [lambda: prompt]
 
 
 def chat_prompt(engine: Engine, messages: list[ChatMessage]) -> Callable[[], Prompt]:
@@ -90,7 +86,7 @@ async def respond(
     service: GenerationService,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    prepare: Callable[[], Prompt],
+    prepares: list[Callable[[], Prompt]],
     model_name: str,
 ) -> JSONResponse | StreamingResponse:
     if body.stream_options is not None and not body.stream:
@@ -98,20 +94,21 @@ async def respond(
     params = sampling_params(body)
     chat = isinstance(body, ChatCompletionRequest)
     prefix, prompt_param = ("chatcmpl", "messages") if chat else ("cmpl", "prompt")
-    stream = await service.submit(prepare, params, prefix, prompt_param)
+    stream = await service.submit(prepares, params, prefix, prompt_param)
     fmt_cls = ChatFormat if chat else CompletionFormat
     fmt = fmt_cls(stream.request_id, model_name, body.include_usage)
     if body.stream:
         return SSEResponse(_events(stream, fmt), on_close=lambda: service.abort(stream))
     try:
-        text = await _collect_unless_disconnected(request, stream)
+        texts = await _collect_unless_disconnected(request, stream)
     finally:
         service.abort(stream)  # no-op once finished; frees the blocks if we were cancelled
-    if text is None:  # the client left; nobody reads this
+    if texts is None:  # the client left; nobody reads this
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     _raise_if_server_ended(stream)
     counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
-    return JSONResponse(fmt.full(text, stream.finish_reason or "stop", counts))
+    reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
+    return JSONResponse(fmt.full(texts, reasons, counts))
 
 
 def _raise_if_server_ended(stream: RequestStream) -> None:
@@ -120,13 +117,15 @@ def _raise_if_server_ended(stream: RequestStream) -> None:
         raise APIError(status, stream.error, code="aborted")
 
 
-async def _collect(stream: RequestStream) -> str:
-    parts: list[str] = []
-    while True:
+async def _collect(stream: RequestStream) -> list[str]:
+    """Every choice's whole text, by choice index."""
+    parts: list[list[str]] = [[] for _ in range(stream.num_choices)]
+    unfinished = stream.num_choices
+    while unfinished:
         for delta in await stream.next_deltas():
-            parts.append(delta.text)
-            if delta.finished:
-                return "".join(parts)
+            parts[delta.index].append(delta.text)
+            unfinished -= delta.finished
+    return ["".join(p) for p in parts]
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -134,8 +133,8 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_disconnected(request: Request, stream: RequestStream) -> str | None:
-    """The whole text, or None if the client disconnected first."""
+async def _collect_unless_disconnected(request: Request, stream: RequestStream) -> list[str] | None:
+    """Every choice's whole text, or None if the client disconnected first."""
     collect = asyncio.ensure_future(_collect(stream))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -150,22 +149,29 @@ async def _collect_unless_disconnected(request: Request, stream: RequestStream) 
 
 
 async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[bytes]:
-    for chunk in fmt.opening():
-        yield sse(chunk)
-    while True:
+    """One chunk per choice with new text, a closing chunk per choice as it finishes."""
+    for index in range(stream.num_choices):
+        for chunk in fmt.opening(index):
+            yield sse(chunk)
+    unfinished = stream.num_choices
+    while unfinished:
         deltas = await stream.next_deltas()
-        text = "".join(d.text for d in deltas)
-        if text:
-            yield sse(fmt.delta(text))
-        if deltas[-1].finished:
-            break
+        texts: dict[int, str] = {}
+        for d in deltas:
+            texts[d.index] = texts.get(d.index, "") + d.text
+        for index, text in texts.items():
+            if text:
+                yield sse(fmt.delta(text, index))
+        for d in deltas:
+            if d.finished:
+                unfinished -= 1
+                if stream.error is None:  # else the error below ends the stream
+                    yield sse(fmt.closing(d.finish_reason or "stop", d.index))
     if stream.error is not None:  # ended by the server: say so in-stream, as OpenAI does
         status = 503 if stream.error == SHUTDOWN_ABORT_MESSAGE else 500
         yield sse(error_body(status, stream.error, code="aborted"))
-    else:
-        yield sse(fmt.closing(stream.finish_reason or "stop"))
-        if fmt.include_usage:
-            yield sse(fmt.usage_chunk(usage(stream.num_prompt_tokens, stream.num_output_tokens)))
+    elif fmt.include_usage:
+        yield sse(fmt.usage_chunk(usage(stream.num_prompt_tokens, stream.num_output_tokens)))
     yield DONE
 
 

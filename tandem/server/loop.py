@@ -23,7 +23,8 @@ logger = logging.getLogger("tandem.server")
 
 @dataclass(frozen=True)
 class Delta:
-    """What one engine output means to a client: new text and tokens, and how it ended."""
+    """What one engine output means to a client: new text and tokens, and how it ended (for one
+    sample of the request)."""
 
     request_id: str
     text: str
@@ -32,6 +33,7 @@ class Delta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0  # the sample (engine side), then the choice (once the service routed it)
 
     @classmethod
     def from_output(cls, output: RequestOutput) -> Delta:
@@ -43,6 +45,7 @@ class Delta:
             finished=output.finished,
             finish_reason=output.finish_reason,
             error=output.error,
+            index=output.index,
         )
 
 

@@ -17,6 +17,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from tandem.engine import Engine
 
@@ -40,8 +41,22 @@ class ServerMetrics:
         for name, doc, read in (
             ("tandem_requests_running", "Requests running.", lambda: engine.num_running),
             ("tandem_requests_waiting", "Requests queued.", lambda: engine.num_waiting),
-            ("tandem_requests_in_flight", "Requests accepted, not yet finished.", in_flight),
+            (
+                "tandem_requests_in_flight",
+                "Sequences (prompts x n) accepted, not yet finished.",
+                in_flight,
+            ),
             ("tandem_kv_blocks_used", "KV-cache blocks in use.", lambda: blocks.num_used),
+            (
+                "tandem_kv_blocks_cached",
+                "Free KV-cache blocks still holding a cached prefix (reusable until evicted).",
+                lambda: blocks.num_free_cached,
+            ),
+            (
+                "tandem_prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache over prompt tokens admitted, since start.",
+                lambda: engine.scheduler.stats.hit_rate,
+            ),
             ("tandem_kv_blocks_total", "KV-cache blocks in all.", lambda: engine.num_kv_blocks),
             (
                 "tandem_device_idle_fraction",
@@ -52,8 +67,12 @@ class ServerMetrics:
         ):
             Gauge(name, doc, registry=reg).set_function(read)
 
+        reg.register(_SchedulerCounters(engine))
         self.finished = Counter(
-            "tandem_requests_finished", "Finished requests.", ["finish_reason"], registry=reg
+            "tandem_requests_finished",
+            "Finished sequences (one per sample of each prompt).",
+            ["finish_reason"],
+            registry=reg,
         )
         self.rejected = Counter(
             "tandem_requests_rejected",
@@ -81,3 +100,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SchedulerCounters:
+    """The scheduler's own counters, read at scrape time (plain integers the loop thread bumps)."""
+
+    def __init__(self, engine: Engine):
+        self.scheduler = engine.scheduler
+
+    def describe(self) -> list:
+        return []  # collected only at scrape time: no read while the collector is registered
+
+    def collect(self):
+        s = self.scheduler
+        stats = s.stats
+        for name, doc, value in (
+            ("tandem_preemptions", "Requests preempted (their KV dropped, recomputed later).",
+             s.num_preemptions),
+            ("tandem_prefix_cache_queries", "Tokens of admitted requests looked up in the "
+             "prefix cache (prompt, plus outputs when recomputing).", stats.query_tokens),
+            ("tandem_prefix_cache_hits", "Tokens served from the prefix cache: prefill saved.",
+             stats.hit_tokens),
+            ("tandem_prefix_cache_hit_requests", "Admissions that reused at least one cached "
+             "KV block.", stats.hits),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)

@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tandem.request import SamplingParams
 
+MAX_N = 128
+
 
 def _only(*neutral: Any) -> AfterValidator:
     """Accept an unsupported parameter only at a value that changes nothing."""
@@ -53,8 +55,9 @@ class _GenerationRequest(_Strict):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Samples per prompt, sharing its KV blocks; OpenAI's bound.
+    n: Annotated[int | None, Field(ge=1, le=MAX_N)] = None
     # OpenAI parameters Tandem does not implement: neutral values only.
-    n: Annotated[int | None, _only(1, None)] = None
     presence_penalty: Annotated[float | None, _only(0, None)] = None
     frequency_penalty: Annotated[float | None, _only(0, None)] = None
     logit_bias: Annotated[dict[str, float] | None, _only(None)] = None
@@ -75,6 +78,7 @@ class _GenerationRequest(_Strict):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
+            "n": self.n,
         }
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
@@ -84,7 +88,7 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. One prompt per request: a string or a list of token ids."""
+    """POST /v1/completions. A prompt (a string or a list of token ids) or a list of prompts."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions

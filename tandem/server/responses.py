@@ -39,38 +39,41 @@ class CompletionFormat:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+    def _chunk(self, choice: dict[str, Any], index: int = 0) -> dict[str, Any]:
         body = {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "logprobs": None, **choice}],
+            "choices": [{"index": index, "logprobs": None, **choice}],
         }
         if self.include_usage:
             body["usage"] = None
         return body
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, index: int = 0) -> list[dict[str, Any]]:
         return []
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk({"text": text, "finish_reason": None})
+    def delta(self, text: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"text": text, "finish_reason": None}, index)
 
-    def closing(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({"text": "", "finish_reason": finish_reason})
+    def closing(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"text": "", "finish_reason": finish_reason}, index)
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._chunk({}), "choices": [], "usage": counts}
 
-    def full(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
+    def full(
+        self, texts: list[str], finish_reasons: list[str], counts: dict[str, int]
+    ) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
             ],
             "usage": counts,
         }
@@ -85,33 +88,37 @@ class ChatFormat:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(
+        self, delta: dict[str, Any], finish_reason: str | None, index: int = 0
+    ) -> dict[str, Any]:
         body = {
             "id": self.request_id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             ],
         }
         if self.include_usage:
             body["usage"] = None
         return body
 
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def opening(self, index: int = 0) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, index)]
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def delta(self, text: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, index)
 
-    def closing(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({}, finish_reason)
+    def closing(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({}, finish_reason, index)
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._chunk({}, None), "choices": [], "usage": counts}
 
-    def full(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
+    def full(
+        self, texts: list[str], finish_reasons: list[str], counts: dict[str, int]
+    ) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": "chat.completion",
@@ -119,11 +126,12 @@ class ChatFormat:
             "model": self.model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": {"role": "assistant", "content": text},
                     "logprobs": None,
-                    "finish_reason": finish_reason,
+                    "finish_reason": reason,
                 }
+                for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
             ],
             "usage": counts,
         }
