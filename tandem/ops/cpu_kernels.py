@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +73,18 @@ def load() -> KernelBuild:
     build_dir = cache_root() / "kernels" / name
     cached = (build_dir / f"{name}.so").is_file()
     build_dir.mkdir(parents=True, exist_ok=True)
+    # Compile a copy kept beside the build: the name already fixes the content, and one path for
+    # every checkout of the same source keeps ninja's command line (and its cached build) stable.
+    source = build_dir / SOURCE.name
+    if not source.is_file():
+        staging = source.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(SOURCE, staging)
+        os.replace(staging, source)
     start = time.perf_counter()
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
