@@ -279,6 +279,7 @@ class Engine:
         self.execution.cpu_threads = best
         torch.set_num_threads(best)
         self.runner.stream.submit(lambda: torch.set_num_threads(best)).wait()
+        self.runner.set_cpu_threads(best, max(self.execution.thread_timings_ms))
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -24,6 +24,7 @@ _INT_FIELDS = (
     "sample_index", "context_lens", "top_k", "seed_keys", "output_index",
 )  # fmt: skip
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 
 
 class _PinnedStaging:
@@ -84,6 +85,7 @@ class ModelRunner:
         # Every running request's tokens, by (table row, position): the only copy the device needs.
         self.token_table = torch.zeros(table_rows * max_model_len, dtype=torch.int64, device=device)
         self.stream = make_stream(device)
+        self._cpu_threads: tuple[int, int] | None = None
         weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
         self._cuda = device.type == "cuda"
         if self._cuda:
@@ -103,7 +105,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------ on the stream
     @torch.inference_mode()
+    def set_cpu_threads(self, decode: int, prefill: int) -> None:
+        """CPU: compute threads for decode-only steps and for steps that prefill.
+
+        Small decode GEMMs may run best on fewer threads (leaving the host a core), while a
+        prefill's large GEMMs use every core; the count is switched per step, on the stream."""
+        self._cpu_threads = (decode, prefill)
+
     def _execute(self, x: StepInputs):
+        if self._cpu_threads is not None:
+            prefill_tokens = x.num_tokens - x.num_decodes
+            wanted = self._cpu_threads[prefill_tokens >= PREFILL_TOKENS_FOR_ALL_THREADS]
+            if torch.get_num_threads() != wanted:
+                torch.set_num_threads(wanted)
         t = self._to_device(x)
         table = self.token_table
         if len(x.known_index):

@@ -36,7 +36,10 @@ class ExecutionPlan:
             tried = ", ".join(
                 f"{n}: {ms:.2f} ms" for n, ms in sorted(self.thread_timings_ms.items())
             )
-            text += f"; {self.cpu_threads} compute thread(s) (decode step {tried})"
+            text += (
+                f"; {self.cpu_threads} compute thread(s) for decodes (decode step {tried}), "
+                f"{max(self.thread_timings_ms)} for prefills"
+            )
         k = self.kernels
         if k is not None and k.available:
             how = "loaded from the disk cache" if k.cached else "built and cached on disk"
