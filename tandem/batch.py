@@ -14,7 +14,8 @@ from itertools import chain
 import numpy as np
 
 from tandem.ops.attention import PrefillSegment
-from tandem.scheduler import ScheduledBatch
+from tandem.request import Request
+from tandem.scheduler import ScheduledBatch, ScheduledRequest
 
 
 @dataclass
@@ -38,6 +39,7 @@ class StepInputs:
     num_decodes: int
     decode_max_blocks: int
     prefills: list[PrefillSegment]
+    extras: StepExtras | None = None  # None unless a request needs penalties or logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +48,57 @@ class StepInputs:
     @property
     def num_sampled(self) -> int:
         return len(self.logits_index)
+
+
+@dataclass
+class StepExtras:
+    """What a step needs beyond plain sampling: logits processing (see penalties.py) and logprobs.
+
+    Built only when some request in the step asks, so the common step carries none of it.
+    """
+
+    # Token counts: rows cleared at admission; tokens entering the KV cache, by token-table index.
+    reset_rows: np.ndarray
+    prompt_tokens: np.ndarray
+    prompt_rows: np.ndarray
+    output_tokens: np.ndarray
+    output_rows: np.ndarray
+    # Per sampling row that uses them: penalties, logit_bias pairs, min_tokens masked pairs.
+    penalty_rows: np.ndarray
+    penalty_table_rows: np.ndarray
+    bias_rows: np.ndarray
+    bias_ids: np.ndarray
+    mask_rows: np.ndarray
+    mask_ids: np.ndarray
+    # Logprobs: which sampling rows, and prompt positions (batch offsets) with their next token.
+    logprob_rows: np.ndarray
+    prompt_logprob_index: np.ndarray
+    prompt_logprob_targets: np.ndarray
+    presence: np.ndarray  # float32, per penalty row
+    frequency: np.ndarray
+    repetition: np.ndarray
+    bias_values: np.ndarray  # float32, per bias pair
+    num_top_logprobs: int
+    num_top_prompt_logprobs: int
+    # Host only: whose prompt logprobs these are, in order: (request, first position, count).
+    prompt_logprob_spans: list[tuple[Request, int, int]]
+
+    INT_FIELDS = (
+        "reset_rows", "prompt_tokens", "prompt_rows", "output_tokens", "output_rows",
+        "penalty_rows", "penalty_table_rows", "bias_rows", "bias_ids", "mask_rows", "mask_ids",
+        "logprob_rows", "prompt_logprob_index", "prompt_logprob_targets",
+    )  # fmt: skip
+    FLOAT_FIELDS = ("presence", "frequency", "repetition", "bias_values")
+
+    @property
+    def output_groups(self) -> list[tuple[int, int]]:
+        """(rows, top k) of each logprobs group packed after the sampled ids (logprobs.pack)."""
+        groups = []
+        if len(self.logprob_rows):
+            groups.append((len(self.logprob_rows), self.num_top_logprobs))
+        if len(self.prompt_logprob_index):
+            groups.append((len(self.prompt_logprob_index), self.num_top_prompt_logprobs))
+        return groups
 
 
 def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -76,6 +129,12 @@ class BatchBuilder:
 
         # Tokens the host knows (prompt, or outputs being recomputed): written to the table first.
         # In flight ones are already there, put by the step that sampled them.
+        extras_needed = any(it.request.needs_extras for it in items)
+        known_starts = (
+            np.fromiter((_first_counted(it) for it in items), np.int64, r)
+            if extras_needed
+            else starts
+        )
         known_counts = np.fromiter(
             (
                 max(
@@ -84,18 +143,18 @@ class BatchBuilder:
                         it.start + it.num_tokens,
                         len(it.request.prompt_token_ids) + len(it.request.output_token_ids),
                     )
-                    - it.start,
+                    - int(k),
                 )
-                for it in items
+                for it, k in zip(items, known_starts, strict=True)
             ),
             np.int64,
             r,
         )
-        known_positions = _ragged_arange(starts, known_counts)
+        known_positions = _ragged_arange(known_starts, known_counts)
         known_tokens = np.fromiter(
             chain.from_iterable(
-                _known_slice(it.request, it.start, it.start + int(c))
-                for it, c in zip(items, known_counts, strict=True)
+                _known_slice(it.request, int(k), int(k + c))
+                for it, k, c in zip(items, known_starts, known_counts, strict=True)
                 if c
             ),
             np.int64,
@@ -133,6 +192,7 @@ class BatchBuilder:
                 PrefillSegment(int(cu[i] - counts[i]), int(counts[i]), int(ends[i]), i)
                 for i in range(d, r)
             ],
+            extras=_build_extras(items, cu - counts, self.max_model_len) if extras_needed else None,
         )
 
 
@@ -142,3 +202,80 @@ def _known_slice(request, start: int, end: int) -> list[int]:
     if end <= n:
         return prompt[start:end]
     return prompt[start:n] + request.output_token_ids[max(0, start - n) : end - n]
+
+
+def _uses_penalties(request: Request) -> bool:
+    return request.processing is not None and request.processing.uses_penalties
+
+
+def _first_counted(item: ScheduledRequest) -> int:
+    """First position whose token a step counts for penalties (and so must find in the table).
+
+    On admission the row's counts start afresh, from position 0, even if the request skips
+    computing a prefix; afterwards each step counts the positions it computes.
+    """
+    return 0 if item.admitted and _uses_penalties(item.request) else item.start
+
+
+def _build_extras(items: list[ScheduledRequest], offsets: np.ndarray, max_len: int) -> StepExtras:
+    """The per-step arrays of penalties, logit_bias, min_tokens and logprobs (see StepExtras)."""
+    ints: dict[str, list] = {name: [] for name in StepExtras.INT_FIELDS}
+    floats: dict[str, list] = {name: [] for name in StepExtras.FLOAT_FIELDS}
+    top_k = top_k_prompt = 0
+    spans = []
+    s = 0  # index among sampling rows
+    for it, offset in zip(items, offsets.tolist(), strict=True):
+        request, row, end = it.request, it.slot, it.start + it.num_tokens
+        proc = request.processing
+        n_prompt = len(request.prompt_token_ids)
+        if _uses_penalties(request):
+            if it.admitted:
+                ints["reset_rows"].append([row])
+            first = _first_counted(it)
+            split = min(max(first, n_prompt), end)
+            ints["prompt_tokens"].append(np.arange(first, split) + row * max_len)
+            ints["prompt_rows"].append(np.full(split - first, row))
+            ints["output_tokens"].append(np.arange(split, end) + row * max_len)
+            ints["output_rows"].append(np.full(end - split, row))
+        if request.prompt_logprobs is not None:
+            lo = max(it.start, len(request.prompt_logprobs) - 1)  # retired ones are not redone
+            hi = min(end, n_prompt - 1)
+            if hi > lo:
+                ints["prompt_logprob_index"].append(np.arange(lo, hi) - it.start + offset)
+                ints["prompt_logprob_targets"].append(request.prompt_token_ids[lo + 1 : hi + 1])
+                top_k_prompt = max(top_k_prompt, request.params.prompt_logprobs)
+                spans.append((request, lo, hi - lo))
+        if not it.sample:
+            continue
+        if proc is not None:
+            if proc.uses_penalties:
+                ints["penalty_rows"].append([s])
+                ints["penalty_table_rows"].append([row])
+                floats["presence"].append([proc.presence])
+                floats["frequency"].append([proc.frequency])
+                floats["repetition"].append([proc.repetition])
+            if proc.bias_ids:
+                ints["bias_rows"].append(np.full(len(proc.bias_ids), s))
+                ints["bias_ids"].append(proc.bias_ids)
+                floats["bias_values"].append(proc.bias_values)
+            if it.output_index < proc.min_tokens and proc.min_tokens_ids:
+                ints["mask_rows"].append(np.full(len(proc.min_tokens_ids), s))
+                ints["mask_ids"].append(proc.min_tokens_ids)
+        if request.logprobs is not None:
+            ints["logprob_rows"].append([s])
+            top_k = max(top_k, request.params.logprobs)
+        s += 1
+    arrays = {
+        name: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        for name, parts in ints.items()
+    }
+    arrays.update(
+        (name, np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32))
+        for name, parts in floats.items()
+    )
+    return StepExtras(
+        **arrays,
+        num_top_logprobs=top_k,
+        num_top_prompt_logprobs=top_k_prompt,
+        prompt_logprob_spans=spans,
+    )

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from tandem.batch import BatchBuilder
+from tandem.batch import BatchBuilder, StepExtras
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from tandem.logprobs import LogprobsArrays, unpack
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import load_model
-from tandem.request import Request, RequestOutput, SamplingParams
+from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
 from tandem.runner import ModelRunner
 from tandem.sampling import seed_key
 from tandem.scheduler import ScheduledBatch, Scheduler
@@ -43,6 +44,7 @@ class _InFlight:
     batch: ScheduledBatch
     handle: StepHandle
     record: StepRecord
+    extras: StepExtras | None  # how to read logprobs out of the step's packed output
 
 
 class Engine:
@@ -120,6 +122,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_counter = itertools.count()
+        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
         self.step_records: deque[StepRecord] = deque(maxlen=METRICS_HISTORY)
         self.finished_timings: deque[RequestTiming] = deque(maxlen=METRICS_HISTORY)
 
@@ -144,6 +147,7 @@ class Engine:
         token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         top_k = params.top_k if params.top_k < self.spec.vocab_size else 0  # whole vocab: off
+        processing = self._logits_processing(params)
         seed = params.seed
         if seed is None:  # derived from the engine seed and arrival order: runs are reproducible
             seed = hash((self.config.seed, next(self._seed_counter)))
@@ -161,7 +165,31 @@ class Engine:
             ),
             max_tokens=max_tokens,
             arrival_time=time.perf_counter(),
+            processing=processing,
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+
+    def _logits_processing(self, params: SamplingParams) -> LogitsProcessing | None:
+        """Resolve penalties, logit_bias and min_tokens against the model; None if unused."""
+        vocab = self.spec.vocab_size
+        bias = params.logit_bias or {}
+        bad = [t for t in bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        processing = LogitsProcessing(
+            presence=params.presence_penalty,
+            frequency=params.frequency_penalty,
+            repetition=params.repetition_penalty,
+            bias_ids=list(bias),
+            bias_values=[float(b) for b in bias.values()],
+            min_tokens=params.min_tokens,
+            # Ids past the logits cannot be sampled anyway (and must not index them).
+            min_tokens_ids=sorted(t for t in stops if t < vocab) if params.min_tokens else [],
+        )
+        used = processing.uses_penalties or processing.bias_ids or processing.min_tokens_ids
+        return processing if used else None
 
     def submit(self, request: Request) -> str:
         with self._lock:
@@ -221,7 +249,7 @@ class Engine:
             t3 = time.perf_counter()
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
-            self._inflight.append(_InFlight(batch, handle, record))
+            self._inflight.append(_InFlight(batch, handle, record, inputs.extras))
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
             outputs.extend(self._retire(self._inflight.popleft()))
         return outputs
@@ -303,15 +331,30 @@ class Engine:
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
         record = inflight.record
         t0 = time.perf_counter()
-        sampled_ids = inflight.handle.wait().tolist()  # the step's one deliberate sync
+        result = inflight.handle.wait()  # the step's one deliberate sync
         t1 = time.perf_counter()
+        sampled = inflight.batch.sampled
+        extras = inflight.extras
+        logprobs: list = [None] * len(sampled)
+        if extras is None:
+            sampled_ids = result.tolist()
+        else:
+            ids, groups = unpack(result.numpy(), len(sampled), extras.output_groups)
+            sampled_ids = ids.tolist()
+            if len(extras.logprob_rows):
+                arrays = groups.pop(0)
+                for j, s in enumerate(extras.logprob_rows.tolist()):
+                    k = sampled[s].request.params.logprobs
+                    logprobs[s] = arrays.to_dict(j, sampled_ids[s], k, self._decode_token)
+            if groups:
+                self._add_prompt_logprobs(extras, groups[0])
         outputs = []
-        for item, token in zip(inflight.batch.sampled, sampled_ids, strict=True):
+        for item, token, lp in zip(sampled, sampled_ids, logprobs, strict=True):
             request = item.request
             request.num_inflight -= 1
             if request.finished:
                 continue  # the speculative token of a request that finished a step earlier
-            outputs.append(self._append_token(request, token, t1))
+            outputs.append(self._append_token(request, token, t1, lp))
         self.scheduler.retire_step(inflight.batch.step_id)
         record.spans["wait"] = (t0, t1)
         record.spans["update"] = (t1, time.perf_counter())
@@ -319,9 +362,33 @@ class Engine:
         self.step_records.append(record)
         return outputs
 
-    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _add_prompt_logprobs(self, extras: StepExtras, arrays: LogprobsArrays) -> None:
+        """Append each prompt position's result; positions recomputed after a preemption that
+        were already retired are skipped (steps retire in order, so the list grows in order)."""
+        j = 0
+        for request, first, count in extras.prompt_logprob_spans:
+            entries = request.prompt_logprobs
+            k = request.params.prompt_logprobs
+            for p in range(first, first + count):
+                if p + 1 == len(entries):
+                    token = request.prompt_token_ids[p + 1]
+                    entries.append(arrays.to_dict(j, token, k, self._decode_token))
+                j += 1
+
+    def _decode_token(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._backend_tokenizer.decode([token], skip_special_tokens=False)
+            self._token_text[token] = text
+        return text
+
+    def _append_token(
+        self, request: Request, token: int, now: float, logprobs: dict | None = None
+    ) -> RequestOutput:
         request.output_token_ids.append(token)
         request.token_times.append(now)
+        if request.logprobs is not None:
+            request.logprobs.append(logprobs)
         params = request.params
         detok = self._detok[request.request_id]
         reason = None
@@ -366,7 +433,14 @@ class Engine:
             delta_token_ids=delta_ids,
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
+            logprobs=_snapshot(request.logprobs, finished),
+            prompt_logprobs=_snapshot(request.prompt_logprobs, finished),
         )
+
+
+def _snapshot(values: list | None, finished: bool) -> list | None:
+    """Like token_ids: a running request's live list, a finished one's own copy."""
+    return list(values) if finished and values is not None else values
 
 
 def _eos_token_ids(loaded) -> set[int]:

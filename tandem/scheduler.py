@@ -25,6 +25,7 @@ class ScheduledRequest:
     num_tokens: int
     sample: bool  # does this step sample the request's next token?
     output_index: int  # index of that token among the request's outputs (keys seeded sampling)
+    admitted: bool = False  # first step in this table row (the row's device state starts here)
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Scheduler:
             request.slot = self.slots.allocate(1, request.request_id)[0]
             self.running.append(request)
             self._allocate_blocks(request, n)
-            items.append(self._schedule(request, n, step_id))
+            items.append(self._schedule(request, n, step_id, admitted=True))
             budget -= n
 
         if not items:
@@ -134,11 +135,13 @@ class Scheduler:
         self.next_step_id += 1
         return ScheduledBatch(step_id, items, num_decodes)
 
-    def _schedule(self, request: Request, n: int, step_id: int) -> ScheduledRequest:
+    def _schedule(
+        self, request: Request, n: int, step_id: int, admitted: bool = False
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + n == request.num_tokens
         item = ScheduledRequest(
-            request, request.slot, start, n, sample, request.num_scheduled_outputs
+            request, request.slot, start, n, sample, request.num_scheduled_outputs, admitted
         )
         request.num_computed_tokens += n
         request.num_inflight += int(sample)
