@@ -218,64 +218,85 @@ def _first_counted(item: ScheduledRequest) -> int:
 
 
 def _build_extras(items: list[ScheduledRequest], offsets: np.ndarray, max_len: int) -> StepExtras:
-    """The per-step arrays of penalties, logit_bias, min_tokens and logprobs (see StepExtras)."""
-    ints: dict[str, list] = {name: [] for name in StepExtras.INT_FIELDS}
-    floats: dict[str, list] = {name: [] for name in StepExtras.FLOAT_FIELDS}
-    top_k = top_k_prompt = 0
-    spans = []
+    """The per-step arrays of penalties, logit_bias, min_tokens and logprobs (see StepExtras).
+
+    One pass over the items collects scalars; the per-token arrays are then built with numpy.
+    """
+    counted: list[tuple[int, int, int, int, bool]] = []  # row, first, end, prompt len, admitted
+    prompt_lp: list[tuple[Request, int, int, int]] = []  # request, first, end, batch offset
+    pen: list[tuple[int, int, float, float, float]] = []  # sampling row, table row, penalties
+    bias, mask = [], []  # (sampling row, ids[, values])
+    logprob_rows: list[int] = []
+    top_k = 0
     s = 0  # index among sampling rows
     for it, offset in zip(items, offsets.tolist(), strict=True):
-        request, row, end = it.request, it.slot, it.start + it.num_tokens
+        request, end = it.request, it.start + it.num_tokens
         proc = request.processing
         n_prompt = len(request.prompt_token_ids)
-        if _uses_penalties(request):
-            if it.admitted:
-                ints["reset_rows"].append([row])
-            first = _first_counted(it)
-            split = min(max(first, n_prompt), end)
-            ints["prompt_tokens"].append(np.arange(first, split) + row * max_len)
-            ints["prompt_rows"].append(np.full(split - first, row))
-            ints["output_tokens"].append(np.arange(split, end) + row * max_len)
-            ints["output_rows"].append(np.full(end - split, row))
+        if proc is not None and proc.uses_penalties:
+            counted.append((it.slot, _first_counted(it), end, n_prompt, it.admitted))
         if request.prompt_logprobs is not None:
             lo = max(it.start, len(request.prompt_logprobs) - 1)  # retired ones are not redone
             hi = min(end, n_prompt - 1)
             if hi > lo:
-                ints["prompt_logprob_index"].append(np.arange(lo, hi) - it.start + offset)
-                ints["prompt_logprob_targets"].append(request.prompt_token_ids[lo + 1 : hi + 1])
-                top_k_prompt = max(top_k_prompt, request.params.prompt_logprobs)
-                spans.append((request, lo, hi - lo))
+                prompt_lp.append((request, lo, hi, offset - it.start))
         if not it.sample:
             continue
         if proc is not None:
             if proc.uses_penalties:
-                ints["penalty_rows"].append([s])
-                ints["penalty_table_rows"].append([row])
-                floats["presence"].append([proc.presence])
-                floats["frequency"].append([proc.frequency])
-                floats["repetition"].append([proc.repetition])
-            if proc.bias_ids:
-                ints["bias_rows"].append(np.full(len(proc.bias_ids), s))
-                ints["bias_ids"].append(proc.bias_ids)
-                floats["bias_values"].append(proc.bias_values)
-            if it.output_index < proc.min_tokens and proc.min_tokens_ids:
-                ints["mask_rows"].append(np.full(len(proc.min_tokens_ids), s))
-                ints["mask_ids"].append(proc.min_tokens_ids)
+                pen.append((s, it.slot, proc.presence, proc.frequency, proc.repetition))
+            if len(proc.bias_ids):
+                bias.append((s, proc.bias_ids, proc.bias_values))
+            if it.output_index < proc.min_tokens and len(proc.min_tokens_ids):
+                mask.append((s, proc.min_tokens_ids))
         if request.logprobs is not None:
-            ints["logprob_rows"].append([s])
+            logprob_rows.append(s)
             top_k = max(top_k, request.params.logprobs)
         s += 1
-    arrays = {
-        name: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        for name, parts in ints.items()
-    }
-    arrays.update(
-        (name, np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32))
-        for name, parts in floats.items()
-    )
+
+    c = np.array(counted, dtype=np.int64).reshape(-1, 5)
+    rows, first, end, n_prompt = c[:, 0], c[:, 1], c[:, 2], c[:, 3]
+    split = np.minimum(np.maximum(first, n_prompt), end)
+    p = np.array([x[:2] for x in pen], dtype=np.int64).reshape(-1, 2)
+    f = np.array([x[2:] for x in pen], dtype=np.float32).reshape(-1, 3)
+    lp_first = np.array([x[1] for x in prompt_lp], dtype=np.int64)
+    lp_counts = np.array([x[2] - x[1] for x in prompt_lp], dtype=np.int64)
+    lp_shift = np.array([x[3] for x in prompt_lp], dtype=np.int64)
     return StepExtras(
-        **arrays,
+        reset_rows=rows[c[:, 4].astype(bool)],
+        prompt_tokens=_ragged_arange(rows * max_len + first, split - first),
+        prompt_rows=np.repeat(rows, split - first),
+        output_tokens=_ragged_arange(rows * max_len + split, end - split),
+        output_rows=np.repeat(rows, end - split),
+        penalty_rows=p[:, 0],
+        penalty_table_rows=p[:, 1],
+        presence=f[:, 0],
+        frequency=f[:, 1],
+        repetition=f[:, 2],
+        bias_rows=_repeat_rows(bias),
+        bias_ids=_concat([b[1] for b in bias], np.int64),
+        bias_values=_concat([b[2] for b in bias], np.float32),
+        mask_rows=_repeat_rows(mask),
+        mask_ids=_concat([m[1] for m in mask], np.int64),
+        logprob_rows=np.array(logprob_rows, dtype=np.int64),
+        prompt_logprob_index=_ragged_arange(lp_first + lp_shift, lp_counts),
+        prompt_logprob_targets=_concat(
+            [np.asarray(r.prompt_token_ids[lo + 1 : hi + 1]) for r, lo, hi, _ in prompt_lp],
+            np.int64,
+        ),
         num_top_logprobs=top_k,
-        num_top_prompt_logprobs=top_k_prompt,
-        prompt_logprob_spans=spans,
+        num_top_prompt_logprobs=max((r.params.prompt_logprobs for r, *_ in prompt_lp), default=0),
+        prompt_logprob_spans=[(r, lo, hi - lo) for r, lo, hi, _ in prompt_lp],
+    )
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def _repeat_rows(pairs: list[tuple]) -> np.ndarray:
+    """Each pair's sampling row, once per id it lists."""
+    return np.repeat(
+        np.array([x[0] for x in pairs], dtype=np.int64),
+        np.array([len(x[1]) for x in pairs], dtype=np.int64),
     )

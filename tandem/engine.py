@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 
@@ -182,14 +183,15 @@ class Engine:
             presence=params.presence_penalty,
             frequency=params.frequency_penalty,
             repetition=params.repetition_penalty,
-            bias_ids=list(bias),
-            bias_values=[float(b) for b in bias.values()],
+            bias_ids=np.fromiter(bias, np.int64, len(bias)),
+            bias_values=np.fromiter(bias.values(), np.float32, len(bias)),
             min_tokens=params.min_tokens,
             # Ids past the logits cannot be sampled anyway (and must not index them).
-            min_tokens_ids=sorted(t for t in stops if t < vocab) if params.min_tokens else [],
+            min_tokens_ids=np.array(
+                sorted(t for t in stops if t < vocab) if params.min_tokens else [], np.int64
+            ),
         )
-        used = processing.uses_penalties or processing.bias_ids or processing.min_tokens_ids
-        return processing if used else None
+        return processing if processing.used else None
 
     def submit(self, request: Request) -> str:
         with self._lock:
@@ -342,10 +344,14 @@ class Engine:
             ids, groups = unpack(result.numpy(), len(sampled), extras.output_groups)
             sampled_ids = ids.tolist()
             if len(extras.logprob_rows):
-                arrays = groups.pop(0)
-                for j, s in enumerate(extras.logprob_rows.tolist()):
-                    k = sampled[s].request.params.logprobs
-                    logprobs[s] = arrays.to_dict(j, sampled_ids[s], k, self._decode_token)
+                rows = extras.logprob_rows.tolist()
+                entries = groups.pop(0).to_dicts(
+                    [sampled_ids[s] for s in rows],
+                    [sampled[s].request.params.logprobs for s in rows],
+                    self._decode_token,
+                )
+                for s, entry in zip(rows, entries, strict=True):
+                    logprobs[s] = entry
             if groups:
                 self._add_prompt_logprobs(extras, groups[0])
         outputs = []
@@ -365,14 +371,18 @@ class Engine:
     def _add_prompt_logprobs(self, extras: StepExtras, arrays: LogprobsArrays) -> None:
         """Append each prompt position's result; positions recomputed after a preemption that
         were already retired are skipped (steps retire in order, so the list grows in order)."""
+        spans = extras.prompt_logprob_spans
+        entries = arrays.to_dicts(
+            [r.prompt_token_ids[p + 1] for r, first, n in spans for p in range(first, first + n)],
+            [r.params.prompt_logprobs for r, _, n in spans for _ in range(n)],
+            self._decode_token,
+        )
         j = 0
-        for request, first, count in extras.prompt_logprob_spans:
-            entries = request.prompt_logprobs
-            k = request.params.prompt_logprobs
+        for request, first, count in spans:
+            done = request.prompt_logprobs
             for p in range(first, first + count):
-                if p + 1 == len(entries):
-                    token = request.prompt_token_ids[p + 1]
-                    entries.append(arrays.to_dict(j, token, k, self._decode_token))
+                if p + 1 == len(done):
+                    done.append(entries[j])
                 j += 1
 
     def _decode_token(self, token: int) -> str:

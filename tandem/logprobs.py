@@ -56,13 +56,21 @@ class LogprobsArrays:
     top_ids: np.ndarray
     top_logprobs: np.ndarray
 
-    def to_dict(self, i: int, token: int, k: int, decode: Callable[[int], str]) -> TokenLogprobs:
-        """Row i as vLLM's per-token dict: `token` (sampled or prompt) first, then the top k."""
-        out = {token: Logprob(float(self.logprob[i]), int(self.rank[i]), decode(token))}
-        top = zip(self.top_ids[i, :k].tolist(), self.top_logprobs[i, :k].tolist(), strict=True)
-        for rank, (tid, lp) in enumerate(top, 1):
-            if tid not in out:
-                out[tid] = Logprob(lp, rank, decode(tid))
+    def to_dicts(
+        self, tokens: list[int], ks: list[int], decode: Callable[[int], str]
+    ) -> list[TokenLogprobs]:
+        """Row i as vLLM's per-token dict: tokens[i] (sampled or prompt) first, then the top
+        ks[i] alternatives by rank."""
+        logprobs, ranks = self.logprob.tolist(), self.rank.tolist()
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out = []
+        for i, (token, k) in enumerate(zip(tokens, ks, strict=True)):
+            entry = {token: Logprob(logprobs[i], ranks[i], decode(token))}
+            top = zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)
+            for rank, (tid, lp) in enumerate(top, 1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, decode(tid))
+            out.append(entry)
         return out
 
 

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 
 
@@ -82,10 +84,10 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             if not _is_int(token) or token < 0:
                 raise ValueError(
-                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+                    f"logit_bias must have token ids (integers >= 0) as keys, got {token!r}"
                 )
             if not _is_number(bias) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+                raise ValueError(f"logit_bias must have biases in [-100, 100], got {bias!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -127,14 +129,18 @@ class LogitsProcessing:
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
-    bias_ids: list[int] = field(default_factory=list)
-    bias_values: list[float] = field(default_factory=list)
+    bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     min_tokens: int = 0
-    min_tokens_ids: list[int] = field(default_factory=list)  # masked until min_tokens exist
+    min_tokens_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    uses_penalties: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uses_penalties = self.presence != 0 or self.frequency != 0 or self.repetition != 1
 
     @property
-    def uses_penalties(self) -> bool:
-        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+    def used(self) -> bool:
+        return self.uses_penalties or len(self.bias_ids) > 0 or len(self.min_tokens_ids) > 0
 
 
 class RequestStatus(enum.Enum):

@@ -42,9 +42,23 @@ class OpenAIPenalties(LogitsProcessor):
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
+_reference_cache: dict[tuple, list[int]] = {}
+
+
 def hf_processed_greedy(path, prompt: list[int], p: SamplingParams, stop_ids=()) -> list[int]:
     """transformers' greedy generate with processors in the engine's order: logit_bias, then
-    min_tokens, then repetition, then presence/frequency. Stops on `stop_ids` (none: length)."""
+    min_tokens, then repetition, then presence/frequency. Stops on `stop_ids` (none: length).
+    Cached: the same requests are checked under several loops and schedules."""
+    key = (
+        str(path), tuple(prompt), p.max_tokens, p.repetition_penalty, p.presence_penalty,
+        p.frequency_penalty, tuple(sorted(p.logit_bias.items())), p.min_tokens, tuple(stop_ids),
+    )  # fmt: skip
+    if key not in _reference_cache:
+        _reference_cache[key] = _hf_processed_greedy(path, prompt, p, stop_ids)
+    return list(_reference_cache[key])
+
+
+def _hf_processed_greedy(path, prompt: list[int], p: SamplingParams, stop_ids) -> list[int]:
     model = _load_hf_model(str(path))
     n = len(prompt)
     processors = []

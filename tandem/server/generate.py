@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.engine import Engine
-from tandem.request import SamplingParams
+from tandem.request import SamplingParams, TokenLogprobs
 from tandem.server.errors import APIError, bad_request, error_body
 from tandem.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.server.responses import (
@@ -100,18 +100,19 @@ async def respond(
     prefix, prompt_param = ("chatcmpl", "messages") if chat else ("cmpl", "prompt")
     stream = await service.submit(prepare, params, prefix, prompt_param)
     fmt_cls = ChatFormat if chat else CompletionFormat
-    fmt = fmt_cls(stream.request_id, model_name, body.include_usage)
+    fmt = fmt_cls(stream.request_id, model_name, body.include_usage, params.logprobs)
     if body.stream:
         return SSEResponse(_events(stream, fmt), on_close=lambda: service.abort(stream))
     try:
-        text = await _collect_unless_disconnected(request, stream)
+        collected = await _collect_unless_disconnected(request, stream)
     finally:
         service.abort(stream)  # no-op once finished; frees the blocks if we were cancelled
-    if text is None:  # the client left; nobody reads this
+    if collected is None:  # the client left; nobody reads this
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     _raise_if_server_ended(stream)
     counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
-    return JSONResponse(fmt.full(text, stream.finish_reason or "stop", counts))
+    text, logprobs = collected
+    return JSONResponse(fmt.full(text, stream.finish_reason or "stop", counts, logprobs))
 
 
 def _raise_if_server_ended(stream: RequestStream) -> None:
@@ -120,13 +121,16 @@ def _raise_if_server_ended(stream: RequestStream) -> None:
         raise APIError(status, stream.error, code="aborted")
 
 
-async def _collect(stream: RequestStream) -> str:
+async def _collect(stream: RequestStream) -> tuple[str, list[TokenLogprobs]]:
+    """The whole text, and the logprobs of every token (empty unless asked for)."""
     parts: list[str] = []
+    logprobs: list[TokenLogprobs] = []
     while True:
         for delta in await stream.next_deltas():
             parts.append(delta.text)
+            logprobs += delta.logprobs or []
             if delta.finished:
-                return "".join(parts)
+                return "".join(parts), logprobs
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -134,8 +138,10 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_disconnected(request: Request, stream: RequestStream) -> str | None:
-    """The whole text, or None if the client disconnected first."""
+async def _collect_unless_disconnected(
+    request: Request, stream: RequestStream
+) -> tuple[str, list[TokenLogprobs]] | None:
+    """The whole text and logprobs, or None if the client disconnected first."""
     collect = asyncio.ensure_future(_collect(stream))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -155,8 +161,9 @@ async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[b
     while True:
         deltas = await stream.next_deltas()
         text = "".join(d.text for d in deltas)
-        if text:
-            yield sse(fmt.delta(text))
+        logprobs = [entry for d in deltas for entry in d.logprobs or []]
+        if text or logprobs:
+            yield sse(fmt.delta(text, logprobs))
         if deltas[-1].finished:
             break
     if stream.error is not None:  # ended by the server: say so in-stream, as OpenAI does

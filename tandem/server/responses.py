@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.request import Logprob, TokenLogprobs
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -30,6 +32,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _logprob(value: float) -> float:
+    """JSON has no -inf: clamp, as vLLM does."""
+    return max(value, -9999.0)
+
+
+def _top(entry: TokenLogprobs, k: int) -> list[Logprob]:
+    return sorted(entry.values(), key=lambda lp: lp.rank)[:k]
+
+
 @dataclass
 class CompletionFormat:
     """/v1/completions: `text` in each choice."""
@@ -37,7 +48,9 @@ class CompletionFormat:
     request_id: str
     model: str
     include_usage: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    _text_offset: int = 0  # where the next token's text starts (streams span many chunks)
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         body = {
@@ -51,11 +64,32 @@ class CompletionFormat:
             body["usage"] = None
         return body
 
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """OpenAI's legacy shape: the sampled tokens, their logprobs, and per token a dict of
+        the top alternatives (with the sampled token: up to logprobs + 1 entries)."""
+        if self.logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        offsets = out["text_offset"] = []
+        for entry in entries:
+            sampled = next(iter(entry.values()))
+            text = sampled.decoded_token or ""
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_logprob(sampled.logprob))
+            out["top_logprobs"].append(
+                {lp.decoded_token: _logprob(lp.logprob) for lp in entry.values()}
+            )
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        return out
+
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk({"text": text, "finish_reason": None})
+    def delta(self, text: str, logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        return self._chunk(
+            {"text": text, "logprobs": self._logprobs(logprobs or []), "finish_reason": None}
+        )
 
     def closing(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({"text": "", "finish_reason": finish_reason})
@@ -63,15 +97,20 @@ class CompletionFormat:
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._chunk({}), "choices": [], "usage": counts}
 
-    def full(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        counts: dict[str, int],
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs or [])}
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            ],
+            "choices": [{**choice, "finish_reason": finish_reason}],
             "usage": counts,
         }
 
@@ -83,27 +122,48 @@ class ChatFormat:
     request_id: str
     model: str
     include_usage: bool = False
+    logprobs: int | None = None  # top_logprobs per token; None: no logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         body = {
             "id": self.request_id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             ],
         }
         if self.include_usage:
             body["usage"] = None
         return body
 
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """`content`: per token, its text, logprob and UTF-8 bytes, and the top_logprobs."""
+        if self.logprobs is None:
+            return None
+        content = []
+        for entry in entries:
+            sampled = next(iter(entry.values()))
+            content.append(
+                {
+                    **_chat_token(sampled),
+                    "top_logprobs": [_chat_token(lp) for lp in _top(entry, self.logprobs)],
+                }
+            )
+        return {"content": content}
+
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def delta(self, text: str, logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, self._logprobs(logprobs or []))
 
     def closing(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({}, finish_reason)
@@ -111,7 +171,13 @@ class ChatFormat:
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._chunk({}, None), "choices": [], "usage": counts}
 
-    def full(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        counts: dict[str, int],
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": "chat.completion",
@@ -121,12 +187,17 @@ class ChatFormat:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": self._logprobs(logprobs or []),
                     "finish_reason": finish_reason,
                 }
             ],
             "usage": counts,
         }
+
+
+def _chat_token(lp: Logprob) -> dict[str, Any]:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
 ResponseFormat = CompletionFormat | ChatFormat
