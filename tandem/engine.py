@@ -405,7 +405,8 @@ class Engine:
         if (
             token in params.stop_token_ids
             or (token in self.eos_token_ids and not params.ignore_eos)
-            or detok.add(token)
+            # Stop strings count only from min_tokens on (as in vLLM); stop ids are masked before.
+            or detok.add(token, check_stop=len(request.output_token_ids) >= params.min_tokens)
         ):
             reason = "stop"
         elif len(request.output_token_ids) >= request.max_tokens:
