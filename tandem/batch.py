@@ -220,31 +220,41 @@ def _first_counted(item: ScheduledRequest) -> int:
 def _build_extras(items: list[ScheduledRequest], offsets: np.ndarray, max_len: int) -> StepExtras:
     """The per-step arrays of penalties, logit_bias, min_tokens and logprobs (see StepExtras).
 
-    One pass over the items collects scalars; the per-token arrays are then built with numpy.
+    One pass over the items collects scalars into columns; numpy builds the per-token arrays.
     """
-    counted: list[tuple[int, int, int, int, bool]] = []  # row, first, end, prompt len, admitted
-    prompt_lp: list[tuple[Request, int, int, int]] = []  # request, first, end, batch offset
-    pen: list[tuple[int, int, float, float, float]] = []  # sampling row, table row, penalties
+    # Token counts, per item of a penalized request: table row, first counted position, end,
+    # prompt length, admitted now.
+    c_row, c_first, c_end, c_prompt, c_admitted = [], [], [], [], []
+    # Penalties per sampling row: row, table row, presence, frequency, repetition.
+    p_row, p_table_row, p_presence, p_frequency, p_repetition = [], [], [], [], []
     bias, mask = [], []  # (sampling row, ids[, values])
     logprob_rows: list[int] = []
+    prompt_lp: list[tuple[Request, int, int, int]] = []  # request, first, end, batch offset shift
     top_k = 0
     s = 0  # index among sampling rows
     for it, offset in zip(items, offsets.tolist(), strict=True):
         request, end = it.request, it.start + it.num_tokens
         proc = request.processing
-        n_prompt = len(request.prompt_token_ids)
         if proc is not None and proc.uses_penalties:
-            counted.append((it.slot, _first_counted(it), end, n_prompt, it.admitted))
+            c_row.append(it.slot)
+            c_first.append(_first_counted(it))
+            c_end.append(end)
+            c_prompt.append(len(request.prompt_token_ids))
+            c_admitted.append(it.admitted)
         if request.prompt_logprobs is not None:
             lo = max(it.start, len(request.prompt_logprobs) - 1)  # retired ones are not redone
-            hi = min(end, n_prompt - 1)
+            hi = min(end, len(request.prompt_token_ids) - 1)
             if hi > lo:
                 prompt_lp.append((request, lo, hi, offset - it.start))
         if not it.sample:
             continue
         if proc is not None:
             if proc.uses_penalties:
-                pen.append((s, it.slot, proc.presence, proc.frequency, proc.repetition))
+                p_row.append(s)
+                p_table_row.append(it.slot)
+                p_presence.append(proc.presence)
+                p_frequency.append(proc.frequency)
+                p_repetition.append(proc.repetition)
             if len(proc.bias_ids):
                 bias.append((s, proc.bias_ids, proc.bias_values))
             if it.output_index < proc.min_tokens and len(proc.min_tokens_ids):
@@ -254,32 +264,29 @@ def _build_extras(items: list[ScheduledRequest], offsets: np.ndarray, max_len: i
             top_k = max(top_k, request.params.logprobs)
         s += 1
 
-    c = np.array(counted, dtype=np.int64).reshape(-1, 5)
-    rows, first, end, n_prompt = c[:, 0], c[:, 1], c[:, 2], c[:, 3]
-    split = np.minimum(np.maximum(first, n_prompt), end)
-    p = np.array([x[:2] for x in pen], dtype=np.int64).reshape(-1, 2)
-    f = np.array([x[2:] for x in pen], dtype=np.float32).reshape(-1, 3)
-    lp_first = np.array([x[1] for x in prompt_lp], dtype=np.int64)
-    lp_counts = np.array([x[2] - x[1] for x in prompt_lp], dtype=np.int64)
-    lp_shift = np.array([x[3] for x in prompt_lp], dtype=np.int64)
+    rows, first, end = _ints(c_row), _ints(c_first), _ints(c_end)
+    split = np.minimum(np.maximum(first, _ints(c_prompt)), end)
+    lp_first = _ints([x[1] for x in prompt_lp])
     return StepExtras(
-        reset_rows=rows[c[:, 4].astype(bool)],
+        reset_rows=rows[np.array(c_admitted, dtype=bool)],
         prompt_tokens=_ragged_arange(rows * max_len + first, split - first),
         prompt_rows=np.repeat(rows, split - first),
         output_tokens=_ragged_arange(rows * max_len + split, end - split),
         output_rows=np.repeat(rows, end - split),
-        penalty_rows=p[:, 0],
-        penalty_table_rows=p[:, 1],
-        presence=f[:, 0],
-        frequency=f[:, 1],
-        repetition=f[:, 2],
+        penalty_rows=_ints(p_row),
+        penalty_table_rows=_ints(p_table_row),
+        presence=np.array(p_presence, dtype=np.float32),
+        frequency=np.array(p_frequency, dtype=np.float32),
+        repetition=np.array(p_repetition, dtype=np.float32),
         bias_rows=_repeat_rows(bias),
         bias_ids=_concat([b[1] for b in bias], np.int64),
         bias_values=_concat([b[2] for b in bias], np.float32),
         mask_rows=_repeat_rows(mask),
         mask_ids=_concat([m[1] for m in mask], np.int64),
-        logprob_rows=np.array(logprob_rows, dtype=np.int64),
-        prompt_logprob_index=_ragged_arange(lp_first + lp_shift, lp_counts),
+        logprob_rows=_ints(logprob_rows),
+        prompt_logprob_index=_ragged_arange(
+            lp_first + _ints([x[3] for x in prompt_lp]), _ints([x[2] for x in prompt_lp]) - lp_first
+        ),
         prompt_logprob_targets=_concat(
             [np.asarray(r.prompt_token_ids[lo + 1 : hi + 1]) for r, lo, hi, _ in prompt_lp],
             np.int64,
@@ -290,13 +297,14 @@ def _build_extras(items: list[ScheduledRequest], offsets: np.ndarray, max_len: i
     )
 
 
+def _ints(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
 def _repeat_rows(pairs: list[tuple]) -> np.ndarray:
     """Each pair's sampling row, once per id it lists."""
-    return np.repeat(
-        np.array([x[0] for x in pairs], dtype=np.int64),
-        np.array([len(x[1]) for x in pairs], dtype=np.int64),
-    )
+    return np.repeat(_ints([x[0] for x in pairs]), _ints([len(x[1]) for x in pairs]))
