@@ -49,6 +49,9 @@ class ProcessingTensors:
     # Host facts (sizes of the arrays above), so unused work is skipped without a sync.
     count_tokens: bool
     use_penalties: bool
+    use_repetition: bool
+    use_frequency: bool
+    use_presence: bool
     use_bias: bool
     use_mask: bool
 
@@ -88,17 +91,21 @@ class TokenCounts:
     def apply_penalties(self, logits: torch.Tensor, p: ProcessingTensors) -> None:
         """In place: repetition (transformers: divide positive logits, multiply negative ones, of
         every token seen in the prompt or output), then frequency and presence (OpenAI: subtract
-        frequency * count + presence * [count > 0], over output tokens only)."""
+        frequency * count, then presence * [count > 0], over output tokens only). Each is skipped
+        when no row of the step uses it."""
         assert self.prompt_seen is not None and self.output_counts is not None
-        rows = p.penalty_rows
+        rows, table_rows = p.penalty_rows, p.penalty_table_rows
         sub = logits[rows]
-        counts = self.output_counts[p.penalty_table_rows]
-        in_output = counts > 0
-        seen = self.prompt_seen[p.penalty_table_rows] | in_output
-        repetition = p.repetition[:, None]
-        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub = torch.where(seen, penalized, sub)
-        sub = sub - p.frequency[:, None] * counts - p.presence[:, None] * in_output
+        counts = self.output_counts[table_rows]
+        if p.use_repetition:
+            seen = self.prompt_seen[table_rows]
+            seen |= counts > 0
+            repetition = p.repetition[:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        if p.use_frequency:
+            sub -= counts * p.frequency[:, None]
+        if p.use_presence:
+            sub -= (counts > 0) * p.presence[:, None]
         logits.index_copy_(0, rows, sub)
 
 

@@ -205,6 +205,9 @@ class ModelRunner:
             mask_ids=t["mask_ids"],
             count_tokens=bool(len(e.reset_rows) + len(e.prompt_tokens) + len(e.output_tokens)),
             use_penalties=bool(len(e.penalty_rows)),
+            use_repetition=bool((e.repetition != 1).any()),
+            use_frequency=bool(e.frequency.any()),
+            use_presence=bool(e.presence.any()),
             use_bias=bool(len(e.bias_rows)),
             use_mask=bool(len(e.mask_rows)),
         )
