@@ -184,11 +184,8 @@ class Request:
     @property
     def needs_extras(self) -> bool:
         """Does a step with this request need anything beyond plain sampling?"""
-        return (
-            self.processing is not None
-            or self.logprobs is not None
-            or (self.prompt_logprobs is not None)
-        )
+        asks_logprobs = self.logprobs is not None or self.prompt_logprobs is not None
+        return self.processing is not None or asks_logprobs
 
     @property
     def num_prompt_tokens(self) -> int:
