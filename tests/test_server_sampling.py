@@ -188,3 +188,82 @@ def test_bad_values_through_the_client(live: LiveServer, model: str) -> None:
         )
     assert info.value.body["param"] == "logit_bias"
     assert "outside the vocabulary" in info.value.body["message"]
+
+
+def seeded(n: int, max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(
+        n=n, max_tokens=max_tokens, temperature=1.0, seed=5, ignore_eos=True, **kw
+    )
+
+
+def by_choice(chunks, get) -> dict[int, list]:
+    """Per choice index, the concatenation of what `get` takes from each streamed choice."""
+    out: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            out.setdefault(choice.index, []).extend(get(choice))
+    return out
+
+
+def test_completion_logprobs_with_n_and_prompt_lists(
+    live: LiveServer, model: str, offline: LLM
+) -> None:
+    """Choice prompt_index * n + sample_index carries that sample's own logprobs, its text
+    offsets starting at 0, streamed (each chunk its own choice's tokens) and not."""
+    prompts = [PROMPT, "The quick brown fox"]
+    expected = offline.generate(prompts, seeded(2, 6, logprobs=2))
+    samples = [s for out in expected for s in out.outputs]
+    assert len({tuple(s.token_ids) for s in samples}) == 4
+    kwargs = {"model": model, "prompt": prompts, "max_tokens": 6, "n": 2, "seed": 5, "logprobs": 2}
+    extra = {"ignore_eos": True}
+    out = live.client().completions.create(**kwargs, extra_body=extra)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for choice, sample in zip(out.choices, samples, strict=True):
+        lp = choice.logprobs
+        sampled = [next(iter(e.values())) for e in sample.logprobs]
+        assert choice.text == sample.text
+        assert lp.tokens == [s.decoded_token for s in sampled]
+        assert lp.token_logprobs == approx([s.logprob for s in sampled])
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+        for top, entry in zip(lp.top_logprobs, sample.logprobs, strict=True):
+            assert top.keys() == {e.decoded_token for e in entry.values()}
+
+    chunks = list(live.client().completions.create(**kwargs, stream=True, extra_body=extra))
+    texts = by_choice(chunks, lambda c: [c.text])
+    tokens = by_choice(chunks, lambda c: c.logprobs.tokens if c.logprobs else [])
+    values = by_choice(chunks, lambda c: c.logprobs.token_logprobs if c.logprobs else [])
+    offsets = by_choice(chunks, lambda c: c.logprobs.text_offset if c.logprobs else [])
+    for i, choice in enumerate(out.choices):
+        assert "".join(texts[i]) == choice.text
+        assert tokens[i] == choice.logprobs.tokens
+        assert values[i] == approx(choice.logprobs.token_logprobs)
+        assert offsets[i] == choice.logprobs.text_offset
+
+
+def test_chat_logprobs_with_n(live: LiveServer, model: str, offline: LLM) -> None:
+    prompt = chat_prompt_ids(live.engine, MESSAGES)
+    samples = offline.generate([prompt], seeded(2, 6, logprobs=2))[0].outputs
+    assert samples[0].token_ids != samples[1].token_ids
+    client = live.client()
+    kwargs = {
+        "model": model, "messages": MESSAGES, "max_tokens": 6, "n": 2, "seed": 5,
+        "logprobs": True, "top_logprobs": 2, "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    out = client.chat.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, sample in zip(out.choices, samples, strict=True):
+        assert choice.message.content == sample.text
+        content = choice.logprobs.content
+        assert [x.logprob for x in content] == approx(
+            [next(iter(e.values())).logprob for e in sample.logprobs]
+        )
+        for item, entry in zip(content, sample.logprobs, strict=True):
+            top = sorted(entry.values(), key=lambda e: e.rank)[:2]
+            assert [t.token for t in item.top_logprobs] == [e.decoded_token for e in top]
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = by_choice(chunks, lambda c: c.logprobs.content if c.logprobs else [])
+    for i, choice in enumerate(out.choices):
+        assert [x.model_dump() for x in streamed[i]] == [
+            x.model_dump() for x in choice.logprobs.content
+        ]
