@@ -204,6 +204,8 @@ class GenerationService:
             except ValueError as exc:  # the engine's validation: the prompt, or its length
                 message = str(exc)
                 param = "max_tokens" if "plus max_tokens" in message else prompt_param
+                if "logit_bias" in message:  # a token id outside the vocabulary
+                    param = "logit_bias"
                 raise bad_request(message, param=param) from None
             if not self.ready:  # shutdown began while the prompt was being tokenized
                 raise self._refuse(self.unready_reason())
