@@ -989,14 +989,15 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         ax.set_ylabel("output tokens/s")
         m = res["model"]
         kind = f", {m['kind']}" if m.get("kind") else ""
-        ax.set_title(f"{m['name']} ({m['params'] / 1e6:.1f}M params{kind})", fontsize=10)
+        runs = res["settings"]["repeats"]
+        median = f"median of {runs}" if runs > 1 else "1 run each"
+        ax.set_title(f"{m['name']} ({m['params'] / 1e6:.1f}M params{kind}); {median}", fontsize=10)
         ax.legend(fontsize=8)
     mach = results[0]["machine"]
     settings = results[0]["settings"]
     fig.suptitle(
         f"output tokens/s; {mach['cpu']}, {mach['cpus_usable']} CPUs; threads: HF and vLLM "
-        f"{settings['threads']}, Tandem {settings.get('tandem_threads', 'auto')}; "
-        f"median of {settings['repeats']}",
+        f"{settings['threads']}, Tandem {settings.get('tandem_threads', 'auto')}",
         fontsize=9,
     )
     fig.tight_layout()
