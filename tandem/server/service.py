@@ -1,14 +1,19 @@
 """The event-loop side of the engine: admission, one stream per request, and graceful shutdown.
 
-Everything here runs on the asyncio event loop except tokenization (and chat-template rendering),
-which runs on one worker thread so a long prompt never stalls other connections. Outputs come
-from the engine loop thread once per step, as a single `call_soon_threadsafe(_deliver, deltas)`.
+Everything here runs on the asyncio event loop except request preparation (parsing, the chat
+template, tokenization), which runs in the intake lanes (`intake.py`) so that no request, however
+large, stalls other connections. Outputs come from the engine loop thread once per step, as a
+single `call_soon_threadsafe(_deliver, deltas)`.
 
 Admission: at most `max_num_seqs + max_waiting` requests are in flight (accepted, not finished).
 The engine runs up to `max_num_seqs` at once, so the excess is the waiting queue, counted here on
 the event loop where it is exact (the engine's own counters lag behind its inbox). Beyond it, 503
 with Retry-After. An accepted request is never dropped: it runs to completion (or until its client
-disconnects, or the shutdown grace period runs out).
+disconnects, or the shutdown grace period runs out, or the engine fails).
+
+If the engine loop thread dies, every request in flight or being prepared is answered at once
+(503 if it had produced nothing yet, 500 otherwise; streams end with an error event), /health
+says 503, and `on_failure` tells the owner (`serve` exits non-zero).
 """
 
 from __future__ import annotations
@@ -17,16 +22,15 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tandem.engine import Engine
-from tandem.request import SamplingParams
-from tandem.server.errors import APIError, bad_request, unavailable
+from tandem.server.errors import APIError, unavailable
+from tandem.server.intake import IntakeLanes
 from tandem.server.loop import Delta, EngineLoop
 from tandem.server.metrics import ServerMetrics
+from tandem.server.prepare import Prepared
 
 logger = logging.getLogger("tandem.server")
 
@@ -45,6 +49,7 @@ class RequestStream:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when the server, not the client, ended it early
+    error_status: int = 500  # the HTTP status that `error` stands for
     client_gone: bool = False
     last_token_time: float | None = None
 
@@ -58,18 +63,26 @@ class RequestStream:
 
 
 class GenerationService:
-    def __init__(self, engine: Engine, max_waiting: int = 256, retry_after_s: int = 1):
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int = 256,
+        retry_after_s: int = 1,
+        intake: IntakeLanes | None = None,
+    ):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_waiting
         self.retry_after_s = retry_after_s
         self.accepting = False
+        self.intake = intake or IntakeLanes()
+        self.on_failure: Callable[[BaseException], None] | None = None  # called on the event loop
         self._streams: dict[str, RequestStream] = {}
-        self._admitting = 0  # accepted, still being tokenized
+        self._admitting = 0  # accepted, still being prepared
         self._idle = asyncio.Event()
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._tokenizer_pool: ThreadPoolExecutor | None = None
+        self._failed: asyncio.Future[None] | None = None  # done once the engine has failed
         self.loop = EngineLoop(engine, self._from_engine_thread, self._crash_from_engine_thread)
         self.metrics = ServerMetrics(
             engine, lambda: self.num_in_flight, lambda: self.loop.device_idle_fraction
@@ -79,7 +92,8 @@ class GenerationService:
     def start(self) -> None:
         """Called on the event loop (the app's lifespan): binds the bridge to it."""
         self._aloop = asyncio.get_running_loop()
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
+        self._failed = self._aloop.create_future()
+        self.intake.start()
         self.loop.start()
         self._idle.set()
         self.accepting = True
@@ -87,6 +101,10 @@ class GenerationService:
     @property
     def ready(self) -> bool:
         return self.accepting and self.loop.alive
+
+    @property
+    def failed(self) -> bool:
+        return self.loop.crashed is not None
 
     def unready_reason(self) -> str:
         if self._aloop is None:
@@ -107,17 +125,17 @@ class GenerationService:
         if not await self._wait_idle(grace_period):
             logger.warning("grace period over: aborting %d request(s)", len(self._streams))
             for stream in list(self._streams.values()):
-                stream.error = SHUTDOWN_ABORT_MESSAGE
+                stream.error, stream.error_status = SHUTDOWN_ABORT_MESSAGE, 503
                 self.engine.abort(stream.request_id)
             if not await self._wait_idle(abort_wait_s):
                 self._fail_all(SHUTDOWN_ABORT_MESSAGE)  # the loop is stuck: release the clients
 
-    def close(self) -> None:
-        """Stop the loop thread and the tokenizer worker (after `shutdown`); idempotent."""
+    def close(self, wait: bool = False) -> None:
+        """Stop the loop thread and the intake workers (after `shutdown`); idempotent. With
+        `wait`, also wait for preparations still running (off the event loop only)."""
         self.accepting = False
         self.loop.stop()
-        if self._tokenizer_pool is not None:
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.intake.close(wait)
 
     async def _wait_idle(self, timeout: float) -> bool:
         """True once no request is in flight; False if `timeout` seconds pass first."""
@@ -133,44 +151,40 @@ class GenerationService:
 
     # ------------------------------------------------------------ requests
     async def submit(
-        self,
-        prepare: Callable[[], str | list[int]],
-        params: SamplingParams,
-        prefix: str,
-        prompt_param: str,
-    ) -> RequestStream:
-        """Admit, tokenize (off the event loop) and queue one request.
+        self, size: int, prepare: Callable[[], Prepared]
+    ) -> tuple[RequestStream, Prepared]:
+        """Admit, prepare (in an intake lane: parse, tokenize, validate) and queue one request.
 
-        `prepare` builds the prompt on the tokenizer thread; a ValueError from it or from the
-        engine's validation becomes a 400 naming `prompt_param`.
+        `size` is the body's length, which picks the lane; `prepare` raises APIError for a bad
+        request. If the engine fails meanwhile, the request gets 503 at once.
         """
-        self._check_admission()
+        self.check_admission()
+        if self.intake.is_bulk(size) and self.intake.bulk_full:
+            raise self._refuse(
+                f"{self.intake.max_bulk} large requests (over {self.intake.bulk_threshold} bytes) "
+                "are already being prepared; retry later"
+            )
         self._admitting += 1
         try:
-            request_id = f"{prefix}-{uuid.uuid4().hex}"
             arrival = time.perf_counter()
-
-            def build():
-                return self.engine.make_request(prepare(), params, request_id)
-
-            assert self._aloop is not None and self._tokenizer_pool is not None
-            try:
-                request = await self._aloop.run_in_executor(self._tokenizer_pool, build)
-            except ValueError as exc:  # the engine's validation: the prompt, or its length
-                message = str(exc)
-                param = "max_tokens" if "plus max_tokens" in message else prompt_param
-                raise bad_request(message, param=param) from None
-            if not self.ready:  # shutdown began while the prompt was being tokenized
+            job = self.intake.run(size, prepare)
+            assert self._failed is not None
+            await asyncio.wait({job, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+            if not job.done():  # the engine failed while the request was being prepared
                 raise self._refuse(self.unready_reason())
-            stream = RequestStream(request_id, request.num_prompt_tokens, arrival)
-            self._streams[request_id] = stream
+            prepared = job.result()
+            if not self.ready:  # shutdown began (or the engine failed) during preparation
+                raise self._refuse(self.unready_reason())
+            request = prepared.request
+            stream = RequestStream(request.request_id, request.num_prompt_tokens, arrival)
+            self._streams[request.request_id] = stream
             self.engine.submit(request)
         finally:
             self._admitting -= 1
             if not self._streams and not self._admitting:
                 self._idle.set()
         self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
-        return stream
+        return stream, prepared
 
     def abort(self, stream: RequestStream) -> None:
         """The client went away: free the request's KV blocks now (the engine ends it as "abort")."""
@@ -178,7 +192,7 @@ class GenerationService:
             stream.client_gone = True
             self.engine.abort(stream.request_id)
 
-    def _check_admission(self) -> None:
+    def check_admission(self) -> None:
         if not self.ready:
             raise self._refuse(self.unready_reason())
         if self.num_in_flight >= self.capacity:
@@ -196,7 +210,7 @@ class GenerationService:
         self._call_in_event_loop(self._deliver, deltas)
 
     def _crash_from_engine_thread(self, exc: BaseException) -> None:
-        self._call_in_event_loop(self._fail_all, f"the engine failed: {type(exc).__name__}: {exc}")
+        self._call_in_event_loop(self._engine_failed, exc)
 
     def _call_in_event_loop(self, fn: Callable, arg: object) -> None:
         try:
@@ -223,7 +237,7 @@ class GenerationService:
             if delta.finished:
                 stream.finished = True
                 stream.finish_reason = delta.finish_reason
-                if delta.error:
+                if delta.error and stream.error is None:
                     stream.error = delta.error
                 del self._streams[delta.request_id]
                 metrics.finished.labels(finish_reason=delta.finish_reason or "error").inc()
@@ -231,8 +245,24 @@ class GenerationService:
         if not self._streams and not self._admitting:
             self._idle.set()
 
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The loop thread died: answer everyone now, then tell the owner."""
+        self.accepting = False
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        for stream in self._streams.values():
+            # Nothing generated yet: the request can be retried elsewhere as it is.
+            stream.error_status = 503 if stream.num_output_tokens == 0 else 500
+        self._fail_all(message)
+        assert self._failed is not None
+        if not self._failed.done():
+            self._failed.set_result(None)  # requests still being prepared get 503 now
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
     def _fail_all(self, message: str) -> None:
-        """End every open stream with an error (engine crash, or a loop stuck at shutdown)."""
+        """End every open stream with an error (engine failure, or a loop stuck at shutdown)."""
+        for stream in self._streams.values():
+            stream.error = message
         failed = [
             Delta(rid, "", 0, s.num_output_tokens, True, "abort", message)
             for rid, s in self._streams.items()

@@ -1,0 +1,151 @@
+"""From a request body's bytes to an engine `Request`, on an intake worker (never the event loop).
+
+Everything whose cost grows with the request happens here: JSON parsing and validation, the chat
+template, the prompt-length bound, tokenization and the engine's own checks. A prompt the bound
+proves too long is refused before it is tokenized. Every failure is an `APIError` (400 naming the
+parameter, 404 for an unknown model), raised in the worker and re-raised by the handler.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from tandem.engine import Engine
+from tandem.request import Request, SamplingParams
+from tandem.server.errors import APIError, bad_request, validation_error
+from tandem.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tandem.server.token_bound import PromptBound
+
+Prompt = str | list[int]
+Body = TypeVar("Body", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine, with the body it came from."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    request: Request
+
+
+class Preparer:
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        accepted_names: list[str],
+        bound: PromptBound | None,
+    ):
+        self.engine = engine
+        self.model_name = model_name
+        self.accepted_names = set(accepted_names)
+        self.bound = bound
+
+    def completion(self, raw: bytes) -> Prepared:
+        body = parse(CompletionRequest, raw)
+        params = self._common(body)
+        prompt = single_prompt(body.prompt)
+        if isinstance(prompt, str):
+            self._check_bound(prompt, add_special_tokens=True, param="prompt")
+        return Prepared(body, self._make(prompt, params, "cmpl", "prompt"))
+
+    def chat(self, raw: bytes) -> Prepared:
+        body = parse(ChatCompletionRequest, raw)
+        params = self._common(body)
+        text = render_chat(self.engine, body.messages)
+        # The template writes any BOS itself, so the text is tokenized without special tokens.
+        self._check_bound(text, add_special_tokens=False, param="messages")
+        token_ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
+        return Prepared(body, self._make(token_ids, params, "chatcmpl", "messages"))
+
+    def _common(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        if body.model not in self.accepted_names:
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if body.stream_options is not None and not body.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        return sampling_params(body)
+
+    def _check_bound(self, text: str, add_special_tokens: bool, param: str) -> None:
+        """Refuse, without tokenizing, a text certain to leave no room to generate."""
+        if self.bound is None:
+            return
+        at_least = self.bound.min_tokens(text, add_special_tokens)
+        limit = self.engine.max_model_len
+        if at_least >= limit:
+            raise bad_request(
+                f"prompt has at least {at_least} tokens ({self.bound.describe()}), which leaves "
+                f"no room to generate within max_model_len {limit}",
+                param=param,
+            )
+
+    def _make(self, prompt: Prompt, params: SamplingParams, prefix: str, param: str) -> Request:
+        try:
+            return self.engine.make_request(prompt, params, f"{prefix}-{uuid.uuid4().hex}")
+        except ValueError as exc:  # the engine's validation: the prompt, or its length
+            message = str(exc)
+            raise bad_request(
+                message, param="max_tokens" if "plus max_tokens" in message else param
+            ) from None
+
+
+def parse(model: type[Body], raw: bytes) -> Body:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> Prompt:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
+                param="prompt",
+            )
+        return prompt[0]
+    return prompt
+
+
+def render_chat(engine: Engine, messages: list[ChatMessage]) -> str:
+    """The tokenizer's chat template applied to `messages`, as text."""
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request(
+            "this model's tokenizer has no chat template, so /v1/chat/completions cannot build "
+            "a prompt; use /v1/completions with a plain prompt",
+            param="messages",
+        )
+    conversation = [m.as_template_message() for m in messages]
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
+        raise bad_request(
+            f"the chat template refused these messages: {exc}", param="messages"
+        ) from None
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    try:
+        return body.sampling_params()
+    except ValueError as exc:  # SamplingParams' messages start with the field's name
+        message = str(exc)
+        match = re.match(r"(\w+) must", message)
+        param = match.group(1) if match else None
+        if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+            message = param + message.removeprefix("max_tokens")
+        raise bad_request(message, param=param) from None
