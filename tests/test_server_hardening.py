@@ -40,6 +40,7 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tandem.default_model import SPECIAL_TOKENS, build_tokenizer
+from tandem.server.json_count import Count, JSONCounter
 from tandem.server.token_bound import PromptBound, prompt_bound
 
 KEY = "tandem-test-key"
@@ -294,6 +295,48 @@ def test_unprovable_tokenizer_tokenizes_in_the_bulk_lane(guarded: LiveServer) ->
     assert_idle(live)
 
 
+def test_many_tiny_json_values_do_not_stall_the_server(guarded: LiveServer) -> None:
+    """pydantic holds the GIL for a whole validation, so a body of 150,000 tiny chat messages
+    would stall every thread for a second; it is counted by a GIL-friendly parser instead and
+    refused, while small requests keep their latency."""
+    live = guarded
+    small_latencies(live, 3)
+    baseline = statistics.median(small_latencies(live, 9))
+    messages = [{"role": "user", "content": "x"}] * 150_000
+    body = {"model": live.engine.model_path.name, "messages": messages}
+    intake = live.service.intake
+    with ThreadPoolExecutor(1) as pool:
+        flood = pool.submit(httpx.post, f"{live.url}/v1/chat/completions", json=body, timeout=60)
+        wait_until(lambda: intake.bulk_pending == 1, 30, "the bulk lane to be busy")
+        during = []
+        while intake.bulk_pending and len(during) < 50:
+            during.extend(small_latencies(live, 1))
+        refused = flood.result()
+    assert during, "the body was refused faster than one small request"
+    assert statistics.median(during) <= 3 * baseline, (baseline, during)
+    assert max(during) <= 10 * baseline, (baseline, during)
+    assert refused.status_code == 400
+    assert "holds 450003 JSON values" in refused.json()["error"]["message"]
+
+
+def test_json_counter_process() -> None:
+    counter = JSONCounter()
+    try:
+        assert counter.count(b'{"a": [1, 2, {"b": null}], "c": "x,y,[z"}') == Count(7)
+        error = counter.count(b'{"a": ')
+        assert error is not None and error.values == 0 and "Expecting value" in error.error
+        assert "recursion" in counter.count(b"[" * 100_000).error
+        first = counter._proc
+        first.kill()
+        first.wait()
+        assert counter.count(b"[1, 2]") == Count(3)  # a dead helper is replaced
+        second = counter._proc
+        assert second is not first and second.poll() is None
+    finally:
+        counter.close()
+    assert second.poll() is not None and counter.count(b"[]") is None
+
+
 # ------------------------------------------------------------ request limits
 def test_oversized_body_gets_413_without_being_read(tiny_llama: Path) -> None:
     live = start_server(tiny_llama, max_request_bytes=64 * 1024)
@@ -444,10 +487,10 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path) -> None:
         release = threading.Event()
         real_completion = preparer.completion
 
-        def stuck_completion(raw: bytes):  # a preparation that outlives the engine
+        def stuck_completion(raw: bytes, bulk: bool):  # a preparation outliving the engine
             if b"stuck" in raw:
                 release.wait(30)
-            return real_completion(raw)
+            return real_completion(raw, bulk)
 
         preparer.completion = stuck_completion
 
@@ -559,6 +602,11 @@ def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, tmp_path: 
         wait_until(healthy, 120, "server process health")  # a loaded machine is slow
         model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the env
+        # A large body starts the JSON counting helper, which must not outlive the server.
+        big = {"model": model, "prompt": "word " * 40_000}
+        refused = httpx.post(f"{url}/v1/completions", json=big, headers=auth)
+        assert refused.status_code == 400 and "at least" in refused.json()["error"]["message"]
+        assert len(_processes_in_group(proc.pid)) == 2
         body = {"model": model, "prompt": "fault", "max_tokens": 900, "ignore_eos": True}
         with (
             httpx.Client(timeout=30, headers=auth) as client,

@@ -55,6 +55,8 @@ def create_app(
     With `api_key`, every /v1 request (and /metrics if `protect_metrics`) needs
     `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` get 413.
     """
+    if protect_metrics and not api_key:
+        raise ValueError("protect_metrics needs an api_key")
     service = GenerationService(engine, max_waiting=max_waiting)
     name, accepted_names = model_names(engine, served_model_name)
     created = int(time.time())
@@ -63,7 +65,7 @@ def create_app(
         logger.info("over-long prompts are refused before tokenizing (%s)", bound.describe())
     else:
         logger.info("over-long prompts are refused after tokenizing: no exact bound (%s)", why_not)
-    preparer = Preparer(engine, name, accepted_names, bound)
+    preparer = Preparer(engine, name, accepted_names, bound, service.intake.counter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

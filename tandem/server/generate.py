@@ -35,14 +35,15 @@ from tandem.server.service import GenerationService, RequestStream
 async def respond(
     service: GenerationService,
     request: Request,
-    prepare: Callable[[bytes], Prepared],
+    prepare: Callable[[bytes, bool], Prepared],
     model_name: str,
 ) -> JSONResponse | StreamingResponse:
     """Read the body, have `prepare` turn it into an engine request off the event loop, respond."""
     # Read whole (it is within --max-request-bytes) even if it is to be refused: closing a
     # connection with unread data resets it, and the client might not see the answer.
     raw = await request.body()
-    stream, prepared = await service.submit(len(raw), partial(prepare, raw))
+    bulk = service.intake.is_bulk(raw)
+    stream, prepared = await service.submit(bulk, partial(prepare, raw, bulk))
     del raw  # a large body is not kept alive for the length of the generation
     body = prepared.body
     fmt_cls = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat

@@ -1,12 +1,14 @@
-"""Where request preparation runs: two bounded thread pools, chosen by the size of the body.
+"""Where request preparation runs: two bounded thread pools, chosen by the body.
 
 Preparing a request (JSON parsing, the chat template, tokenization) costs time in proportion to
 its body, so it never runs on the event loop nor on the engine's loop thread. Small bodies, nearly
-every request, go to a `fast` lane of a few workers; bodies over `bulk_threshold` bytes go to a
-one-worker `bulk` lane that holds at most `max_bulk` of them (running or queued); beyond that they
-are refused with 503. So a flood of huge prompts waits behind itself, never in front of a small
-request, and cannot grow a queue without bound either. Tokenizers release the GIL, so the lanes
-run in parallel with the event loop and the engine.
+every request, go to a `fast` lane of a few workers; bodies over `bulk_threshold` bytes, or that
+may hold more than `CHEAP_VALUES` JSON values, go to a one-worker `bulk` lane that holds at most
+`max_bulk` of them (running or queued); beyond that they are refused with 503. So a flood of huge
+prompts waits behind itself, never in front of a small request, and cannot grow a queue without
+bound either. Tokenizers release the GIL, so the lanes run in parallel with the event loop and
+the engine; JSON parsers do not, so bulk bodies are first counted in a helper process
+(`json_count.py`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from tandem.server.json_count import JSONCounter
+
 T = TypeVar("T")
 
 BULK_THRESHOLD = 64 * 1024
+# A small body with more commas than this may hold that many JSON values, which pydantic would
+# parse while holding the GIL for tens of milliseconds: it goes to the bulk lane.
+CHEAP_VALUES = 8192
 
 
 class IntakeLanes:
@@ -34,6 +41,7 @@ class IntakeLanes:
         self.max_bulk = max_bulk
         self.bulk_threshold = bulk_threshold
         self.bulk_pending = 0  # read and written on the event loop only
+        self.counter = JSONCounter()
         self._fast: ThreadPoolExecutor | None = None
         self._bulk: ThreadPoolExecutor | None = None
 
@@ -41,19 +49,20 @@ class IntakeLanes:
         self._fast = ThreadPoolExecutor(self.fast_workers, thread_name_prefix="tandem-intake")
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="tandem-intake-bulk")
 
-    def is_bulk(self, size: int) -> bool:
-        return size > self.bulk_threshold
+    def is_bulk(self, raw: bytes) -> bool:
+        """Cheap on the event loop: the comma count only runs on bodies under the threshold."""
+        return len(raw) > self.bulk_threshold or raw.count(b",") > CHEAP_VALUES
 
     @property
     def bulk_full(self) -> bool:
         return self.bulk_pending >= self.max_bulk
 
-    def run(self, size: int, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Run `fn` in the lane for a body of `size` bytes (on the event loop; the caller checks
+    def run(self, bulk: bool, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `fn` in the fast or the bulk lane (on the event loop; the caller checks
         `bulk_full` first)."""
         assert self._fast is not None and self._bulk is not None, "start() first"
         loop = asyncio.get_running_loop()
-        if not self.is_bulk(size):
+        if not bulk:
             future = loop.run_in_executor(self._fast, fn)
         else:
             self.bulk_pending += 1
@@ -69,6 +78,7 @@ class IntakeLanes:
     def close(self, wait: bool = False) -> None:
         """Drop queued work; with `wait`, also wait for running jobs (each is bounded by the body
         limit), which is what the interpreter would do at exit anyway."""
+        self.counter.close()
         for pool in (self._fast, self._bulk):
             if pool is not None:
                 pool.shutdown(wait=wait, cancel_futures=True)

@@ -4,6 +4,11 @@ Everything whose cost grows with the request happens here: JSON parsing and vali
 template, the prompt-length bound, tokenization and the engine's own checks. A prompt the bound
 proves too long is refused before it is tokenized. Every failure is an `APIError` (400 naming the
 parameter, 404 for an unknown model), raised in the worker and re-raised by the handler.
+
+A worker thread still shares the GIL, and pydantic holds it for a whole validation, whose cost
+grows with the number of JSON values (a 15 MB body of tiny chat messages takes seconds). So a bulk
+body is first counted in a helper process (`json_count.py`) and refused if it is not JSON or holds
+more values than any request that fits the model could; only then does pydantic see it.
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ from pydantic import BaseModel, ValidationError
 from tandem.engine import Engine
 from tandem.request import Request, SamplingParams
 from tandem.server.errors import APIError, bad_request, validation_error
+from tandem.server.json_count import JSONCounter
 from tandem.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.server.token_bound import PromptBound
 
 Prompt = str | list[int]
 Body = TypeVar("Body", bound=BaseModel)
+
+# Values a request may hold besides a token-id prompt of up to max_model_len ids (messages,
+# content parts, stop strings, ...: OpenAI itself allows at most 2048 messages).
+OTHER_VALUES = 16384
 
 
 @dataclass(frozen=True)
@@ -40,28 +50,47 @@ class Preparer:
         model_name: str,
         accepted_names: list[str],
         bound: PromptBound | None,
+        counter: JSONCounter | None = None,
     ):
         self.engine = engine
+        self.counter = counter
         self.model_name = model_name
         self.accepted_names = set(accepted_names)
         self.bound = bound
+        self.max_values = engine.max_model_len + OTHER_VALUES
 
-    def completion(self, raw: bytes) -> Prepared:
-        body = parse(CompletionRequest, raw)
+    def completion(self, raw: bytes, bulk: bool = False) -> Prepared:
+        body = self._parse(CompletionRequest, raw, bulk)
         params = self._common(body)
         prompt = single_prompt(body.prompt)
         if isinstance(prompt, str):
             self._check_bound(prompt, add_special_tokens=True, param="prompt")
         return Prepared(body, self._make(prompt, params, "cmpl", "prompt"))
 
-    def chat(self, raw: bytes) -> Prepared:
-        body = parse(ChatCompletionRequest, raw)
+    def chat(self, raw: bytes, bulk: bool = False) -> Prepared:
+        body = self._parse(ChatCompletionRequest, raw, bulk)
         params = self._common(body)
         text = render_chat(self.engine, body.messages)
         # The template writes any BOS itself, so the text is tokenized without special tokens.
         self._check_bound(text, add_special_tokens=False, param="messages")
         token_ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
         return Prepared(body, self._make(token_ids, params, "chatcmpl", "messages"))
+
+    def _parse(self, model: type[Body], raw: bytes, bulk: bool) -> Body:
+        """pydantic's strict parse; a bulk body is counted out of process first."""
+        count = self.counter.count(raw) if bulk and self.counter is not None else None
+        if count is not None and count.error is not None:
+            raise bad_request(f"request body is not valid JSON: {count.error}")
+        if count is not None and count.values > self.max_values:
+            raise bad_request(
+                f"the request body holds {count.values} JSON values; this server accepts at "
+                f"most {self.max_values} (a token-id prompt of max_model_len ids plus "
+                f"{OTHER_VALUES})"
+            )
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise validation_error(list(exc.errors())) from None
 
     def _common(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         if body.model not in self.accepted_names:
@@ -98,13 +127,6 @@ class Preparer:
             raise bad_request(
                 message, param="max_tokens" if "plus max_tokens" in message else param
             ) from None
-
-
-def parse(model: type[Body], raw: bytes) -> Body:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from None
 
 
 def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> Prompt:

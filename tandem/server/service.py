@@ -151,23 +151,22 @@ class GenerationService:
 
     # ------------------------------------------------------------ requests
     async def submit(
-        self, size: int, prepare: Callable[[], Prepared]
+        self, bulk: bool, prepare: Callable[[], Prepared]
     ) -> tuple[RequestStream, Prepared]:
         """Admit, prepare (in an intake lane: parse, tokenize, validate) and queue one request.
 
-        `size` is the body's length, which picks the lane; `prepare` raises APIError for a bad
-        request. If the engine fails meanwhile, the request gets 503 at once.
+        `bulk` picks the lane (`intake.is_bulk`); `prepare` raises APIError for a bad request.
+        If the engine fails meanwhile, the request gets 503 at once.
         """
-        self.check_admission()
-        if self.intake.is_bulk(size) and self.intake.bulk_full:
+        self._check_admission()
+        if bulk and self.intake.bulk_full:
             raise self._refuse(
-                f"{self.intake.max_bulk} large requests (over {self.intake.bulk_threshold} bytes) "
-                "are already being prepared; retry later"
+                f"{self.intake.max_bulk} large requests are already being prepared; retry later"
             )
         self._admitting += 1
         try:
             arrival = time.perf_counter()
-            job = self.intake.run(size, prepare)
+            job = self.intake.run(bulk, prepare)
             assert self._failed is not None
             await asyncio.wait({job, self._failed}, return_when=asyncio.FIRST_COMPLETED)
             if not job.done():  # the engine failed while the request was being prepared
@@ -192,7 +191,7 @@ class GenerationService:
             stream.client_gone = True
             self.engine.abort(stream.request_id)
 
-    def check_admission(self) -> None:
+    def _check_admission(self) -> None:
         if not self.ready:
             raise self._refuse(self.unready_reason())
         if self.num_in_flight >= self.capacity:
