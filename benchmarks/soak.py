@@ -4,8 +4,8 @@ Starts `tandem serve` on 127.0.0.1 (loopback only, a free port, an API key from 
 a small waiting queue and body limit so that every refusal path is taken), then for `--duration`
 seconds `--clients` clients each loop over a random mix of: streaming and non-streaming
 completions and chats, streams dropped mid-way, non-streaming requests whose client times out,
-malformed requests, multi-megabyte prompts (refused by the prompt bound), bodies over the size
-limit, wrong API keys, and bursts that overfill the queue. At the end it waits for the server to
+malformed requests, multi-megabyte prompts (refused by the prompt bound), bodies of many tiny
+JSON values, bodies over the size limit, wrong API keys, and bursts that overfill the queue. At the end it waits for the server to
 go idle and prints what was sent and answered, the statuses, KV blocks in use (must be 0), and
 the server's resident memory and thread count after warm-up, at the middle and at the end (must
 not grow). It exits 1 if a check fails or a status was unexpected.
@@ -90,6 +90,7 @@ ACTIONS = {
     "timeout": 5,
     "bad": 10,
     "huge": 3,
+    "many_values": 2,
     "oversize": 2,
     "unauthorized": 5,
     "burst": 2,
@@ -102,6 +103,7 @@ EXPECTED = {
     # A full server refuses before it reads the body, so any request may get 503 in a burst.
     "bad": {400, 404, 503},
     "huge": {400, 503},
+    "many_values": {400, 503},
     "oversize": {413},
     "unauthorized": {401},
     "burst": {200, 503},
@@ -136,6 +138,19 @@ def server_stats(pid: int) -> tuple[float, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["Threads"])
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def metrics(url: str, key: str) -> dict[str, float]:
@@ -251,6 +266,11 @@ class Soak:
         body = {"model": self.model, "prompt": self.huge_prompt, "max_tokens": 4}
         await self._post(http, "huge", "/v1/completions", json=body)
 
+    async def many_values(self, http: httpx.AsyncClient, rng: random.Random) -> None:
+        """20,000 tiny chat messages: counted in the server's helper process, refused."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": "x"}] * 20_000}
+        await self._post(http, "many_values", "/v1/chat/completions", json=body)
+
     async def oversize(self, http: httpx.AsyncClient, rng: random.Random) -> None:
         await self._post(http, "oversize", "/v1/completions", content=self.oversize_body)
 
@@ -321,6 +341,7 @@ def main() -> int:
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-soak-{port}.log", "w")  # noqa: SIM115
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     failures: list[str] = []
+    helpers: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -394,6 +415,8 @@ def main() -> int:
             failures.append(f"resident memory grew {growth:.1f} MiB after warm-up")
         if threads_idle > start[2]:
             failures.append(f"threads grew from {start[2]} to {threads_idle}")
+        helpers = children(server.pid)
+        print(f"server child processes when idle: {len(helpers)} (the JSON counting helper)")
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)
@@ -405,6 +428,9 @@ def main() -> int:
             print(f"server exit status after SIGTERM: {code}")
             if code != 0:
                 failures.append(f"the server exited with {code}")
+            left = [pid for pid in helpers if Path(f"/proc/{pid}").exists()]
+            if left:
+                failures.append(f"child processes left behind: {left}")
         log.close()
     for failure in failures:
         print("FAIL:", failure)
