@@ -4,7 +4,10 @@
    prefill and preemption.
 2. The whole loop runs under `torch.cuda.set_sync_debug_mode("error")`: any hidden host-device
    synchronisation (`.item()`, `.cpu()`, a boolean-mask index ...) raises.
-3. `tandem bench` on a larger random Llama (bf16), where the device step dominates.
+3. Penalties, logit_bias, min_tokens and logprobs (raw and prompt) on CUDA, under the same
+   sync check: greedy tokens equal the CPU engine's, logprobs within 1e-3 of them, and seeded
+   sampling gives the same tokens sync and async.
+4. `tandem bench` on a larger random Llama (bf16), where the device step dominates.
 
     python benchmarks/cuda_check.py [--bench-layers 16] [--bench-hidden 2048]
 """
@@ -54,6 +57,50 @@ def check_equivalence(path: Path) -> None:
         assert equal == len(refs)
 
 
+def check_features(path: Path) -> None:
+    from tandem import LLM, SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(5, 150))] for _ in range(24)]
+    params = [
+        SamplingParams(
+            max_tokens=16, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
+            repetition_penalty=[1.0, 1.3][i % 2], presence_penalty=[0.0, 0.8][i // 2 % 2],
+            frequency_penalty=[0.0, 0.5][i // 4 % 2], logit_bias={rng.randrange(1024): 4.0},
+            min_tokens=4, stop_token_ids=[rng.randrange(3, 1024) for _ in range(30)],
+            logprobs=[None, 0, 5][i % 3], prompt_logprobs=[None, 2][i // 3 % 2],
+        )
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    options = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=120)
+    cpu = LLM(str(path), device="cpu", **options).generate(prompts, params)
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(path), device="cuda", async_scheduling=async_scheduling, **options)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runs[async_scheduling] = llm.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        llm.close()
+    assert [o.token_ids for o in runs[False]] == [o.token_ids for o in runs[True]]
+    worst = 0.0
+    for p, ref, out in zip(params, cpu, runs[True], strict=True):
+        if p.temperature == 0:
+            assert out.token_ids == ref.token_ids
+        for a, b in zip(out.logprobs or [], ref.logprobs or [], strict=True):
+            t = next(iter(b))
+            if t in a:
+                worst = max(worst, abs(a[t].logprob - b[t].logprob))
+        for a, b in zip(out.prompt_logprobs or [], ref.prompt_logprobs or [], strict=True):
+            if a is not None:
+                t = next(iter(b))
+                worst = max(worst, abs(a[t].logprob - b[t].logprob))
+    print(f"features: greedy tokens equal the CPU engine's, async == sync, logprobs within "
+          f"{worst:.1e} of CPU; no hidden sync")  # fmt: skip
+    assert worst < 1e-3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench-layers", type=int, default=16)
@@ -66,7 +113,9 @@ def main() -> int:
     from tandem.default_model import build_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        check_equivalence(build_checkpoint(Path(tmp) / "tiny"))
+        tiny = build_checkpoint(Path(tmp) / "tiny")
+        check_equivalence(tiny)
+        check_features(tiny)
         big = build_checkpoint(
             Path(tmp) / "big", hidden_size=args.bench_hidden,
             intermediate_size=int(args.bench_hidden * 3.5), num_hidden_layers=args.bench_layers,

@@ -5,6 +5,7 @@ shorter than the device step; this prints both. Runs the synchronous loop so tha
 are not stretched by the device thread competing for the GIL.
 
     python benchmarks/host_cost.py [--model PATH] [--sizes 8,32,128,512,1024]
+                                   [--features plain|penalties|logprobs|all]
 """
 
 from __future__ import annotations
@@ -17,11 +18,22 @@ import numpy as np
 from tandem import EngineConfig, SamplingParams
 from tandem.engine import Engine
 
+FEATURES = {
+    "plain": {},
+    "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "logit_bias": {5: 1.0}},
+    "logprobs": {"logprobs": 5},
+}
+FEATURES["all"] = {**FEATURES["penalties"], **FEATURES["logprobs"], "min_tokens": 4}
 
-def measure(engine: Engine, n: int, prompt_len: int, steps: int) -> dict[str, float]:
+
+def measure(
+    engine: Engine, n: int, prompt_len: int, steps: int, features: str = "plain"
+) -> dict[str, float]:
     rng = random.Random(n)
     engine.reset_metrics()
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=steps, temperature=0.0, ignore_eos=True, **FEATURES[features]
+    )
     for _ in range(n):
         engine.add_request(
             [rng.randrange(3, engine.spec.vocab_size) for _ in range(prompt_len)], params
@@ -45,6 +57,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,32,128,512,1024")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--features", choices=sorted(FEATURES), default="plain")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     engine = Engine(
@@ -60,7 +73,7 @@ def main() -> None:
     print(f"{'running':>8} {'schedule':>9} {'build':>8} {'launch':>8} {'update':>8} "
           f"{'host ms':>8} {'us/req':>7} {'device ms':>10}")  # fmt: skip
     for n in sizes:
-        ms = measure(engine, n, args.prompt_len, args.steps)
+        ms = measure(engine, n, args.prompt_len, args.steps, args.features)
         print(f"{n:>8} {ms['schedule']:>9.3f} {ms['build']:>8.3f} {ms['launch']:>8.3f} "
               f"{ms['update']:>8.3f} {ms['host']:>8.3f} {1e3 * ms['host'] / n:>7.2f} "
               f"{ms['device']:>10.2f}")  # fmt: skip

@@ -30,14 +30,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
 
-    def add(self, token_id: int) -> bool:
-        """Appends one token's text; True if a stop string appeared (the text is cut before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Appends one token's text; True if a stop string appeared (the text is cut before it).
+
+        With check_stop False (before min_tokens) stop strings are not looked for.
+        """
         piece = self._stream.step(self._tokenizer, token_id)
         if not piece:
             return False
         search_from = max(0, len(self.text) - self._holdback)
         self.text += piece
-        if not self._stop:
+        if not self._stop or not check_stop:
             return False
         hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
         if hits:

@@ -20,16 +20,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from tandem.batch import BatchBuilder
+from tandem.batch import BatchBuilder, StepExtras
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from tandem.logprobs import LogprobsArrays, unpack
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import fast_path, load_model
-from tandem.request import Request, RequestOutput, SamplingParams
+from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
 from tandem.runner import ModelRunner
 from tandem.sampling import seed_key
 from tandem.scheduler import ScheduledBatch, Scheduler
@@ -45,6 +47,7 @@ class _InFlight:
     batch: ScheduledBatch
     handle: StepHandle
     record: StepRecord
+    extras: StepExtras | None  # how to read logprobs out of the step's packed output
 
 
 class Engine:
@@ -128,6 +131,7 @@ class Engine:
         self._requests: dict[str, list[Request]] = {}  # request id -> its samples
         self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._seed_counter = itertools.count()
+        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
         self.step_records: deque[StepRecord] = deque(maxlen=METRICS_HISTORY)
         self.finished_timings: deque[RequestTiming] = deque(maxlen=METRICS_HISTORY)
 
@@ -151,6 +155,7 @@ class Engine:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        processing = self._logits_processing(params)
         seed = params.seed
         if seed is None:  # derived from the engine seed and arrival order: runs are reproducible
             seed = hash((self.config.seed, next(self._seed_counter)))
@@ -162,11 +167,36 @@ class Engine:
             sampling_row=self._sampling_row(params, seed),
             max_tokens=max_tokens,
             arrival_time=time.perf_counter(),
+            processing=processing,
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def _sampling_row(self, params: SamplingParams, seed: int) -> tuple:
         top_k = params.top_k if params.top_k < self.spec.vocab_size else 0  # whole vocab: off
         return (params.temperature, top_k, params.top_p, params.min_p, seed_key(seed))
+
+    def _logits_processing(self, params: SamplingParams) -> LogitsProcessing | None:
+        """Resolve penalties, logit_bias and min_tokens against the model; None if unused."""
+        vocab = self.spec.vocab_size
+        bias = params.logit_bias or {}
+        bad = [t for t in bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        processing = LogitsProcessing(
+            presence=params.presence_penalty,
+            frequency=params.frequency_penalty,
+            repetition=params.repetition_penalty,
+            bias_ids=np.fromiter(bias, np.int64, len(bias)),
+            bias_values=np.fromiter(bias.values(), np.float32, len(bias)),
+            min_tokens=params.min_tokens,
+            # Ids past the logits cannot be sampled anyway (and must not index them).
+            min_tokens_ids=np.array(
+                sorted(t for t in stops if t < vocab) if params.min_tokens else [], np.int64
+            ),
+        )
+        return processing if processing.used else None
 
     def submit(self, request: Request) -> str:
         with self._lock:
@@ -245,7 +275,7 @@ class Engine:
             t3 = time.perf_counter()
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
-            self._inflight.append(_InFlight(batch, handle, record))
+            self._inflight.append(_InFlight(batch, handle, record, inputs.extras))
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
             outputs.extend(self._retire(self._inflight.popleft()))
         return outputs
@@ -349,9 +379,11 @@ class Engine:
         samples = [request]
         for i in range(1, request.params.n):
             sample = copy.copy(request)
-            for name, value in vars(request).items():  # fresh per-sample state, nothing aliased
+            # Per-sample state, nothing aliased: copies of the request's, which has not run yet
+            # (so they hold only initial values, like prompt_logprobs' leading None).
+            for name, value in vars(request).items():
                 if isinstance(value, (list, dict, set)) and name != "prompt_token_ids":
-                    setattr(sample, name, type(value)())
+                    setattr(sample, name, type(value)(value))
             sample.index = i
             sample.seed = sample_seed(request.seed, i)
             sample.sampling_row = self._sampling_row(request.params, sample.seed)
@@ -361,33 +393,81 @@ class Engine:
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
         record = inflight.record
         t0 = time.perf_counter()
-        sampled_ids = inflight.handle.wait().tolist()  # the step's one deliberate sync
+        result = inflight.handle.wait()  # the step's one deliberate sync
         t1 = time.perf_counter()
+        sampled = inflight.batch.sampled
+        extras = inflight.extras
+        logprobs: list = [None] * len(sampled)
+        if extras is None:
+            sampled_ids = result.tolist()
+        else:
+            ids, groups = unpack(result.numpy(), len(sampled), extras.output_groups)
+            sampled_ids = ids.tolist()
+            if len(extras.logprob_rows):
+                rows = extras.logprob_rows.tolist()
+                entries = groups.pop(0).to_dicts(
+                    [sampled_ids[s] for s in rows],
+                    [sampled[s].request.params.logprobs for s in rows],
+                    self._decode_token,
+                )
+                for s, entry in zip(rows, entries, strict=True):
+                    logprobs[s] = entry
+            if groups:
+                self._add_prompt_logprobs(extras, groups[0])
         # Before the tokens: a request that finishes on one of them still caches its full blocks.
         self.scheduler.retire_step(inflight.batch)
         outputs = []
-        for item, token in zip(inflight.batch.sampled, sampled_ids, strict=True):
+        for item, token, lp in zip(sampled, sampled_ids, logprobs, strict=True):
             request = item.request
             request.num_inflight -= 1
             if request.finished:
                 continue  # the speculative token of a request that finished a step earlier
-            outputs.append(self._append_token(request, token, t1))
+            outputs.append(self._append_token(request, token, t1, lp))
         record.spans["wait"] = (t0, t1)
         record.spans["update"] = (t1, time.perf_counter())
         record.device = inflight.handle.device_span
         self.step_records.append(record)
         return outputs
 
-    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _add_prompt_logprobs(self, extras: StepExtras, arrays: LogprobsArrays) -> None:
+        """Append each prompt position's result; positions recomputed after a preemption that
+        were already retired are skipped (steps retire in order, so the list grows in order)."""
+        spans = extras.prompt_logprob_spans
+        entries = arrays.to_dicts(
+            [r.prompt_token_ids[p + 1] for r, first, n in spans for p in range(first, first + n)],
+            [r.params.prompt_logprobs for r, _, n in spans for _ in range(n)],
+            self._decode_token,
+        )
+        j = 0
+        for request, first, count in spans:
+            done = request.prompt_logprobs
+            for p in range(first, first + count):
+                if p + 1 == len(done):
+                    done.append(entries[j])
+                j += 1
+
+    def _decode_token(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._backend_tokenizer.decode([token], skip_special_tokens=False)
+            self._token_text[token] = text
+        return text
+
+    def _append_token(
+        self, request: Request, token: int, now: float, logprobs: dict | None = None
+    ) -> RequestOutput:
         request.output_token_ids.append(token)
         request.token_times.append(now)
+        if request.logprobs is not None:
+            request.logprobs.append(logprobs)
         params = request.params
         detok = self._detok[request.key]
         reason = None
         if (
             token in params.stop_token_ids
             or (token in self.eos_token_ids and not params.ignore_eos)
-            or detok.add(token)
+            # Stop strings count only from min_tokens on (as in vLLM); stop ids are masked before.
+            or detok.add(token, check_stop=len(request.output_token_ids) >= params.min_tokens)
         ):
             reason = "stop"
         elif len(request.output_token_ids) >= request.max_tokens:
@@ -428,7 +508,14 @@ class Engine:
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
             index=request.index,
+            logprobs=_snapshot(request.logprobs, finished),
+            prompt_logprobs=_snapshot(request.prompt_logprobs, finished),
         )
+
+
+def _snapshot(values: list | None, finished: bool) -> list | None:
+    """Like token_ids: a running request's live list, a finished one's own copy."""
+    return list(values) if finished and values is not None else values
 
 
 def sample_seed(seed: int, index: int) -> int:

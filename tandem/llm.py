@@ -62,7 +62,7 @@ class LLM:
         for finished in samples:
             first = finished[0]
             first.outputs = [
-                CompletionOutput(i, out.text, out.token_ids, out.finish_reason)
+                CompletionOutput(i, out.text, out.token_ids, out.finish_reason, out.logprobs)
                 for i, out in sorted(finished.items())
             ]
             results.append(first)

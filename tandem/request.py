@@ -6,6 +6,10 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +26,17 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1  # samples of the prompt; they share its KV blocks
+    # Penalties: presence and frequency as in OpenAI (generated tokens only), repetition as in
+    # transformers (prompt and generated tokens; > 1 discourages repeats).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    # Log-probabilities of the model's raw logits (before penalties and temperature): the sampled
+    # token's plus this many top alternatives per generated (or, for prompt_logprobs, prompt) token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -51,6 +66,37 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        self._check_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id -> bias")
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(
+                    f"logit_bias must have token ids (integers >= 0) as keys, got {token!r}"
+                )
+            if not _is_number(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias must have biases in [-100, 100], got {bias!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +105,45 @@ class SamplingParams:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the model's raw distribution, as vLLM reports it."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]  # token id -> Logprob: the sampled (or prompt) token first
+
+
+@dataclass
+class LogitsProcessing:
+    """A request's logits processing beyond temperature and truncation, resolved by the engine
+    against the model (token ids checked, stop ids for min_tokens gathered). None on a request
+    that needs none, so the common path skips all of it."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    min_tokens: int = 0
+    min_tokens_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    uses_penalties: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uses_penalties = self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+    @property
+    def used(self) -> bool:
+        return self.uses_penalties or len(self.bias_ids) > 0 or len(self.min_tokens_ids) > 0
 
 
 class RequestStatus(enum.Enum):
@@ -100,11 +185,26 @@ class Request:
     # many leading blocks of block_ids are in the cache (hits at admission, then registered).
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    processing: LogitsProcessing | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token; [0] None
 
     @property
     def key(self) -> tuple[str, int]:
         """Unique among live requests: the owner of its KV blocks and token-table row."""
         return (self.request_id, self.index)
+
+    @property
+    def needs_extras(self) -> bool:
+        """Does a step with this request need anything beyond plain sampling?"""
+        asks_logprobs = self.logprobs is not None or self.prompt_logprobs is not None
+        return self.processing is not None or asks_logprobs
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some are not retired yet (so must be computed)."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -151,6 +251,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass
@@ -177,3 +278,8 @@ class RequestOutput:
     error: str | None = None
     index: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)  # filled by LLM.generate
+    # With SamplingParams.logprobs: one dict per token of `token_ids` (live, like it), the sampled
+    # token first, then the top alternatives by rank. With prompt_logprobs: one per prompt token,
+    # None for the first (nothing predicts it), complete from the first output on.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -9,13 +9,16 @@ table, gather input ids from the table, forward, sample, scatter the sampled ids
 from __future__ import annotations
 
 import weakref
+from dataclasses import fields
 
 import numpy as np
 import torch
 
-from tandem.batch import StepInputs
+from tandem.batch import StepExtras, StepInputs
+from tandem.logprobs import TokenLogprobsTensors, pack, score_tokens
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention import AttentionMetadata
+from tandem.penalties import ProcessingTensors, TokenCounts, apply_bias_and_mask
 from tandem.sampling import SamplingTensors, sample
 from tandem.streams import StepHandle, make_stream
 
@@ -24,6 +27,7 @@ _INT_FIELDS = (
     "sample_index", "context_lens", "top_k", "seed_keys", "output_index",
 )  # fmt: skip
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per log_softmax: bounds its [rows, vocab] memory
 
 
 class _PinnedStaging:
@@ -63,6 +67,14 @@ class _PinnedStaging:
         return out
 
 
+def _split(
+    staging: _PinnedStaging, arrays: dict[str, np.ndarray], dtype: type
+) -> dict[str, torch.Tensor]:
+    """Upload several arrays in one copy; returns device views of each."""
+    packed = staging.upload(np.concatenate(list(arrays.values())).astype(dtype, copy=False))
+    return dict(zip(arrays, packed.split([len(a) for a in arrays.values()]), strict=True))
+
+
 def _torch_dtype(array: np.ndarray) -> torch.dtype:
     return torch.float32 if array.dtype == np.float32 else torch.int64
 
@@ -83,6 +95,8 @@ class ModelRunner:
         self.device = device
         # Every running request's tokens, by (table row, position): the only copy the device needs.
         self.token_table = torch.zeros(table_rows * max_model_len, dtype=torch.int64, device=device)
+        # Penalties' token counts per table row, kept on the device (allocated on first use).
+        self.token_counts = TokenCounts(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
         weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
         self._cuda = device.type == "cuda"
@@ -119,12 +133,84 @@ class ModelRunner:
             block_size=self.block_size,
         )
         hidden = self.model(input_ids, t["positions"], self.kv_caches, meta)
+        if x.extras is not None:
+            return self._to_host(self._sample_with_extras(x, x.extras, t, hidden))
         if not x.num_sampled:
             return self._to_host(torch.empty(0, dtype=torch.int64, device=self.device))
         logits = self.model.compute_logits(hidden[t["logits_index"]])
         ids = sample(logits, self._sampling_tensors(x, t))
         table.index_copy_(0, t["sample_index"], ids)
         return self._to_host(ids)
+
+    def _sample_with_extras(
+        self, x: StepInputs, e: StepExtras, t: dict[str, torch.Tensor], hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Sampling with penalties, logit_bias, min_tokens and logprobs; returns the packed output.
+
+        Logprobs are of the raw logits (vLLM's default "raw_logprobs"), taken before processing.
+        """
+        p = self._processing_tensors(e, t)
+        if p.count_tokens:  # before sampling: this step's inputs count for its own sample
+            self.token_counts.record(self.token_table, p)
+        groups = []
+        ids = torch.empty(0, dtype=torch.int64, device=self.device)
+        if x.num_sampled:
+            logits = self.model.compute_logits(hidden[t["logits_index"]])
+            rows = t["logprob_rows"]
+            raw = logits[rows].log_softmax(dim=-1) if len(e.logprob_rows) else None
+            apply_bias_and_mask(logits, p)
+            if p.use_penalties:
+                self.token_counts.apply_penalties(logits, p)
+            ids = sample(logits, self._sampling_tensors(x, t))
+            self.token_table.index_copy_(0, t["sample_index"], ids)
+            if raw is not None:
+                groups.append(score_tokens(raw, ids[rows], e.num_top_logprobs))
+        if len(e.prompt_logprob_index):
+            groups.append(self._prompt_logprobs(e, t, hidden))
+        return pack(ids, groups)
+
+    def _prompt_logprobs(
+        self, e: StepExtras, t: dict[str, torch.Tensor], hidden: torch.Tensor
+    ) -> TokenLogprobsTensors:
+        """Each prompt position's logits score the next prompt token, a bounded chunk at a time."""
+        index, targets = t["prompt_logprob_index"], t["prompt_logprob_targets"]
+        parts = []
+        for lo in range(0, len(e.prompt_logprob_index), PROMPT_LOGPROBS_CHUNK):
+            hi = lo + PROMPT_LOGPROBS_CHUNK
+            logprobs = self.model.compute_logits(hidden[index[lo:hi]]).log_softmax(dim=-1)
+            parts.append(score_tokens(logprobs, targets[lo:hi], e.num_top_prompt_logprobs))
+        if len(parts) == 1:
+            return parts[0]
+        return TokenLogprobsTensors(
+            *(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(TokenLogprobsTensors))
+        )
+
+    @staticmethod
+    def _processing_tensors(e: StepExtras, t: dict[str, torch.Tensor]) -> ProcessingTensors:
+        return ProcessingTensors(
+            reset_rows=t["reset_rows"],
+            prompt_tokens=t["prompt_tokens"],
+            prompt_rows=t["prompt_rows"],
+            output_tokens=t["output_tokens"],
+            output_rows=t["output_rows"],
+            penalty_rows=t["penalty_rows"],
+            penalty_table_rows=t["penalty_table_rows"],
+            presence=t["presence"],
+            frequency=t["frequency"],
+            repetition=t["repetition"],
+            bias_rows=t["bias_rows"],
+            bias_ids=t["bias_ids"],
+            bias_values=t["bias_values"],
+            mask_rows=t["mask_rows"],
+            mask_ids=t["mask_ids"],
+            count_tokens=bool(len(e.reset_rows) + len(e.prompt_tokens) + len(e.output_tokens)),
+            use_penalties=bool(len(e.penalty_rows)),
+            use_repetition=bool((e.repetition != 1).any()),
+            use_frequency=bool(e.frequency.any()),
+            use_presence=bool(e.presence.any()),
+            use_bias=bool(len(e.bias_rows)),
+            use_mask=bool(len(e.mask_rows)),
+        )
 
     def _sampling_tensors(self, x: StepInputs, t: dict[str, torch.Tensor]) -> SamplingTensors:
         return SamplingTensors(
@@ -142,29 +228,31 @@ class ModelRunner:
 
     def _to_device(self, x: StepInputs) -> dict[str, torch.Tensor]:
         """CPU: zero-copy views. CUDA: one packed copy for the ints, one for the floats."""
-        tables = x.block_tables.reshape(-1)
+        ints = {name: getattr(x, name) for name in _INT_FIELDS}
+        ints["block_tables"] = x.block_tables.reshape(-1)
+        floats = {name: getattr(x, name) for name in _FLOAT_FIELDS}
+        if x.extras is not None:
+            ints.update((name, getattr(x.extras, name)) for name in StepExtras.INT_FIELDS)
+            floats.update((name, getattr(x.extras, name)) for name in StepExtras.FLOAT_FIELDS)
         if not self._cuda:
-            out = {name: torch.from_numpy(getattr(x, name)) for name in _INT_FIELDS + _FLOAT_FIELDS}
-            out["block_tables"] = torch.from_numpy(x.block_tables)
-            return out
-        ints = [getattr(x, name) for name in _INT_FIELDS] + [tables]
-        floats = [getattr(x, name) for name in _FLOAT_FIELDS]
-        int_dev = self._int_staging.upload(np.concatenate(ints).astype(np.int64, copy=False))
-        float_dev = self._float_staging.upload(
-            np.concatenate(floats).astype(np.float32, copy=False)
-        )
-        out = dict(
-            zip(_INT_FIELDS + ("block_tables",), int_dev.split([len(a) for a in ints]), strict=True)
-        )
-        out.update(zip(_FLOAT_FIELDS, float_dev.split([len(a) for a in floats]), strict=True))
+            out = {name: torch.from_numpy(a) for name, a in (ints | floats).items()}
+        else:
+            out = _split(self._int_staging, ints, np.int64)
+            out.update(_split(self._float_staging, floats, np.float32))
         out["block_tables"] = out["block_tables"].view(x.block_tables.shape)
         return out
 
-    def _to_host(self, ids: torch.Tensor):
+    def _to_host(self, packed: torch.Tensor):
+        """CPU: the tensor itself. CUDA: a non-blocking copy into pinned memory (double buffered:
+        a buffer is rewritten two steps later, after the engine has read it)."""
         if not self._cuda:
-            return ids
-        buf = self._out[self._out_next]
-        self._out_next = 1 - self._out_next
-        host = buf[: ids.numel()]
-        host.copy_(ids, non_blocking=True)
+            return packed
+        i = self._out_next
+        self._out_next = 1 - i
+        if self._out[i].numel() < packed.numel():  # logprobs outgrew it: a larger one, kept
+            self._out[i] = torch.empty(
+                max(packed.numel(), 2 * self._out[i].numel()), dtype=torch.int64, pin_memory=True
+            )
+        host = self._out[i][: packed.numel()]
+        host.copy_(packed, non_blocking=True)
         return host

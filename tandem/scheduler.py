@@ -31,6 +31,9 @@ class ScheduledRequest:
     num_tokens: int
     sample: bool  # does this step sample the request's next token?
     output_index: int  # index of that token among the request's outputs (keys seeded sampling)
+    # First step in this table row (the row's device state starts here). Every admission sets it:
+    # first arrival, a cached prefix (start > 0), an n > 1 sample, re-admission after preemption.
+    admitted: bool = False
 
 
 @dataclass
@@ -167,7 +170,7 @@ class Scheduler:
             del self.waiting[i]
             self._admit(request, hits)
             self._allocate_blocks(request, n)
-            items.append(self._schedule(request, n, step_id))
+            items.append(self._schedule(request, n, step_id, admitted=True))
             budget -= n
 
         if not items:
@@ -212,9 +215,14 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> list[int] | None:
         """Cached blocks of the request's longest cached prefix, short of its last token; None
-        if a launched step is computing the block after them (better wait for it)."""
+        if a launched step is computing the block after them (better wait for it).
+
+        A request that still needs prompt logprobs reuses nothing: they come from the hidden
+        states of computed positions, so every prompt position must be computed (as in vLLM).
+        Its own blocks still join the cache for others.
+        """
         root = self._cache_root(request)
-        if root is None:
+        if root is None or request.needs_prompt_logprobs:
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_blocks(request, num_blocks, root)
@@ -263,11 +271,13 @@ class Scheduler:
         """Forget every cached block no request holds (the benchmark's cold start)."""
         self.blocks.reset_cache()
 
-    def _schedule(self, request: Request, n: int, step_id: int) -> ScheduledRequest:
+    def _schedule(
+        self, request: Request, n: int, step_id: int, admitted: bool = False
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + n == request.num_tokens
         item = ScheduledRequest(
-            request, request.slot, start, n, sample, request.num_scheduled_outputs
+            request, request.slot, start, n, sample, request.num_scheduled_outputs, admitted
         )
         if (start + n) // self.block_size > start // self.block_size:  # a block fills up
             self._mark_in_progress(request, start, start + n, step_id)

@@ -123,6 +123,32 @@ def hf_greedy_reference(path: Path, prompt_token_ids: list[int], max_new_tokens:
     return list(new_tokens)
 
 
+def hf_greedy_reference_allowing_ties(
+    path: Path, prompt_token_ids: list[int], token_ids: list[int]
+) -> list[int]:
+    """transformers' greedy tokens to compare `token_ids` with, where an exact tie is no error.
+
+    Where transformers' fp32 logits have an *exact* tie at the top, argmax takes the lowest id,
+    and an engine computing the same logits in another order may land on the other tied id.
+    Both are greedy. So at the first difference, if the engine's token ties the maximum of
+    transformers' logits exactly, the reference follows the engine's choice and continues with
+    transformers' greedy decoding from there; any other difference is kept (and fails the test).
+    """
+    reference = hf_greedy_reference(path, prompt_token_ids, len(token_ids))
+    i = next((k for k, (a, b) in enumerate(zip(token_ids, reference, strict=True)) if a != b), None)
+    if i is None:
+        return reference
+    model = _load_hf_model(str(Path(path).resolve()))
+    with torch.no_grad():
+        row = model(torch.tensor([prompt_token_ids + reference[:i]])).logits[0, -1].float()
+    if row[token_ids[i]] != row.max():
+        return reference
+    rest = hf_greedy_reference_allowing_ties(
+        path, prompt_token_ids + token_ids[: i + 1], token_ids[i + 1 :]
+    )
+    return token_ids[: i + 1] + rest
+
+
 def random_prompts(
     rng: random.Random, n: int, vocab_size: int, min_len: int = 1, max_len: int = 300
 ) -> list[list[int]]:

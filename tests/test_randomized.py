@@ -12,10 +12,10 @@ and every block is free again. Samples that were not aborted get the same tokens
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference
+from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference_allowing_ties
 from helpers import assert_idle_and_balanced, greedy, make_llm
 
 tokens = st.integers(NUM_SPECIAL_TOKENS, 1023)
@@ -135,6 +135,18 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
     max_num_seqs=st.integers(1, 8),
     enable_prefix_caching=st.sampled_from([True, True, True, False]),
 )
+# transformers' fp32 logits tie exactly between ids 49 and 381 at the 9th output of the third
+# prompt; in this schedule the fused CPU forward picks 381, transformers' argmax 49.
+@example(
+    prefixes=[[], [], []],
+    requests=[
+        {"prefix": 0, "suffix": suffix, "n": 1, "max_tokens": m, "arrival_step": 0,
+         "abort_step": None}
+        for suffix, m in (([3], 2), ([3, 3], 1), ([572, 773, 174], 9))
+    ],
+    block_size=1, extra_blocks=0, max_num_batched_tokens=8, max_num_seqs=3,
+    enable_prefix_caching=False,
+)  # fmt: skip
 def test_random_schedules_keep_the_invariants_in_both_loops(
     tiny_llama,
     prefixes,
@@ -158,13 +170,14 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     async_ = run_schedule(tiny_llama, prompts, requests, True, **options)
     samples = [(p, r) for p, r in zip(prompts, requests, strict=True) for _ in range(r["n"])]
     for (prompt, r), out_sync, out_async in zip(samples, sync, async_, strict=True):
-        reference = hf_greedy_reference(tiny_llama, prompt, r["max_tokens"])
         for out in (out_sync, out_async):
+            # Exact ties in transformers' logits occur (see the explicit example): either id.
+            reference = hf_greedy_reference_allowing_ties(tiny_llama, prompt, out.token_ids)
+            assert out.token_ids == reference
             if out.finish_reason == "abort":
                 assert r["abort_step"] is not None
-                assert out.token_ids == reference[: len(out.token_ids)]
             else:
                 assert out.finish_reason == "length"
-                assert out.token_ids == reference
+                assert len(out.token_ids) == r["max_tokens"]
         if "abort" not in (out_sync.finish_reason, out_async.finish_reason):
             assert out_sync.token_ids == out_async.token_ids

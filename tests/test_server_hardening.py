@@ -40,6 +40,7 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tandem.default_model import SPECIAL_TOKENS, build_tokenizer
+from tandem.server import prepare
 from tandem.server.json_count import Count, JSONCounter
 from tandem.server.token_bound import PromptBound, prompt_bound
 
@@ -806,3 +807,58 @@ def test_client_timeouts_abort_every_sample(tiny_llama: Path) -> None:
         wait_until(lambda: _aborted(live) == 8, 5, "the running stream's aborts")
     finally:
         live.stop()
+
+
+def test_sampling_extras_with_n_through_the_bulk_lane(
+    guarded: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """logit_bias, penalties and logprobs with n = 2 (and a prompt list) through the bulk lane:
+    the counting helper's limit leaves room for a logit_bias on every vocabulary id, every choice
+    carries its own tokens' logprobs, and an id outside the vocabulary is a 400 naming
+    logit_bias, not a prompt."""
+    live = guarded
+    monkeypatch.setattr(prepare, "OTHER_VALUES", 0)  # the limit: max_model_len + vocabulary
+    intake = live.service.intake
+    intake.bulk_threshold = 0  # every body is counted out of process, then parsed
+    vocab = live.engine.spec.vocab_size
+    assert vocab > live.engine.max_model_len + 50  # so the bias alone outgrows the prompt term
+    tokenizer = live.engine.tokenizer
+    only = next(
+        t for t in range(8, vocab) if (s := tokenizer.decode([t])).isascii() and s.isalpha()
+    )
+    text = tokenizer.decode([only])
+    bias = {str(t): (0 if t == only else -100) for t in range(vocab)}  # only `only` can be sampled
+    client = live.client()
+    model = live.engine.model_path.name
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+        logit_bias=bias, presence_penalty=0.5, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+    for choice in chat.choices:
+        assert choice.message.content == text * 5
+        assert [t.token for t in choice.logprobs.content] == [text] * 5
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)  # raw logprobs
+
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=["one", "two"], n=2, max_tokens=4, logit_bias=bias, logprobs=1,
+            frequency_penalty=0.5, stream=True,
+        )
+    )  # fmt: skip
+    tokens: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+    assert tokens == {i: [text] * 4 for i in range(4)}
+    assert intake.counter._proc is not None  # both bodies were counted
+
+    r = httpx.post(
+        f"{live.url}/v1/completions",
+        json={"model": model, "prompt": ["one", "two"], "logit_bias": {str(vocab + 5): 1}},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert r.json()["error"]["message"].startswith("logit_bias token id")
+    assert_idle(live)

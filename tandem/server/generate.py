@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tandem.request import TokenLogprobs
 from tandem.server.errors import APIError, error_body
 from tandem.server.prepare import Prepared
 from tandem.server.protocol import ChatCompletionRequest
@@ -47,31 +48,35 @@ async def respond(
     del raw  # a large body is not kept alive for the length of the generation
     body = prepared.body
     fmt_cls = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
-    fmt = fmt_cls(stream.request_id, model_name, body.include_usage)
+    fmt = fmt_cls(stream.request_id, model_name, body.include_usage, prepared.logprobs)
     if body.stream:
         return SSEResponse(_events(stream, fmt), on_close=lambda: service.abort(stream))
     try:
-        texts = await _collect_unless_disconnected(request, stream)
+        collected = await _collect_unless_disconnected(request, stream)
     finally:
         service.abort(stream)  # no-op once finished; frees the blocks if we were cancelled
-    if texts is None:  # the client left; nobody reads this
+    if collected is None:  # the client left; nobody reads this
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     if stream.error is not None:
         raise APIError(stream.error_status, stream.error, code="aborted")
     counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
     reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
-    return JSONResponse(fmt.full(texts, reasons, counts))
+    texts, logprobs = collected
+    return JSONResponse(fmt.full(texts, reasons, counts, logprobs))
 
 
-async def _collect(stream: RequestStream) -> list[str]:
-    """Every choice's whole text, by choice index."""
+async def _collect(stream: RequestStream) -> tuple[list[str], list[list[TokenLogprobs]]]:
+    """Every choice's whole text, and the logprobs of its tokens (empty unless asked for), by
+    choice index."""
     parts: list[list[str]] = [[] for _ in range(stream.num_choices)]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(stream.num_choices)]
     unfinished = stream.num_choices
     while unfinished:
         for delta in await stream.next_deltas():
             parts[delta.index].append(delta.text)
+            logprobs[delta.index] += delta.logprobs or []
             unfinished -= delta.finished
-    return ["".join(p) for p in parts]
+    return ["".join(p) for p in parts], logprobs
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -79,8 +84,10 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_disconnected(request: Request, stream: RequestStream) -> list[str] | None:
-    """Every choice's whole text, or None if the client disconnected first."""
+async def _collect_unless_disconnected(
+    request: Request, stream: RequestStream
+) -> tuple[list[str], list[list[TokenLogprobs]]] | None:
+    """Every choice's whole text and logprobs, or None if the client disconnected first."""
     collect = asyncio.ensure_future(_collect(stream))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -103,11 +110,13 @@ async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[b
     while unfinished:
         deltas = await stream.next_deltas()
         texts: dict[int, str] = {}
+        logprobs: dict[int, list[TokenLogprobs]] = {}
         for d in deltas:
             texts[d.index] = texts.get(d.index, "") + d.text
+            logprobs.setdefault(d.index, []).extend(d.logprobs or [])
         for index, text in texts.items():
-            if text:
-                yield sse(fmt.delta(text, index))
+            if text or logprobs[index]:
+                yield sse(fmt.delta(text, index, logprobs[index]))
         for d in deltas:
             if d.finished:
                 unfinished -= 1

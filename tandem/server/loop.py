@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.engine import Engine
-from tandem.request import RequestOutput
+from tandem.request import RequestOutput, TokenLogprobs
 
 logger = logging.getLogger("tandem.server")
 
@@ -34,6 +34,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     index: int = 0  # the sample (engine side), then the choice (once the service routed it)
+    logprobs: list[TokenLogprobs] | None = None  # of the new tokens, when asked for
 
     @classmethod
     def from_output(cls, output: RequestOutput) -> Delta:
@@ -46,7 +47,13 @@ class Delta:
             finish_reason=output.finish_reason,
             error=output.error,
             index=output.index,
+            logprobs=_new(output.logprobs, len(output.delta_token_ids)),
         )
+
+
+def _new(values: list | None, n: int) -> list | None:
+    """The last n of a live list, copied (the engine thread keeps appending to it)."""
+    return None if values is None else values[len(values) - n :]
 
 
 class EngineLoop:

@@ -34,8 +34,9 @@ from tandem.server.token_bound import PromptBound
 Prompt = str | list[int]
 Body = TypeVar("Body", bound=BaseModel)
 
-# Values a request may hold besides its token-id prompts of up to max_model_len ids each
-# (messages, content parts, stop strings, ...: OpenAI itself allows at most 2048 messages).
+# Values a request may hold besides its token-id prompts of up to max_model_len ids each and a
+# logit_bias of up to one entry per vocabulary id (messages, content parts, stop strings, ...:
+# OpenAI itself allows at most 2048 messages).
 OTHER_VALUES = 16384
 
 
@@ -51,6 +52,11 @@ class Prepared:
     @property
     def n(self) -> int:
         return self.requests[0].params.n
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per generated token to return; None: no logprobs."""
+        return self.requests[0].params.logprobs
 
     @property
     def num_seqs(self) -> int:
@@ -85,11 +91,16 @@ class Preparer:
 
     def value_limit(self, model: type[BaseModel]) -> tuple[int, str]:
         """The most JSON values a body that fits can hold, and why: a completion may hold up
-        to `max_seqs` token-id prompts, a chat one prompt's worth."""
+        to `max_seqs` token-id prompts, a chat one prompt's worth; either, a logit_bias entry
+        per vocabulary id."""
         prompts = (self.max_seqs or 1) if model is CompletionRequest else 1
         what = f"{prompts} token-id prompts" if prompts > 1 else "a token-id prompt"
-        limit = prompts * self.engine.max_model_len + OTHER_VALUES
-        return limit, f"{what} of max_model_len ids plus {OTHER_VALUES}"
+        vocab = self.engine.spec.vocab_size
+        limit = prompts * self.engine.max_model_len + vocab + OTHER_VALUES
+        return (
+            limit,
+            f"{what} of max_model_len ids, {vocab} logit_bias entries, {OTHER_VALUES} more",
+        )
 
     def completion(self, raw: bytes, bulk: bool = False) -> Prepared:
         body = self._parse(CompletionRequest, raw, bulk)
@@ -183,8 +194,10 @@ class Preparer:
     ) -> Request:
         try:
             return self.engine.make_request(prompt, params, request_id)
-        except ValueError as exc:  # the engine's validation: the prompt, or its length
+        except ValueError as exc:  # the engine's validation: the prompt, its length, logit_bias
             message = str(exc)
+            if message.startswith("logit_bias"):  # a token id outside the vocabulary
+                raise bad_request(message, param="logit_bias") from None
             raise bad_request(
                 where + message, param="max_tokens" if "plus max_tokens" in message else param
             ) from None

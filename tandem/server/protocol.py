@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tandem.request import SamplingParams
+from tandem.request import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
 
@@ -49,18 +49,19 @@ class _GenerationRequest(_Strict):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # Extensions with vLLM's names.
     # Bounded: values of 2**63 and up overflow the engine's float64 -> int64 sampling table.
     top_k: Annotated[int | None, Field(le=2**31 - 1)] = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     # Samples per prompt, sharing its KV blocks; OpenAI's bound.
     n: Annotated[int | None, Field(ge=1, le=MAX_N)] = None
-    # OpenAI parameters Tandem does not implement: neutral values only.
-    presence_penalty: Annotated[float | None, _only(0, None)] = None
-    frequency_penalty: Annotated[float | None, _only(0, None)] = None
-    logit_bias: Annotated[dict[str, float] | None, _only(None)] = None
     user: str | None = None  # an opaque end-user id; it changes nothing about generation
 
     def default_max_tokens(self) -> int | None:
@@ -79,12 +80,38 @@ class _GenerationRequest(_Strict):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "n": self.n,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": _token_keys(self.logit_bias),
+            "logprobs": self.num_logprobs(),
         }
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token, or None for no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON object keys, so strings: back to ints."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias must have token ids as keys, got {key!r}") from None
+    return out
+
+
+Logprobs = Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class CompletionRequest(_GenerationRequest):
@@ -94,8 +121,11 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: Annotated[bool, _only(False)] = False
     best_of: Annotated[int | None, _only(1, None)] = None
-    logprobs: Annotated[int | None, _only(None)] = None
+    logprobs: Logprobs = None  # the sampled token's and this many alternatives' (OpenAI: <= 5)
     suffix: Annotated[str | None, _only(None, "")] = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -123,11 +153,18 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: Annotated[bool | None, _only(False, None)] = None
-    top_logprobs: Annotated[int | None, _only(0, None)] = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]] | None, _only(None)] = None
     tool_choice: Annotated[str | None, _only("none", None)] = None
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs must be used with logprobs set to true")
+            return None
+        return self.top_logprobs or 0
 
     def default_max_tokens(self) -> int | None:
         """max_completion_tokens supersedes max_tokens; neither means up to the context limit."""
