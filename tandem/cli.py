@@ -107,14 +107,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.server import serve
+    from tandem.server.serve import EngineFailure
 
-    serve(
-        engine_config(args),
-        host=args.host,
-        port=args.port,
-        max_waiting=args.max_waiting,
-        grace_period=args.grace_period,
-    )
+    try:
+        serve(
+            engine_config(args),
+            host=args.host,
+            port=args.port,
+            max_waiting=args.max_waiting,
+            grace_period=args.grace_period,
+            api_key=args.api_key,
+            protect_metrics=args.protect_metrics,
+            max_request_bytes=args.max_request_bytes,
+        )
+    except EngineFailure as exc:  # the traceback is already in the log
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -153,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="queued requests beyond which new ones get 503")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=10.0,
                        help="seconds to finish in-flight requests on shutdown")  # fmt: skip
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every /v1 request "
+                       "(default: $TANDEM_API_KEY; unset: no key needed)")  # fmt: skip
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key for /metrics too (/health is always open)")  # fmt: skip
+    serve.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                       help="larger request bodies get 413 without being read "
+                       "(default: 16 MiB)")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

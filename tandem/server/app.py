@@ -1,10 +1,13 @@
-"""The FastAPI app: routes, lifespan (start and stop the engine loop), error handlers.
+"""The FastAPI app: routes, lifespan (start and stop the engine loop), error handlers, guards.
 
 `create_app` does not own the engine: whoever built it closes it after the app has shut down.
+Generation routes take the raw body: it is parsed and validated in an intake lane, off the event
+loop (`prepare.py`), after the guards (`guards.py`) have checked the API key and the body's size.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,11 +17,15 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from tandem.engine import Engine
-from tandem.server.errors import APIError, error_body, install_error_handlers
-from tandem.server.generate import chat_prompt, completion_prompts, respond
+from tandem.server.errors import error_body, install_error_handlers
+from tandem.server.generate import respond
+from tandem.server.guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyGuard, BodyLimit
 from tandem.server.metrics import CONTENT_TYPE
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.prepare import Preparer
 from tandem.server.service import GenerationService
+from tandem.server.token_bound import prompt_bound
+
+logger = logging.getLogger("tandem.server")
 
 
 def model_names(engine: Engine, served_name: str | None) -> tuple[str, list[str]]:
@@ -37,15 +44,30 @@ def create_app(
     served_model_name: str | None = None,
     max_waiting: int = 256,
     grace_period: float = 10.0,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible app around `engine`. Its loop thread runs while the app's lifespan does.
 
     `grace_period` bounds the lifespan shutdown: in-flight requests get that long to finish,
     then are aborted. (`serve` drains on SIGTERM before that, while still answering 503s.)
+    With `api_key`, every /v1 request (and /metrics if `protect_metrics`) needs
+    `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` get 413.
     """
+    if protect_metrics and not api_key:
+        raise ValueError("protect_metrics needs an api_key")
     service = GenerationService(engine, max_waiting=max_waiting)
     name, accepted_names = model_names(engine, served_model_name)
     created = int(time.time())
+    bound, why_not = prompt_bound(engine.tokenizer)
+    if bound is not None:
+        logger.info("over-long prompts are refused before tokenizing (%s)", bound.describe())
+    else:
+        logger.info("over-long prompts are refused after tokenizing: no exact bound (%s)", why_not)
+    preparer = Preparer(
+        engine, name, accepted_names, bound, service.intake.counter, max_seqs=service.capacity
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,28 +80,21 @@ def create_app(
 
     app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
     app.state.service = service
+    app.state.preparer = preparer
     app.state.model_name = name
     install_error_handlers(app)
-
-    def check_model(model: str) -> None:
-        if model not in accepted_names:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    # The last one added runs first: the key is checked before the body is read at all.
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyGuard, api_key=api_key, protect_metrics=protect_metrics)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        return await respond(service, request, body, completion_prompts(body), name)
+    async def completions(request: Request) -> Response:
+        return await respond(service, request, preparer.completion, name)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        prepare = chat_prompt(engine, body.messages)
-        return await respond(service, request, body, [prepare], name)
+    async def chat_completions(request: Request) -> Response:
+        return await respond(service, request, preparer.chat, name)
 
     @app.get("/v1/models")
     async def models() -> dict:

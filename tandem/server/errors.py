@@ -1,7 +1,8 @@
 """Every failure leaves the server as a JSON body in OpenAI's shape, with a meaningful status.
 
 400: the request is wrong (including malformed JSON and wrong types, which FastAPI would call 422),
-404: unknown model or route, 503: not ready, shutting down or full (with Retry-After).
+401: missing or wrong API key, 404: unknown model or route, 413: body over --max-request-bytes,
+500: the engine failed mid-request, 503: not ready, shutting down, full or failed (Retry-After).
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("tandem.server")
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):

@@ -1,25 +1,27 @@
-"""From a validated request to a response: prompt, sampling, then one whole answer or an SSE stream.
+"""From a request to a response: admission and preparation (`service.submit`), then one whole
+answer or an SSE stream.
 
 A client that goes away is noticed in both modes and its request aborted at once, so its KV
-blocks return to the pool instead of generating for nobody.
+blocks return to the pool instead of generating for nobody. That includes a client whose own
+timeout closed the connection while the request was waiting for its first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.engine import Engine
-from tandem.request import SamplingParams, TokenLogprobs
-from tandem.server.errors import APIError, bad_request, error_body
-from tandem.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tandem.request import TokenLogprobs
+from tandem.server.errors import APIError, error_body
+from tandem.server.prepare import Prepared
+from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.responses import (
     DONE,
     ChatFormat,
@@ -28,75 +30,25 @@ from tandem.server.responses import (
     sse,
     usage,
 )
-from tandem.server.service import SHUTDOWN_ABORT_MESSAGE, GenerationService, RequestStream
-
-Prompt = str | list[int]
+from tandem.server.service import GenerationService, RequestStream
 
 
-# ---------------------------------------------------------------- prompts
-def completion_prompts(body: CompletionRequest) -> list[Callable[[], Prompt]]:
-    """One prompt, or a list of them (strings or token-id lists), as OpenAI accepts."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return [lambda p=p: p for p in prompt]
-    return [lambda: prompt]
-
-
-def chat_prompt(engine: Engine, messages: list[ChatMessage]) -> Callable[[], Prompt]:
-    """The tokenizer's chat template, rendered on the tokenizer thread.
-
-    The template writes any BOS itself, so the text is tokenized without special tokens.
-    """
-    tokenizer = engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request(
-            "this model's tokenizer has no chat template, so /v1/chat/completions cannot build "
-            "a prompt; use /v1/completions with a plain prompt",
-            param="messages",
-        )
-    conversation = [m.as_template_message() for m in messages]
-
-    def render() -> Prompt:
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
-            raise ValueError(f"the chat template refused these messages: {exc}") from None
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    return render
-
-
-def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    try:
-        return body.sampling_params()
-    except ValueError as exc:  # SamplingParams' messages start with the field's name
-        message = str(exc)
-        match = re.match(r"(\w+) must", message)
-        param = match.group(1) if match else None
-        if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-            param = "max_completion_tokens"
-            message = param + message.removeprefix("max_tokens")
-        raise bad_request(message, param=param) from None
-
-
-# --------------------------------------------------------------- responses
 async def respond(
     service: GenerationService,
     request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
-    prepares: list[Callable[[], Prompt]],
+    prepare: Callable[[bytes, bool], Prepared],
     model_name: str,
 ) -> JSONResponse | StreamingResponse:
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    params = sampling_params(body)
-    chat = isinstance(body, ChatCompletionRequest)
-    prefix, prompt_param = ("chatcmpl", "messages") if chat else ("cmpl", "prompt")
-    stream = await service.submit(prepares, params, prefix, prompt_param)
-    fmt_cls = ChatFormat if chat else CompletionFormat
-    fmt = fmt_cls(stream.request_id, model_name, body.include_usage, params.logprobs)
+    """Read the body, have `prepare` turn it into an engine request off the event loop, respond."""
+    # Read whole (it is within --max-request-bytes) even if it is to be refused: closing a
+    # connection with unread data resets it, and the client might not see the answer.
+    raw = await request.body()
+    bulk = service.intake.is_bulk(raw)
+    stream, prepared = await service.submit(bulk, partial(prepare, raw, bulk))
+    del raw  # a large body is not kept alive for the length of the generation
+    body = prepared.body
+    fmt_cls = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
+    fmt = fmt_cls(stream.request_id, model_name, body.include_usage, prepared.logprobs)
     if body.stream:
         return SSEResponse(_events(stream, fmt), on_close=lambda: service.abort(stream))
     try:
@@ -105,17 +57,12 @@ async def respond(
         service.abort(stream)  # no-op once finished; frees the blocks if we were cancelled
     if collected is None:  # the client left; nobody reads this
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
-    _raise_if_server_ended(stream)
+    if stream.error is not None:
+        raise APIError(stream.error_status, stream.error, code="aborted")
     counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
     reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
     texts, logprobs = collected
     return JSONResponse(fmt.full(texts, reasons, counts, logprobs))
-
-
-def _raise_if_server_ended(stream: RequestStream) -> None:
-    if stream.error is not None:
-        status = 503 if stream.error == SHUTDOWN_ABORT_MESSAGE else 500
-        raise APIError(status, stream.error, code="aborted")
 
 
 async def _collect(stream: RequestStream) -> tuple[list[str], list[list[TokenLogprobs]]]:
@@ -176,8 +123,7 @@ async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[b
                 if stream.error is None:  # else the error below ends the stream
                     yield sse(fmt.closing(d.finish_reason or "stop", d.index))
     if stream.error is not None:  # ended by the server: say so in-stream, as OpenAI does
-        status = 503 if stream.error == SHUTDOWN_ABORT_MESSAGE else 500
-        yield sse(error_body(status, stream.error, code="aborted"))
+        yield sse(error_body(stream.error_status, stream.error, code="aborted"))
     elif fmt.include_usage:
         yield sse(fmt.usage_chunk(usage(stream.num_prompt_tokens, stream.num_output_tokens)))
     yield DONE

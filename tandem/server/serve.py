@@ -5,12 +5,17 @@ and wait for open requests without bound. Here the first signal starts a drain i
 server keeps answering, with 503 + Retry-After to new requests and /health (so a load balancer
 moves away), in-flight requests get `grace_period` seconds to finish, the rest are aborted, and
 only then does uvicorn exit. A second signal aborts everything at once.
+
+If the engine fails, every request has already been answered with an error (`service.py`); the
+server then exits at once and `serve` raises `EngineFailure`, so the process exits non-zero and
+a supervisor restarts it, rather than leaving a live socket in front of a dead engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from types import FrameType
 
@@ -19,9 +24,16 @@ import uvicorn
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import create_app
+from tandem.server.guards import DEFAULT_MAX_REQUEST_BYTES
 from tandem.server.service import GenerationService
 
 logger = logging.getLogger("tandem.server")
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+class EngineFailure(RuntimeError):
+    """The engine loop died while serving; raised by `serve` after every client was answered."""
 
 
 class GracefulServer(uvicorn.Server):
@@ -32,6 +44,15 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._tasks: set[asyncio.Task] = set()
+        self.engine_error: BaseException | None = None
+        service.on_failure = self._engine_failed
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """On the event loop, after the service has answered every request: stop serving.
+        uvicorn closes the listening socket, lets the open responses finish, then returns."""
+        logger.error("the engine failed; exiting after answering open requests")
+        self.engine_error = exc
+        self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -67,20 +88,44 @@ def serve(
     port: int = 8000,
     max_waiting: int = 256,
     grace_period: float = 10.0,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
+    max_request_bytes: int | None = None,
 ) -> None:
-    """Serve `config`'s model over the OpenAI-compatible API until SIGINT/SIGTERM."""
+    """Serve `config`'s model over the OpenAI-compatible API until SIGINT/SIGTERM.
+
+    `api_key` defaults to $TANDEM_API_KEY; without either, the API is open.
+    `max_request_bytes` defaults to 16 MiB. Raises `EngineFailure` if the engine dies (after
+    answering every request).
+    """
+    if max_request_bytes is None:
+        max_request_bytes = DEFAULT_MAX_REQUEST_BYTES
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    if protect_metrics and not api_key:
+        raise ValueError("protect_metrics needs an API key (--api-key or $TANDEM_API_KEY)")
     engine = Engine(config)
-    app = create_app(engine, max_waiting=max_waiting, grace_period=grace_period)
+    app = create_app(
+        engine,
+        max_waiting=max_waiting,
+        grace_period=grace_period,
+        api_key=api_key,
+        protect_metrics=protect_metrics,
+        max_request_bytes=max_request_bytes,
+    )
     service: GenerationService = app.state.service
     logger.info(
-        "serving %r (max_model_len %d, %d KV blocks, %d running + %d waiting requests)",
+        "serving %r (max_model_len %d, %d KV blocks, %d running + %d waiting requests; "
+        "API key %s; bodies up to %d bytes)",
         app.state.model_name,
         engine.max_model_len,
         engine.num_kv_blocks,
         config.max_num_seqs,
         max_waiting,
+        "required" + (" (and for /metrics)" if protect_metrics else "") if api_key else "off",
+        max_request_bytes,
     )
     uv_config = uvicorn.Config(
         app,
@@ -89,8 +134,15 @@ def serve(
         access_log=False,  # a log line per request costs more than a tiny model's step
         timeout_graceful_shutdown=5,  # after the drain: only connections left to close
     )
+    server = GracefulServer(uv_config, service, grace_period)
     try:
-        GracefulServer(uv_config, service, grace_period).run()
+        server.run()
     finally:
-        service.close()
-        engine.close()
+        service.close(wait=True)
+        if server.engine_error is None:
+            engine.close()
+        else:  # its state is suspect: free the device without retiring the in-flight steps
+            engine.runner.close()
+    if server.engine_error is not None:
+        error = server.engine_error
+        raise EngineFailure(f"the engine failed: {type(error).__name__}: {error}") from error

@@ -1,18 +1,24 @@
 """The event-loop side of the engine: admission, one stream per request, and graceful shutdown.
 
-Everything here runs on the asyncio event loop except tokenization (and chat-template rendering),
-which runs on one worker thread so a long prompt never stalls other connections. Outputs come
-from the engine loop thread once per step, as a single `call_soon_threadsafe(_deliver, deltas)`.
+Everything here runs on the asyncio event loop except request preparation (parsing, the chat
+template, tokenization), which runs in the intake lanes (`intake.py`) so that no request, however
+large, stalls other connections. Outputs come from the engine loop thread once per step, as a
+single `call_soon_threadsafe(_deliver, deltas)`.
 
 Admission: at most `max_num_seqs + max_waiting` sequences are in flight (accepted, not finished;
 an HTTP request asks for one per prompt and sample). The engine runs up to `max_num_seqs` at once,
 so the excess is the waiting queue, counted here on the event loop where it is exact (the engine's
-own counters lag behind its inbox). Beyond it, 503 with Retry-After. An accepted request is never
-dropped: it runs to completion (or until its client disconnects, or the shutdown grace period
-runs out).
+own counters lag behind its inbox). Beyond it, 503 with Retry-After. A request holds one sequence
+while it is prepared (its prompts and `n` are known only once it is parsed), then all of its own.
+An accepted request is never dropped: it runs to completion (or until its client disconnects, or
+the shutdown grace period runs out, or the engine fails).
 
 One HTTP request becomes one engine request per prompt, each with `n` samples; its choices are
 numbered prompt-major, `prompt_index * n + sample_index`, as OpenAI does.
+
+If the engine loop thread dies, every request in flight or being prepared is answered at once
+(503 if it had produced nothing yet, 500 otherwise; every choice of a stream ends, then an error
+event ends the stream), /health says 503, and `on_failure` tells the owner (`serve` exits non-zero).
 """
 
 from __future__ import annotations
@@ -22,16 +28,15 @@ import contextlib
 import dataclasses
 import logging
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine import Engine
-from tandem.request import SamplingParams
 from tandem.server.errors import APIError, bad_request, unavailable
+from tandem.server.intake import IntakeLanes
 from tandem.server.loop import Delta, EngineLoop
 from tandem.server.metrics import ServerMetrics
+from tandem.server.prepare import Prepared
 
 logger = logging.getLogger("tandem.server")
 
@@ -53,6 +58,7 @@ class RequestStream:
     finish_reasons: dict[int, str | None] = field(default_factory=dict)  # finished choices
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the server, not the client, ended it early
+    error_status: int = 500  # the HTTP status that `error` stands for
     client_gone: bool = False
     first_token_time: float | None = None
     last_token_time: dict[int, float] = field(default_factory=dict)  # per choice
@@ -86,19 +92,27 @@ class RequestStream:
 
 
 class GenerationService:
-    def __init__(self, engine: Engine, max_waiting: int = 256, retry_after_s: int = 1):
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int = 256,
+        retry_after_s: int = 1,
+        intake: IntakeLanes | None = None,
+    ):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_waiting
         self.retry_after_s = retry_after_s
         self.accepting = False
+        self.intake = intake or IntakeLanes()
+        self.on_failure: Callable[[BaseException], None] | None = None  # called on the event loop
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its HTTP request
         self._unfinished: dict[str, int] = {}  # engine request id -> samples still running
-        self._admitting = 0  # sequences accepted, still being tokenized
+        self._admitting = 0  # sequences accepted, still being prepared (one per request)
         self._idle = asyncio.Event()
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._tokenizer_pool: ThreadPoolExecutor | None = None
+        self._failed: asyncio.Future[None] | None = None  # done once the engine has failed
         self.loop = EngineLoop(engine, self._from_engine_thread, self._crash_from_engine_thread)
         self.metrics = ServerMetrics(
             engine, lambda: self.num_in_flight, lambda: self.loop.device_idle_fraction
@@ -108,7 +122,8 @@ class GenerationService:
     def start(self) -> None:
         """Called on the event loop (the app's lifespan): binds the bridge to it."""
         self._aloop = asyncio.get_running_loop()
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
+        self._failed = self._aloop.create_future()
+        self.intake.start()
         self.loop.start()
         self._idle.set()
         self.accepting = True
@@ -116,6 +131,10 @@ class GenerationService:
     @property
     def ready(self) -> bool:
         return self.accepting and self.loop.alive
+
+    @property
+    def failed(self) -> bool:
+        return self.loop.crashed is not None
 
     def unready_reason(self) -> str:
         if self._aloop is None:
@@ -137,17 +156,17 @@ class GenerationService:
         if not await self._wait_idle(grace_period):
             logger.warning("grace period over: aborting %d request(s)", len(self._streams))
             for engine_id, stream in list(self._streams.items()):
-                stream.error = SHUTDOWN_ABORT_MESSAGE
+                stream.error, stream.error_status = SHUTDOWN_ABORT_MESSAGE, 503
                 self.engine.abort(engine_id)
             if not await self._wait_idle(abort_wait_s):
                 self._fail_all(SHUTDOWN_ABORT_MESSAGE)  # the loop is stuck: release the clients
 
-    def close(self) -> None:
-        """Stop the loop thread and the tokenizer worker (after `shutdown`); idempotent."""
+    def close(self, wait: bool = False) -> None:
+        """Stop the loop thread and the intake workers (after `shutdown`); idempotent. With
+        `wait`, also wait for preparations still running (off the event loop only)."""
         self.accepting = False
         self.loop.stop()
-        if self._tokenizer_pool is not None:
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.intake.close(wait)
 
     async def _wait_idle(self, timeout: float) -> bool:
         """True once no request is in flight; False if `timeout` seconds pass first."""
@@ -163,69 +182,49 @@ class GenerationService:
 
     # ------------------------------------------------------------ requests
     async def submit(
-        self,
-        prepares: Sequence[Callable[[], str | list[int]]],
-        params: SamplingParams,
-        prefix: str,
-        prompt_param: str,
-    ) -> RequestStream:
-        """Admit, tokenize (off the event loop) and queue one HTTP request: one engine request
-        per prompt, each with `params.n` samples. All are admitted and queued, or none.
+        self, bulk: bool, prepare: Callable[[], Prepared]
+    ) -> tuple[RequestStream, Prepared]:
+        """Admit, prepare (in an intake lane: parse, tokenize, validate) and queue one HTTP
+        request: one engine request per prompt, each with `n` samples. All are queued, or none.
 
-        Each of `prepares` builds a prompt on the tokenizer thread; a ValueError from it or from
-        the engine's validation becomes a 400 naming `prompt_param`.
+        `bulk` picks the lane (`intake.is_bulk`); `prepare` raises APIError for a bad request.
+        If the engine fails meanwhile, the request gets 503 at once.
         """
-        num_seqs = len(prepares) * params.n
-        self._check_admission(num_seqs, "n" if params.n > 1 else prompt_param)
-        self._admitting += num_seqs
-        try:
-            request_id = f"{prefix}-{uuid.uuid4().hex}"
-            engine_ids = (
-                [request_id]
-                if len(prepares) == 1
-                else [f"{request_id}-{i}" for i in range(len(prepares))]
+        self._check_admission(1)  # its size is known once it is parsed
+        if bulk and self.intake.bulk_full:
+            raise self._refuse(
+                f"{self.intake.max_bulk} large requests are already being prepared; retry later"
             )
+        self._admitting += 1
+        try:
             arrival = time.perf_counter()
-
-            def build():
-                requests = []
-                for i, (engine_id, prepare) in enumerate(zip(engine_ids, prepares, strict=True)):
-                    try:
-                        requests.append(self.engine.make_request(prepare(), params, engine_id))
-                    except ValueError as exc:
-                        raise ValueError(
-                            f"prompt {i}: {exc}" if len(prepares) > 1 else exc
-                        ) from None
-                return requests
-
-            assert self._aloop is not None and self._tokenizer_pool is not None
-            try:
-                requests = await self._aloop.run_in_executor(self._tokenizer_pool, build)
-            except ValueError as exc:  # the engine's validation: the prompt, or its length
-                message = str(exc)
-                param = "max_tokens" if "plus max_tokens" in message else prompt_param
-                if "logit_bias" in message:  # a token id outside the vocabulary
-                    param = "logit_bias"
-                raise bad_request(message, param=param) from None
-            if not self.ready:  # shutdown began while the prompt was being tokenized
+            job = self.intake.run(bulk, prepare)
+            assert self._failed is not None
+            await asyncio.wait({job, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+            if not job.done():  # the engine failed while the request was being prepared
                 raise self._refuse(self.unready_reason())
+            prepared = job.result()
+            # Shutdown may have begun (or the engine failed) during preparation, and other
+            # requests may have filled the server: admit all of its sequences, or none.
+            self._check_admission(prepared.num_seqs, prepared.seqs_param, reserved=1)
+            requests = prepared.requests
             stream = RequestStream(
-                request_id,
-                engine_ids,
-                params.n,
+                prepared.request_id,
+                [request.request_id for request in requests],
+                prepared.n,
                 [request.num_prompt_tokens for request in requests],
                 arrival,
             )
             for request in requests:
                 self._streams[request.request_id] = stream
-                self._unfinished[request.request_id] = params.n
+                self._unfinished[request.request_id] = prepared.n
                 self.engine.submit(request)
         finally:
-            self._admitting -= num_seqs
+            self._admitting -= 1
             if not self._streams and not self._admitting:
                 self._idle.set()
         self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
-        return stream
+        return stream, prepared
 
     def abort(self, stream: RequestStream) -> None:
         """The client went away: free the request's KV blocks now (the engine ends it as "abort")."""
@@ -234,18 +233,20 @@ class GenerationService:
             for engine_id in stream.engine_ids:
                 self.engine.abort(engine_id)
 
-    def _check_admission(self, num_seqs: int = 1, param: str = "n") -> None:
+    def _check_admission(self, num_seqs: int, param: str = "n", reserved: int = 0) -> None:
+        """`reserved`: sequences this request already holds in `num_in_flight`."""
         if not self.ready:
             raise self._refuse(self.unready_reason())
-        if num_seqs > self.capacity:
+        if num_seqs > self.capacity:  # the preparer refuses these first; kept for other callers
             raise bad_request(
                 f"this request asks for {num_seqs} sequences (prompts x n); the server holds at "
                 f"most {self.capacity} at once",
                 param=param,
             )
-        if self.num_in_flight + num_seqs > self.capacity:
+        in_flight = self.num_in_flight - reserved
+        if in_flight + num_seqs > self.capacity:
             raise self._refuse(
-                f"the server is at capacity ({self.num_in_flight} sequences in flight, "
+                f"the server is at capacity ({in_flight} sequences in flight, "
                 f"{self.capacity - self.engine.config.max_num_seqs} may wait); retry later"
             )
 
@@ -258,7 +259,7 @@ class GenerationService:
         self._call_in_event_loop(self._deliver, deltas)
 
     def _crash_from_engine_thread(self, exc: BaseException) -> None:
-        self._call_in_event_loop(self._fail_all, f"the engine failed: {type(exc).__name__}: {exc}")
+        self._call_in_event_loop(self._engine_failed, exc)
 
     def _call_in_event_loop(self, fn: Callable, arg: object) -> None:
         try:
@@ -289,7 +290,7 @@ class GenerationService:
             stream.output_tokens[choice] = delta.num_output_tokens
             if delta.finished:
                 stream.finish_reasons[choice] = delta.finish_reason
-                if delta.error:
+                if delta.error and stream.error is None:
                     stream.error = delta.error
                 self._unfinished[engine_id] -= 1
                 if not self._unfinished[engine_id]:
@@ -300,10 +301,26 @@ class GenerationService:
         if not self._streams and not self._admitting:
             self._idle.set()
 
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The loop thread died: answer everyone now, then tell the owner."""
+        self.accepting = False
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        for stream in self._streams.values():
+            # Nothing generated yet: the request can be retried elsewhere as it is.
+            stream.error_status = 503 if stream.num_output_tokens == 0 else 500
+        self._fail_all(message)
+        assert self._failed is not None
+        if not self._failed.done():
+            self._failed.set_result(None)  # requests still being prepared get 503 now
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
     def _fail_all(self, message: str) -> None:
-        """End every open stream with an error (engine crash, or a loop stuck at shutdown)."""
+        """End every unfinished choice of every open stream with an error (engine failure, or a
+        loop stuck at shutdown)."""
         failed = []
         for engine_id, stream in self._streams.items():
+            stream.error = message
             first = stream.choice(engine_id, 0)
             for sample in range(stream.n):
                 if first + sample not in stream.finish_reasons:
