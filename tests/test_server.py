@@ -118,23 +118,30 @@ def chat_prompt_ids(engine: Engine, messages: list[dict]) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
-@pytest.fixture(scope="session")
-def live(tiny_llama: Path) -> Iterator[LiveServer]:
-    server = start_server(tiny_llama)
-    yield server
-    server.stop()
+def server_fixtures(scope: str):
+    """The `live` server, an `offline` LLM with the same options, and the served `model` name,
+    as fixtures of `scope`: test modules that need a fresh server take them per module."""
+
+    @pytest.fixture(scope=scope)
+    def live(tiny_llama: Path) -> Iterator[LiveServer]:
+        server = start_server(tiny_llama)
+        yield server
+        server.stop()
+
+    @pytest.fixture(scope=scope)
+    def offline(tiny_llama: Path) -> Iterator[LLM]:
+        llm = LLM(str(tiny_llama), **ENGINE_OPTIONS)
+        yield llm
+        llm.close()
+
+    @pytest.fixture
+    def model(live: LiveServer) -> str:
+        return live.engine.model_path.name
+
+    return live, offline, model
 
 
-@pytest.fixture(scope="session")
-def offline(tiny_llama: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_llama), **ENGINE_OPTIONS)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture
-def model(live: LiveServer) -> str:
-    return live.engine.model_path.name
+live, offline, model = server_fixtures("session")
 
 
 def assert_idle(live: LiveServer, timeout: float = 5.0) -> None:

@@ -7,16 +7,15 @@ equal the offline engine's sample with the same seed, streamed or not.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from test_server import (
-    ENGINE_OPTIONS,
     LiveServer,
     chat_prompt_ids,
     metric_samples,
+    server_fixtures,
     sse_events,
     start_server,
     wait_until,
@@ -27,23 +26,7 @@ from tandem import LLM, SamplingParams
 SYSTEM = "You are a careful assistant who answers every question in full sentences. " * 4
 
 
-@pytest.fixture(scope="module")
-def live(tiny_llama: Path) -> Iterator[LiveServer]:
-    server = start_server(tiny_llama)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_llama), **ENGINE_OPTIONS)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture
-def model(live: LiveServer) -> str:
-    return live.engine.model_path.name
+live, offline, model = server_fixtures("module")
 
 
 def seeded(n: int, max_tokens: int = 10, seed: int = 5) -> SamplingParams:

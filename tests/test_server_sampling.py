@@ -3,13 +3,10 @@ not: the same tokens and logprobs as the offline `LLM.generate`, in OpenAI's sha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
-from test_server import ENGINE_OPTIONS, LiveServer, chat_prompt_ids, start_server
+from test_server import LiveServer, chat_prompt_ids, server_fixtures
 
 from tandem import LLM, SamplingParams
 
@@ -17,23 +14,7 @@ PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
-@pytest.fixture(scope="module")
-def live(tiny_llama: Path) -> Iterator[LiveServer]:
-    server = start_server(tiny_llama)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_llama), **ENGINE_OPTIONS)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture
-def model(live: LiveServer) -> str:
-    return live.engine.model_path.name
+live, offline, model = server_fixtures("module")
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
