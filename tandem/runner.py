@@ -117,8 +117,6 @@ class ModelRunner:
     def close(self) -> None:
         self.stream.close()
 
-    # ------------------------------------------------------------ on the stream
-    @torch.inference_mode()
     def set_cpu_threads(self, decode: int, prefill: int) -> None:
         """CPU: compute threads for decode-only steps and for steps that prefill.
 
@@ -126,6 +124,8 @@ class ModelRunner:
         prefill's large GEMMs use every core; the count is switched per step, on the stream."""
         self._cpu_threads = (decode, prefill)
 
+    # ------------------------------------------------------------ on the stream
+    @torch.inference_mode()
     def _execute(self, x: StepInputs):
         if self._cpu_threads is not None:
             prefill_tokens = x.num_tokens - x.num_decodes

@@ -6,6 +6,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from tandem import SamplingParams
 from tandem.detokenizer import IncrementalDetokenizer
@@ -283,3 +284,18 @@ def test_top_k_beyond_the_vocabulary_samples_the_whole_vocabulary(llm):
         [SamplingParams(top_k=k, **base) for k in (0, 2**63, 1024)],
     )
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_steps_run_in_inference_mode(tiny_llama, async_scheduling):
+    """No autograd bookkeeping on the stream: every forward runs under torch.inference_mode."""
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    forward, modes = llm.engine.runner.model.forward, []
+
+    def recording_forward(*args, **kwargs):
+        modes.append(torch.is_inference_mode_enabled())
+        return forward(*args, **kwargs)
+
+    llm.engine.runner.model.forward = recording_forward
+    llm.generate([[5, 6, 7]], greedy(4))
+    assert modes and all(modes)
