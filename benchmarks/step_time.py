@@ -145,7 +145,7 @@ def measure(args: argparse.Namespace, model_path: Path, allowed: list[int], path
         return {
             "path": path,
             "execution": engine.execution.describe(),
-            "threads": torch.get_num_threads(),
+            "threads": engine.execution.cpu_threads or torch.get_num_threads(),  # decode steps
             "points": points,
         }
     finally:

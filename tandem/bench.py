@@ -142,7 +142,7 @@ def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
     """On a CPU, say why async can or cannot beat sync here: the figures alone don't tell."""
     if engine.config.torch_device.type != "cpu" or not {"sync", "async"} <= results.keys():
         return None
-    threads = torch.get_num_threads()
+    threads = engine.execution.cpu_threads or torch.get_num_threads()  # of decode steps
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if threads < cores:
         return (

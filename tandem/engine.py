@@ -301,14 +301,12 @@ class Engine:
     # ------------------------------------------------------------- internals
     def _tune_cpu_threads(self, model) -> None:
         """Time a decode step per thread count where the steps will run (the device thread, with
-        its own OpenMP team) and keep the fastest, for the device thread and this one alike."""
+        its own OpenMP team); the runner applies the pick to decode steps, every core to prefills."""
         batch = min(self.config.max_num_seqs, 32)
         timings = self.runner.stream.submit(lambda: fast_path.tune_cpu_threads(model, batch))
         self.execution.thread_timings_ms = timings.wait()
         best = fast_path.pick_cpu_threads(self.execution.thread_timings_ms, batch)
         self.execution.cpu_threads = best
-        torch.set_num_threads(best)
-        self.runner.stream.submit(lambda: torch.set_num_threads(best)).wait()
         self.runner.set_cpu_threads(best, max(self.execution.thread_timings_ms))
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

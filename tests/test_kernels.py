@@ -14,8 +14,8 @@ import torch
 
 from tandem.models import fast_path, load_model
 from tandem.ops import cpu_kernels
+from tandem.ops import elementwise as ops
 from tandem.ops.attention import AttentionMetadata, PrefillSegment, _decode_attention
-from tandem.ops.elementwise import FusedCPUOps, PortableOps
 
 from conftest import _load_hf_model, hf_greedy_reference, random_prompts
 from helpers import greedy, make_llm
@@ -29,28 +29,32 @@ def kernels() -> cpu_kernels.KernelBuild:
 
 
 def test_elementwise_kernels_match_portable_ops() -> None:
+    fused = torch.ops.tandem
     g = torch.Generator().manual_seed(0)
     x, residual = torch.randn(37, 96, generator=g), torch.randn(37, 96, generator=g)
     w = torch.randn(96, generator=g)
-    torch.testing.assert_close(FusedCPUOps.rms_norm(x, w, 1e-6), PortableOps.rms_norm(x, w, 1e-6))
-    fused, fused_res = FusedCPUOps.add_rms_norm(x, residual.clone(), w, 1e-5)
-    ref, ref_res = PortableOps.add_rms_norm(x, residual, w, 1e-5)
-    torch.testing.assert_close(fused, ref)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+    fused_res = residual.clone()
+    fused_out = fused.add_rms_norm(x, fused_res, w, 1e-5)  # updates the residual in place
+    ref, ref_res = ops.add_rms_norm(x, residual, w, 1e-5)
+    torch.testing.assert_close(fused_out, ref)
     assert torch.equal(fused_res, ref_res)  # one addition per element: exact
 
     qkv = torch.randn(37, 4 * 16 + 2 * 2 * 16, generator=g)  # q and k are strided views
     q, k = qkv[:, :64].view(-1, 4, 16), qkv[:, 64:96].view(-1, 2, 16)
     positions = torch.randint(0, 50, (37,), generator=g)
     cos, sin = torch.randn(50, 16, generator=g), torch.randn(50, 16, generator=g)
-    q_ref, k_ref = PortableOps.rotary(q, k, positions, cos, sin)
-    q_out, k_out = FusedCPUOps.rotary(q.clone(), k.clone(), positions, cos, sin)
+    q_ref, k_ref = ops.rotary(q, k, positions, cos, sin)
+    q_out, k_out = q.clone(), k.clone()
+    fused.rotary_(q_out, positions, cos, sin)
+    fused.rotary_(k_out, positions, cos, sin)
     torch.testing.assert_close(q_out, q_ref)
     torch.testing.assert_close(k_out, k_ref)
 
     gate_up = torch.cat([torch.linspace(-30, 30, 1000).view(1, -1)] * 2, dim=1)
     gate_up = torch.cat([gate_up, torch.randn(36, 2000, generator=g)])
     torch.testing.assert_close(
-        FusedCPUOps.silu_and_mul(gate_up), PortableOps.silu_and_mul(gate_up), rtol=1e-6, atol=1e-6
+        fused.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), rtol=1e-6, atol=1e-6
     )
 
 

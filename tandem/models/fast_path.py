@@ -18,7 +18,6 @@ import torch
 from tandem.models.llama import LlamaModel
 from tandem.ops import cpu_kernels
 from tandem.ops.attention import AttentionMetadata
-from tandem.ops.elementwise import FusedCPUOps, PortableOps
 
 
 @dataclass
@@ -53,15 +52,14 @@ def prepare(
     model: LlamaModel, device: torch.device, dtype: torch.dtype, enforce_eager: bool
 ) -> ExecutionPlan:
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
-        return ExecutionPlan(PortableOps.name, False, None)
+        return ExecutionPlan("portable", False, None)
     build = cpu_kernels.load()
-    ops = FusedCPUOps if build.available else PortableOps
-    packed = model.use_fast_path(ops)
-    return ExecutionPlan(ops.name, packed, build)
+    packed = model.use_fast_path(fused=build.available)
+    return ExecutionPlan("fused-cpu" if build.available else "portable", packed, build)
 
 
 def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dict[int, float]:
-    """Median decode-step time (ms) of `model` at `batch` requests, for each candidate count.
+    """Best-of-8 decode-step time (ms) of `model` at `batch` requests, for each candidate count.
 
     Why: on a small model the per-op work is too small to split, and a second compute thread
     only adds barriers (and takes the core the asynchronous host needs); on a compute-bound

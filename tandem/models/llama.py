@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.ops import elementwise as ops
 from tandem.ops.attention import AttentionMetadata, paged_attention
-from tandem.ops.elementwise import PortableOps
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
 
 
@@ -62,7 +62,6 @@ class ForwardContext:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     rotary: Rotary
-    ops: type[PortableOps]
 
 
 class Attention(nn.Module):
@@ -79,7 +78,7 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x, kv_cache, ctx: ForwardContext):
-        s, ops = self.spec, ctx.ops
+        s = self.spec
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
@@ -89,9 +88,8 @@ class Attention(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ops.rotary(q, k, ctx.positions, ctx.rotary.cos, ctx.rotary.sin)
         out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window,
-            fused_decode=ops.fused_decode_attention,
-        )  # fmt: skip
+            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window
+        )
         return self.o(out.view(-1, self.q_size))
 
 
@@ -101,7 +99,7 @@ class MLP(nn.Module):
         self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
-    def forward(self, x, ops: type[PortableOps]):
+    def forward(self, x):
         return self.down(ops.silu_and_mul(self.gate_up(x)))
 
 
@@ -128,7 +126,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous sublayer's output (the embeddings for the first layer, where
         residual is None). Returns this layer's MLP output and the residual stream before it."""
-        ops = ctx.ops
         if residual is None:
             residual, h = x, ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         else:
@@ -136,7 +133,7 @@ class DecoderLayer(nn.Module):
         a = self.attn(h, kv_cache, ctx)
         norm = self.post_attn_norm
         h, residual = ops.add_rms_norm(a, residual, norm.weight, norm.eps)
-        return self.mlp(h, ops), residual
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -150,21 +147,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
-        self.ops: type[PortableOps] = PortableOps
         self._packed_logits_weight: torch.Tensor | None = None
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
 
-    def use_fast_path(self, ops: type[PortableOps]) -> bool:
-        """Switch to `ops` and pre-pack every GEMM weight where MKL's packed path exists.
+    def use_fast_path(self, fused: bool) -> bool:
+        """Pre-pack every GEMM weight where MKL's packed path exists and, if `fused` (the CPU
+        kernels are loaded), run the whole forward as one kernel call (`tandem::llama_forward`),
+        which needs the GIL once per step instead of once per op.
 
-        With the fused CPU ops the whole forward then runs as one kernel call
-        (`tandem::llama_forward`), which needs the GIL once per step instead of once per op.
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
-        self.ops = ops
         packed = [m.prepack() for m in self.modules() if isinstance(m, Linear)]
         if self.spec.tie_word_embeddings and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        if ops.fused_decode_attention:
+        if fused:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 
@@ -177,11 +172,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if self._fused_weights is not None:
             return self._fused_forward(input_ids, positions, kv_caches, meta)
-        ctx = ForwardContext(positions, meta, self.rotary, self.ops)
+        ctx = ForwardContext(positions, meta, self.rotary)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, kv_cache, ctx)
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         s = self.spec

@@ -57,18 +57,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
-    fused_decode: bool = False,
 ) -> torch.Tensor:
-    """Attention of every token of the packed batch; `fused_decode` reads the cache in place."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
     d = meta.num_decodes
-    if d and fused_decode:
-        torch.ops.tandem.paged_decode_attention(
-            out[:d], q[:d], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-            sliding_window or 0,
-        )  # fmt: skip
-    elif d:
+    if d:
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale, sliding_window)
     for seg in meta.prefills:
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
