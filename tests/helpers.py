@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem import LLM, Engine, SamplingParams
+from tandem import LLM, Engine, RequestOutput, SamplingParams
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -27,3 +27,16 @@ def assert_idle_and_balanced(engine: Engine) -> None:
     assert s.slots.num_free == s.slots.size, s.slots.owners()
     assert not s.blocks.owners() and not s.slots.owners()
     assert len(set(s.slots._free)) == s.slots.size  # no row listed free twice
+
+
+def run_both_loops(
+    path: Path, prompts: list, params: list[SamplingParams], **options
+) -> dict[bool, tuple[list[RequestOutput], LLM]]:
+    """Generate with the sync (False) and the async (True) loop, each on its own engine, and
+    check that each engine ends idle and balanced. Maps async_scheduling -> (outputs, llm)."""
+    runs = {}
+    for mode in (False, True):
+        llm = make_llm(path, async_scheduling=mode, **options)
+        runs[mode] = (llm.generate(prompts, params), llm)
+        assert_idle_and_balanced(llm.engine)
+    return runs

@@ -9,7 +9,7 @@ import pytest
 from tandem.default_model import build_checkpoint
 
 from conftest import hf_greedy_reference, random_prompts
-from helpers import assert_idle_and_balanced, greedy, make_llm
+from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
@@ -96,10 +96,7 @@ def test_async_equals_sync_seeded_sampling(tiny_llama, options):
         )
         for i in range(len(prompts))
     ]  # fmt: skip
-    results = {}
-    for mode in (False, True):
-        llm = make_llm(tiny_llama, async_scheduling=mode, **options)
-        results[mode] = [o.token_ids for o in llm.generate(prompts, params)]
-        assert_idle_and_balanced(llm.engine)
+    runs = run_both_loops(tiny_llama, prompts, params, **options)
+    results = {mode: [o.token_ids for o in outputs] for mode, (outputs, _) in runs.items()}
     assert results[False] == results[True]
     assert [len(t) for t in results[True]] == [p.max_tokens for p in params]

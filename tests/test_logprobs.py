@@ -13,7 +13,7 @@ from tandem import SamplingParams
 from tandem.logprobs import pack, score_tokens, unpack
 
 from conftest import _load_hf_model, random_prompts
-from helpers import assert_idle_and_balanced, greedy, make_llm
+from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops
 
 ATOL = 1e-4
 
@@ -124,13 +124,10 @@ def test_async_logprobs_equal_sync(tiny_llama, options):
         )
         for i in range(len(prompts))
     ]  # fmt: skip
-    results = {}
-    for mode in (False, True):
-        llm = make_llm(tiny_llama, async_scheduling=mode, **options)
-        results[mode] = llm.generate(prompts, params)
-        assert_idle_and_balanced(llm.engine)
-        if "num_kv_blocks" in options:
-            assert llm.engine.scheduler.num_preemptions > 0
+    runs = run_both_loops(tiny_llama, prompts, params, **options)
+    results = {mode: outputs for mode, (outputs, _) in runs.items()}
+    if "num_kv_blocks" in options:
+        assert all(llm.engine.scheduler.num_preemptions > 0 for _, llm in runs.values())
     for prompt, p, sync, async_ in zip(prompts, params, results[False], results[True], strict=True):
         assert sync.token_ids == async_.token_ids
         check_against_hf(tiny_llama, prompt, async_, p)

@@ -24,7 +24,7 @@ from tandem.request import LogitsProcessing, Request
 from tandem.scheduler import ScheduledBatch, ScheduledRequest
 
 from conftest import _load_hf_model, hf_greedy_reference, random_prompts
-from helpers import assert_idle_and_balanced, greedy, make_llm
+from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -247,11 +247,8 @@ def test_async_equals_sync_seeded_with_every_feature(tiny_llama, options):
         )
         for i in range(len(prompts))
     ]  # fmt: skip
-    results = {}
-    for mode in (False, True):
-        llm = make_llm(tiny_llama, async_scheduling=mode, **options)
-        results[mode] = llm.generate(prompts, params)
-        assert_idle_and_balanced(llm.engine)
+    runs = run_both_loops(tiny_llama, prompts, params, **options)
+    results = {mode: outputs for mode, (outputs, _) in runs.items()}
     for sync, async_ in zip(results[False], results[True], strict=True):
         assert sync.token_ids == async_.token_ids
         assert sync.finish_reason == async_.finish_reason
