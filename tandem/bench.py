@@ -138,11 +138,28 @@ def run_workload(
     )
 
 
+def compute_layout(engine: Engine) -> tuple[int, int]:
+    """(processes that compute, compute threads in each) of decode steps."""
+    execution = engine.execution
+    threads = execution.cpu_threads or torch.get_num_threads()
+    return execution.tensor_parallel_size, threads
+
+
+def layout_text(engine: Engine) -> str:
+    processes, threads = compute_layout(engine)
+    if engine.config.torch_device.type != "cpu":
+        return f"{processes} process(es), 1 GPU each" if processes > 1 else "1 process, 1 GPU"
+    if processes == 1:
+        return f"1 process x {threads} thread(s)"
+    return f"engine + {processes} ranks x {threads} thread(s)"
+
+
 def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
     """On a CPU, say why async can or cannot beat sync here: the figures alone don't tell."""
     if engine.config.torch_device.type != "cpu" or not {"sync", "async"} <= results.keys():
         return None
-    threads = engine.execution.cpu_threads or torch.get_num_threads()  # of decode steps
+    processes, threads_each = compute_layout(engine)
+    threads = processes * threads_each
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if threads < cores:
         return (
@@ -214,6 +231,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     table.add_column("metric")
     for column in columns:
         table.add_column(column, justify="right")
+    table.add_row("compute processes x threads", *[layout_text(engine)] * len(columns))
     rows = [
         ("wall time (s)", "wall_s", "{:.3f}"),
         ("device busy %", "device_busy_pct", "{:.1f}"),

@@ -35,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="synchronous loop: the host waits for each step before preparing the next")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="portable PyTorch ops only: no fused kernels, no pre-packed GEMMs")  # fmt: skip
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks, one process each")  # fmt: skip
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks between requests with a common prefix")  # fmt: skip
 

@@ -28,15 +28,16 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None  # fixes the cache size exactly
-    kv_cache_memory_gib: float = 1.0  # CPU: cache size when num_kv_blocks is not given
+    kv_cache_memory_gib: float = 1.0  # CPU: cache size (per rank) when num_kv_blocks is not given
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory for the cache
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
     enable_prefix_caching: bool = True  # share full KV blocks between requests with a common prefix
-    cpu_threads: int | None = None  # CPU: torch's intra-op threads (process-wide); None: default
+    cpu_threads: int | None = None  # CPU: torch's intra-op threads (per rank); None: default
     enforce_eager: bool = False  # True: portable PyTorch ops only (no fused kernels, no packing)
+    tensor_parallel_size: int = 1  # ranks the model is split over, one spawned process each
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -27,10 +27,13 @@ from transformers import GenerationConfig
 from tandem.batch import BatchBuilder, StepExtras
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
+from tandem.distributed.executor import MultiprocExecutor, WorkerFailure
+from tandem.distributed.parallel import check_shardable
 from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.logprobs import LogprobsArrays, unpack
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
-from tandem.models import fast_path, load_model
+from tandem.models import fast_path
+from tandem.models.loader import build_model, load_tokenizer, read_config
 from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
 from tandem.runner import ModelRunner
 from tandem.sampling import seed_key
@@ -54,7 +57,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
-        if device.type == "cpu" and config.cpu_threads is not None:
+        parallel = config.tensor_parallel_size > 1
+        if device.type == "cpu" and config.cpu_threads is not None and not parallel:
             torch.set_num_threads(config.cpu_threads)
         if config.model is None:
             from tandem.default_model import default_model_path
@@ -62,31 +66,35 @@ class Engine:
             model_path = default_model_path()
         else:
             model_path = Path(config.model)
-        loaded = load_model(model_path, dtype, device, max_model_len=config.max_model_len)
-        self.execution = fast_path.prepare(loaded.model, device, dtype, config.enforce_eager)
-
-        self.model_path = loaded.path
-        self.spec = loaded.spec
-        self.tokenizer = loaded.tokenizer
-        self._backend_tokenizer = loaded.tokenizer.backend_tokenizer
-        self.eos_token_ids = _eos_token_ids(loaded)
-
+        path, self.spec, hf_config = read_config(model_path)
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
+        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer, path)
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if max_model_len > self.spec.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.spec.max_position_embeddings}"
             )
-        bytes_per_block = kv_bytes_per_block(
-            self.spec.num_layers,
-            config.block_size,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-            dtype,
-        )
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            bytes_per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
-        )
+
+        if parallel:  # the ranks load their shards and size their caches; the minimum holds
+            check_shardable(self.spec, config.tensor_parallel_size)
+            executor = MultiprocExecutor(config, str(path))
+            num_blocks = executor.num_kv_blocks
+        else:
+            model = build_model(path, self.spec, hf_config, dtype, device, config.max_model_len)
+            self.execution = fast_path.prepare(model, device, dtype, config.enforce_eager)
+            bytes_per_block = kv_bytes_per_block(
+                self.spec.num_layers,
+                config.block_size,
+                self.spec.num_kv_heads,
+                self.spec.head_dim,
+                dtype,
+            )
+            num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+                bytes_per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
+            )
         cache_tokens = num_blocks * config.block_size
         if cache_tokens < max_model_len:
             logger.info(
@@ -107,20 +115,21 @@ class Engine:
             config.enable_prefix_caching,
         )
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
-        kv_caches = allocate_kv_cache(
-            self.spec.num_layers, num_blocks, config.block_size, self.spec.num_kv_heads,
-            self.spec.head_dim, dtype, device,
-        )  # fmt: skip
-        self.runner = ModelRunner(
-            loaded.model,
-            kv_caches,
-            self.scheduler.slots.size,
-            max_model_len,
-            config.block_size,
-            device,
-        )
-        if device.type == "cpu" and config.cpu_threads is None and self.execution.kernels:
-            self._tune_cpu_threads(loaded.model)
+        table_rows = self.scheduler.slots.size
+        if parallel:
+            executor.start(num_blocks, table_rows, max_model_len)
+            self.runner: ModelRunner | MultiprocExecutor = executor
+            self.execution = executor.plan
+        else:
+            kv_caches = allocate_kv_cache(
+                self.spec.num_layers, num_blocks, config.block_size, self.spec.num_kv_heads,
+                self.spec.head_dim, dtype, device,
+            )  # fmt: skip
+            self.runner = ModelRunner(
+                model, kv_caches, table_rows, max_model_len, config.block_size, device
+            )
+            if device.type == "cpu" and config.cpu_threads is None and self.execution.kernels:
+                self._tune_cpu_threads(model)
         logger.info("execution: %s", self.execution.describe())
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
@@ -294,9 +303,13 @@ class Engine:
         return summarize(list(self.step_records), list(self.finished_timings))
 
     def close(self) -> None:
-        while self._inflight:
-            self._retire(self._inflight.popleft())
-        self.runner.close()
+        try:
+            while self._inflight:
+                self._retire(self._inflight.popleft())
+        except WorkerFailure:
+            pass  # already raised by the step that met it; what is left is to stop the ranks
+        finally:
+            self.runner.close()
 
     # ------------------------------------------------------------- internals
     def _tune_cpu_threads(self, model) -> None:
@@ -529,11 +542,11 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _eos_token_ids(loaded) -> set[int]:
+def _eos_token_ids(hf_config, tokenizer, path: Path) -> set[int]:
     ids: set[int] = set()
-    for source in (loaded.hf_config.eos_token_id, loaded.tokenizer.eos_token_id):
+    for source in (hf_config.eos_token_id, tokenizer.eos_token_id):
         ids.update(source if isinstance(source, list) else [source] if source is not None else [])
-    if (loaded.path / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(loaded.path, local_files_only=True).eos_token_id
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids

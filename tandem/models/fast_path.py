@@ -27,10 +27,18 @@ class ExecutionPlan:
     kernels: cpu_kernels.KernelBuild | None  # None: not attempted (eager, CUDA, not float32)
     cpu_threads: int | None = None  # compute threads, when Tandem chose them
     thread_timings_ms: dict[int, float] = field(default_factory=dict)  # decode step ms by threads
+    tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
+    backend: str | None = None  # their collectives: gloo or nccl
 
     def describe(self) -> str:
         gemm = "MKL pre-packed GEMMs" if self.packed_gemm else "default GEMMs"
         text = f"{self.ops} ops, {gemm}"
+        if self.tensor_parallel_size > 1:
+            threads = f" x {self.cpu_threads} compute thread(s)" if self.cpu_threads else ""
+            text = (
+                f"tensor parallel: {self.tensor_parallel_size} processes{threads} ({self.backend}); "
+                f"each rank: {text}"
+            )
         if self.thread_timings_ms:
             tried = ", ".join(
                 f"{n}: {ms:.2f} ms" for n, ms in sorted(self.thread_timings_ms.items())
@@ -53,6 +61,8 @@ def prepare(
 ) -> ExecutionPlan:
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
         return ExecutionPlan("portable", False, None)
+    if model.tp.enabled:  # the one-call forward has no all-reduce: ranks run the layers
+        return ExecutionPlan("portable", model.use_fast_path(fused=False), None)
     build = cpu_kernels.load()
     packed = model.use_fast_path(fused=build.available)
     return ExecutionPlan("fused-cpu" if build.available else "portable", packed, build)

@@ -3,6 +3,10 @@
 One module serves the family; the differences are flags read from the Hugging Face config:
 qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding window (Mistral), tied embeddings, rope
 scaling. Q/K/V and gate/up projections are fused into one matmul each.
+
+Under tensor parallelism (`distributed/parallel.py`) each rank builds the layers with its share of
+the heads and of the intermediate size, adds an all-reduce after O and after down, and holds a
+slice of the vocabulary for the embedding and the LM head.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.distributed.parallel import SINGLE, Shard, TensorParallel, heads_to_rows
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import AttentionMetadata, paged_attention
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
@@ -65,9 +70,10 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel):
         super().__init__()
-        self.spec = spec
+        self.spec = spec  # this rank's heads
+        self.tp = tp
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
@@ -90,26 +96,27 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window
         )
-        return self.o(out.view(-1, self.q_size))
+        return self.tp.all_reduce(self.o(out.view(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x):
-        return self.down(ops.silu_and_mul(self.gate_up(x)))
+        return self.tp.all_reduce(self.down(ops.silu_and_mul(self.gate_up(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, tp)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tp)
 
     def flat_weights(self) -> list[torch.Tensor]:
         """This layer's weights in the order `tandem::llama_forward` reads them (csrc)."""
@@ -139,14 +146,20 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     rotary: Rotary  # set by the loader on the real device (the module is built on "meta")
 
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.spec = spec
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.spec = spec  # the whole model's
+        self.tp = tp
+        self.shard = Shard(spec, tp)
+        self.local_spec = self.shard.local_spec  # the heads and sizes this rank computes
+        rows = self.shard.vocab_per_rank
+        self.embed = nn.Embedding(rows, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.local_spec, tp) for _ in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+            self.lm_head = Linear(spec.hidden_size, rows)
         self._packed_logits_weight: torch.Tensor | None = None
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
 
@@ -159,7 +172,7 @@ class LlamaModel(nn.Module):
         packed = [m.prepack() for m in self.modules() if isinstance(m, Linear)]
         if self.spec.tie_word_embeddings and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        if fused:
+        if fused and not self.tp.enabled:  # the one-call forward has no all-reduce
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 
@@ -173,13 +186,21 @@ class LlamaModel(nn.Module):
         if self._fused_weights is not None:
             return self._fused_forward(input_ids, positions, kv_caches, meta)
         ctx = ForwardContext(positions, meta, self.rotary)
-        x, residual = self.embed(input_ids), None
+        x, residual = self._embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, kv_cache, ctx)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.embed(input_ids)
+        local = input_ids - self.shard.vocab.start
+        outside = (local < 0) | (local >= self.shard.vocab_per_rank)
+        x = self.embed(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)  # each id's row comes from the one rank that holds it
+
     def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        s = self.spec
+        s = self.local_spec
         segments = [(p.token_start, p.num_tokens, p.context_len, p.row) for p in meta.prefills]
         prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 4)
         return torch.ops.tandem.llama_forward(
@@ -195,80 +216,101 @@ class LlamaModel(nn.Module):
             logits = linear(hidden, self.embed.weight, None, self._packed_logits_weight)
         else:
             logits = self.lm_head(hidden)
+        if self.tp.enabled:  # every rank samples, so every rank needs the whole vocabulary
+            gathered = self.tp.all_gather_columns(logits)
+            logits = gathered[:, : self.spec.vocab_size].contiguous()  # drops the last padding
         return logits.float()
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
-        """Copy one HF checkpoint tensor into place; returns the parameter it filled, or None."""
-        target, offset, size = self._map_name(name)
-        if target is None:
-            return None
-        param = self.get_parameter(target)
-        if offset is None:
-            param.data.copy_(tensor)
-        else:
-            param.data.narrow(0, offset, size).copy_(tensor)
-        return f"{target}@{offset}" if offset is not None else target
+    def load_weight(self, name: str, source) -> bool:
+        """Copy this rank's part of one HF checkpoint tensor into place; True if it was used.
 
-    def expected_weights(self) -> set[str]:
-        names = set()
-        for i in range(self.spec.num_layers):
-            p = f"layers.{i}"
-            for part in ("q", "k", "v"):
-                names.add(f"{p}.attn.qkv.weight@{self._qkv_offset(part)}")
-                if self.spec.qkv_bias:
-                    names.add(f"{p}.attn.qkv.bias@{self._qkv_offset(part)}")
-            names |= {f"{p}.mlp.gate_up.weight@0", f"{p}.mlp.gate_up.weight@{self._inter}"}
-            names |= {f"{p}.attn.o.weight", f"{p}.mlp.down.weight"}
-            names |= {f"{p}.input_norm.weight", f"{p}.post_attn_norm.weight"}
-            if self.spec.qk_norm:
-                names |= {f"{p}.attn.q_norm.weight", f"{p}.attn.k_norm.weight"}
-        names |= {"embed.weight", "norm.weight"}
-        if not self.spec.tie_word_embeddings:
+        `source` is a safetensors slice (or a tensor): only the rows or columns this rank holds
+        are read, so no rank materialises the whole model."""
+        place = self._place(name)
+        if place is None:
+            return False
+        if place.cols is not None:
+            tensor = source[:, place.cols]
+        elif place.rows is not None:
+            tensor = source[place.rows]
+        else:
+            tensor = source[:]
+        param = self.get_parameter(place.target).data
+        if place.offset is None:
+            param.copy_(tensor)
+            return True
+        if place.target in ("embed.weight", "lm_head.weight"):
+            param.zero_()  # the last rank's padding rows past the vocabulary
+        param.narrow(0, place.offset, tensor.shape[0]).copy_(tensor)
+        return True
+
+    def checkpoint_names(self) -> set[str]:
+        """The HF tensor names this model needs from a checkpoint."""
+        s = self.spec
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not s.tie_word_embeddings:
             names.add("lm_head.weight")
+        parts = ["self_attn.o_proj.weight", "input_layernorm.weight"]
+        parts += ["post_attention_layernorm.weight"]
+        parts += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        parts += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+        if s.qkv_bias:
+            parts += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if s.qk_norm:
+            parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(s.num_layers):
+            names.update(f"model.layers.{i}.{part}" for part in parts)
         return names
 
-    @property
-    def _inter(self) -> int:
-        return self.spec.intermediate_size
-
-    def _qkv_offset(self, part: str) -> int:
-        q_size = self.spec.num_heads * self.spec.head_dim
-        kv_size = self.spec.num_kv_heads * self.spec.head_dim
-        return {"q": 0, "k": q_size, "v": q_size + kv_size}[part]
-
-    def _map_name(self, name: str) -> tuple[str | None, int | None, int | None]:
+    def _place(self, name: str) -> _Placement | None:
+        """Where checkpoint tensor `name` goes in this rank's model, and which part of it."""
+        s, shard, local = self.spec, self.shard, self.local_spec
         if name == "model.embed_tokens.weight":
-            return "embed.weight", None, None
+            return _Placement("embed.weight", offset=0, rows=shard.vocab)
         if name == "model.norm.weight":
-            return "norm.weight", None, None
-        if name == "lm_head.weight":
-            return ("lm_head.weight" if not self.spec.tie_word_embeddings else None), None, None
+            return _Placement("norm.weight")
+        if name == "lm_head.weight" and not s.tie_word_embeddings:
+            return _Placement("lm_head.weight", offset=0, rows=shard.vocab)
         if not name.startswith("model.layers."):
-            return None, None, None
+            return None
         index, rest = name[len("model.layers.") :].split(".", 1)
         p = f"layers.{index}"
-        s = self.spec
-        kv_size = s.num_kv_heads * s.head_dim
-        for part in ("q", "k", "v"):
+        q_size = local.num_heads * s.head_dim
+        kv_size = local.num_kv_heads * s.head_dim
+        qkv = {"q": (0, shard.q_heads), "k": (q_size, shard.kv_heads)}
+        qkv["v"] = (q_size + kv_size, shard.kv_heads)
+        for part, (offset, heads) in qkv.items():
             for kind in ("weight", "bias"):
                 if rest == f"self_attn.{part}_proj.{kind}":
-                    size = s.num_heads * s.head_dim if part == "q" else kv_size
-                    return f"{p}.attn.qkv.{kind}", self._qkv_offset(part), size
-        simple = {
-            "self_attn.o_proj.weight": "attn.o.weight",
-            "self_attn.q_norm.weight": "attn.q_norm.weight",
-            "self_attn.k_norm.weight": "attn.k_norm.weight",
-            "mlp.down_proj.weight": "mlp.down.weight",
+                    rows = heads_to_rows(heads, s.head_dim)
+                    return _Placement(f"{p}.attn.qkv.{kind}", offset=offset, rows=rows)
+        if rest == "self_attn.o_proj.weight":  # row-parallel: this rank's input columns
+            return _Placement(f"{p}.attn.o.weight", cols=heads_to_rows(shard.q_heads, s.head_dim))
+        if rest == "mlp.down_proj.weight":
+            return _Placement(f"{p}.mlp.down.weight", cols=shard.intermediate)
+        if rest == "mlp.gate_proj.weight":
+            return _Placement(f"{p}.mlp.gate_up.weight", offset=0, rows=shard.intermediate)
+        if rest == "mlp.up_proj.weight":
+            offset = local.intermediate_size
+            return _Placement(f"{p}.mlp.gate_up.weight", offset=offset, rows=shard.intermediate)
+        replicated = {
             "input_layernorm.weight": "input_norm.weight",
             "post_attention_layernorm.weight": "post_attn_norm.weight",
         }
-        if rest in simple:
-            return f"{p}.{simple[rest]}", None, None
-        if rest == "mlp.gate_proj.weight":
-            return f"{p}.mlp.gate_up.weight", 0, self._inter
-        if rest == "mlp.up_proj.weight":
-            return f"{p}.mlp.gate_up.weight", self._inter, self._inter
-        return None, None, None
+        if s.qk_norm:  # per head_dim: the same on every rank
+            replicated["self_attn.q_norm.weight"] = "attn.q_norm.weight"
+            replicated["self_attn.k_norm.weight"] = "attn.k_norm.weight"
+        return _Placement(f"{p}.{replicated[rest]}") if rest in replicated else None
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Checkpoint tensor -> parameter: the rows or columns this rank takes, and where they go."""
+
+    target: str
+    offset: int | None = None  # first row in the parameter (fused qkv, gate_up, vocab shards)
+    rows: slice | None = None  # rows of the checkpoint tensor (column-parallel, vocabulary)
+    cols: slice | None = None  # columns of the checkpoint tensor (row-parallel)
 
 
 def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:

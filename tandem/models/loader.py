@@ -11,6 +11,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tandem.distributed.parallel import SINGLE, TensorParallel
 from tandem.models.llama import LlamaModel, LlamaSpec, Rotary
 
 SUPPORTED_ARCHITECTURES = (
@@ -35,8 +36,19 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
+    path, spec, hf_config = read_config(path)
+    model = build_model(path, spec, hf_config, dtype, device, max_model_len, tp)
+    return LoadedModel(model, spec, hf_config, load_tokenizer(path), path)
+
+
+def read_config(path: str | Path) -> tuple[Path, LlamaSpec, PretrainedConfig]:
+    """Validate a checkpoint folder's config.json: what the host needs without any weights."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model folder {str(path)!r} does not exist")
@@ -46,19 +58,33 @@ def load_model(
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # malformed JSON, unknown model_type ...
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    spec = _spec_from_config(hf_config)
+    return path, _spec_from_config(hf_config), hf_config
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer files in {path}: {exc}") from exc
+
+
+def build_model(
+    path: Path,
+    spec: LlamaSpec,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
+) -> LlamaModel:
+    """This rank's model with its shard of the weights, read straight from the safetensors."""
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
-        model = LlamaModel(spec)
+        model = LlamaModel(spec, tp)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(*_inv_freq(hf_config), positions).to(device)
     _load_weights(model, path)
-    model.eval().requires_grad_(False)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer files in {path}: {exc}") from exc
-    return LoadedModel(model, spec, hf_config, tokenizer, path)
+    return model.eval().requires_grad_(False)
 
 
 def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
@@ -133,13 +159,12 @@ def _load_weights(model: LlamaModel, path: Path) -> None:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    filled = model.load_weight(name, f.get_tensor(name))
-                    if filled:
-                        loaded.add(filled)
+                    if model.load_weight(name, f.get_slice(name)):
+                        loaded.add(name)
         except ModelLoadError:
             raise
         except Exception as exc:
             raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
-    missing = model.expected_weights() - loaded
+    missing = model.checkpoint_names() - loaded
     if missing:
         raise ModelLoadError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")

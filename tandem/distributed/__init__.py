@@ -1,0 +1,1 @@
+"""Tensor parallelism: how a model is split across ranks, and the processes that run them."""

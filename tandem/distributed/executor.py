@@ -1,0 +1,259 @@
+"""The engine's side of tensor parallelism: start the ranks, hand them each step, read rank 0.
+
+`MultiprocExecutor` has the interface of `ModelRunner` that the engine uses (`launch` returns a
+handle at once; `handle.wait()` yields rank 0's sampled ids), so the loop, sync or async, is the
+same code at any tensor-parallel size. The scheduler runs once, here; a step's inputs are pickled
+once and written to every worker's pipe (a reader thread in each worker drains it at once, so a
+launch never waits for the workers).
+
+A worker that dies or raises fails the engine fast: every wait watches each worker's process and
+pipe, and the error names the rank. The surviving workers are then stopped, so no process stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+
+import numpy as np
+import torch
+
+from tandem.batch import StepInputs
+from tandem.config import EngineConfig
+from tandem.distributed.worker import STOP, WorkerArgs, run_worker
+from tandem.streams import StepHandle
+
+logger = logging.getLogger("tandem")
+
+FAILURE_GRACE_S = 1.0  # after a first failure, how long to gather the others (to name the cause)
+COLLECTIVE_TIMEOUT_S = 600.0  # a collective whose peer hangs (alive, silent) raises after this
+
+
+class WorkerFailure(RuntimeError):
+    """A tensor-parallel worker died or raised: the engine cannot continue."""
+
+
+class _Handle(StepHandle):
+    def __init__(self, executor: MultiprocExecutor, index: int):
+        self._executor = executor
+        self._index = index
+        self._span = (0.0, 0.0)
+
+    def wait(self) -> torch.Tensor:
+        ids, self._span = self._executor._result(self._index)
+        return torch.from_numpy(ids)
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._span
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, model_path: str):
+        world = config.tensor_parallel_size
+        device = config.torch_device
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size {world} needs {world} GPUs; "
+                f"{torch.cuda.device_count()} visible"
+            )
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.threads_per_rank = config.cpu_threads or max(1, (cores or 1) // world)
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.world_size = world
+        init_method = _rendezvous()
+        ctx = mp.get_context("spawn")  # a forked CUDA or OpenMP runtime is unsafe in the child
+        self._procs: list[mp.process.BaseProcess] = []
+        self._inputs: list[Connection] = []
+        self._outputs: list[Connection] = []
+        for rank in range(world):
+            args = WorkerArgs(
+                rank=rank,
+                world_size=world,
+                init_method=init_method,
+                backend=self.backend,
+                model_path=model_path,
+                device_type=device.type,
+                dtype=config.torch_dtype,
+                threads=self.threads_per_rank if device.type == "cpu" else None,
+                enforce_eager=config.enforce_eager,
+                max_model_len=config.max_model_len,
+                block_size=config.block_size,
+                num_kv_blocks=config.num_kv_blocks,
+                kv_cache_memory_gib=config.kv_cache_memory_gib,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                timeout_s=COLLECTIVE_TIMEOUT_S,
+            )
+            in_recv, in_send = ctx.Pipe(duplex=False)
+            out_recv, out_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=run_worker, args=(args, in_recv, out_send), name=f"tandem-tp{rank}"
+            )
+            proc.daemon = True  # never outlives the engine's process
+            proc.start()
+            in_recv.close()  # the child holds these ends now; ours would hide its exit
+            out_send.close()
+            self._procs.append(proc)
+            self._inputs.append(in_send)
+            self._outputs.append(out_recv)
+        self._failure: WorkerFailure | None = None
+        self._results: dict[int, tuple[np.ndarray, tuple[float, float]]] = {}
+        self._launched = 0
+        self._received = 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._inputs)
+        loaded = self._gather("loaded")
+        self.num_kv_blocks = min(loaded.values())  # every rank must hold every block
+        self.plan = None
+
+    def start(self, num_blocks: int, table_rows: int, max_model_len: int) -> None:
+        """Allocate every rank's KV cache and token table; returns when all are ready."""
+        for conn in self._inputs:
+            conn.send((num_blocks, table_rows, max_model_len))
+        self.plan = self._gather("ready")[0]
+        self.plan.tensor_parallel_size = self.world_size
+        self.plan.backend = self.backend
+
+    def launch(self, inputs: StepInputs) -> StepHandle:
+        if self._failure is not None:
+            raise self._failure
+        payload = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._inputs):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._fail_from(rank, "its input pipe closed")
+        handle = _Handle(self, self._launched)
+        self._launched += 1
+        return handle
+
+    def close(self) -> None:
+        """Finish the steps in flight, stop every worker and wait for them to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    # ------------------------------------------------------------------ internals
+    def _result(self, index: int) -> tuple[np.ndarray, tuple[float, float]]:
+        while index not in self._results:
+            message = self._next_message()
+            if message[0] != "step":
+                raise self._fail(message)
+            self._results[self._received] = message[1:]
+            self._received += 1
+        return self._results.pop(index)
+
+    def _gather(self, kind: str) -> dict[int, object]:
+        """One `kind` message from every rank (start-up handshakes), by rank."""
+        got: dict[int, object] = {}
+        while len(got) < self.world_size:
+            message = self._next_message()
+            if message[0] != kind:
+                raise self._fail(message)
+            got[message[1]] = message[2]
+        return got
+
+    def _next_message(self) -> tuple:
+        """The next message from any worker; a worker's death is a ("died", rank) message."""
+        if self._failure is not None:
+            raise self._failure
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        while True:
+            for conn in wait([*self._outputs, *sentinels]):
+                if conn in sentinels:
+                    rank = sentinels[conn]
+                    if not self._outputs[rank].poll():  # read what it said before it exited
+                        return ("died", rank)
+                    conn = self._outputs[rank]
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):
+                    return ("died", self._outputs.index(conn))
+
+    def _fail(self, first: tuple) -> WorkerFailure:
+        """Gather what else fails within a moment, name the cause, stop every worker."""
+        failures = [first]
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while (left := deadline - time.monotonic()) > 0 and any(p.is_alive() for p in self._procs):
+            ready = wait([p.sentinel for p in self._procs if p.is_alive()], timeout=left)
+            if not ready:
+                break
+        for rank, conn in enumerate(self._outputs):
+            while conn.poll():
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    break
+                if message[0] == "error":
+                    failures.append(message)
+            if not self._procs[rank].is_alive() and not any(f[1] == rank for f in failures):
+                failures.append(("died", rank))
+        self._failure = WorkerFailure(self._describe(failures))
+        for message in failures:
+            if message[0] == "error":
+                logger.error("tensor-parallel rank %d failed:\n%s", message[1], message[3])
+        for proc in self._procs:  # the survivors may be stuck in a collective with the dead
+            proc.kill()
+        self._finalizer()
+        return self._failure
+
+    def _fail_from(self, rank: int, why: str) -> None:
+        raise self._fail(("died", rank)) from OSError(f"rank {rank}: {why}")
+
+    def _describe(self, failures: list[tuple]) -> str:
+        """Killed ranks first (a killed peer makes the others' collectives fail), then errors."""
+
+        def order(message: tuple) -> tuple[int, int]:
+            return (0 if message[0] == "died" else 1, message[1])
+
+        parts = []
+        for message in sorted(failures, key=order):
+            rank = message[1]
+            if message[0] == "died":
+                parts.append(f"rank {rank} died ({_exit_reason(self._procs[rank])})")
+            else:
+                parts.append(f"rank {rank} raised {message[2]}")
+        return "tensor-parallel worker " + "; ".join(dict.fromkeys(parts))
+
+
+def _exit_reason(proc: mp.process.BaseProcess) -> str:
+    proc.join(timeout=1.0)
+    code = proc.exitcode
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _stop(procs: list, inputs: list[Connection]) -> None:
+    """Ask every worker to stop, then make sure: no process outlives the engine."""
+    for conn in inputs:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(STOP)
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)
+    for conn in inputs:
+        conn.close()
+
+
+def _rendezvous() -> str:
+    """MASTER_ADDR/MASTER_PORT when given (torchrun's names), else a free local port."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    return f"tcp://{addr}:{port}"

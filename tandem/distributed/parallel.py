@@ -1,0 +1,115 @@
+"""Megatron-style tensor parallelism: which slice of each weight a rank holds, and its collectives.
+
+Q/K/V and gate/up are split by output rows (column-parallel), O and down by input columns
+(row-parallel, one all-reduce each), the vocabulary by rows for the embedding and the LM head.
+KV heads are split like the query heads; with fewer KV heads than ranks each KV head is
+replicated on the ranks whose query heads use it (as vLLM does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from tandem.models.llama import LlamaSpec
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group (rank 0 of 1 when not parallel)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place. Every rank gets the same bits (one reduction, shared)."""
+        if self.enabled:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C] on each rank -> [N, world * C], ranks in order (the vocabulary shards)."""
+        if not self.enabled:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorParallel()
+
+
+def check_shardable(spec: LlamaSpec, world_size: int) -> None:
+    """Refuse a model whose shapes do not split over `world_size` ranks, naming the numbers."""
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
+    problems = []
+    if spec.num_heads % world_size:
+        problems.append(f"{spec.num_heads} attention heads")
+    kv = spec.num_kv_heads
+    if kv % world_size and world_size % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {world_size})")
+    if spec.intermediate_size % world_size:
+        problems.append(f"intermediate size {spec.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} does not divide the model's {', '.join(problems)}"
+        )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slices of a model that one rank holds, in the checkpoint's coordinates."""
+
+    spec: LlamaSpec  # the whole model's
+    tp: TensorParallel
+
+    @property
+    def local_spec(self) -> LlamaSpec:
+        """The shapes this rank computes (vocab_size stays the whole model's)."""
+        s, n = self.spec, self.tp.world_size
+        return replace(
+            s,
+            num_heads=s.num_heads // n,
+            num_kv_heads=max(1, s.num_kv_heads // n),
+            intermediate_size=s.intermediate_size // n,
+        )
+
+    @property
+    def q_heads(self) -> slice:
+        local = self.spec.num_heads // self.tp.world_size
+        return slice(self.tp.rank * local, (self.tp.rank + 1) * local)
+
+    @property
+    def kv_heads(self) -> slice:
+        """Split evenly, or, with fewer KV heads than ranks, the one KV head this rank's query
+        heads read (query head h reads KV head h // (heads / kv_heads))."""
+        first = self.tp.rank * self.spec.num_kv_heads // self.tp.world_size
+        return slice(first, first + self.local_spec.num_kv_heads)
+
+    @property
+    def intermediate(self) -> slice:
+        local = self.spec.intermediate_size // self.tp.world_size
+        return slice(self.tp.rank * local, (self.tp.rank + 1) * local)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of the embedding and LM head on every rank (the last one padded with zeros)."""
+        return -(-self.spec.vocab_size // self.tp.world_size)
+
+    @property
+    def vocab(self) -> slice:
+        start = self.tp.rank * self.vocab_per_rank
+        return slice(start, min(start + self.vocab_per_rank, self.spec.vocab_size))
+
+
+def heads_to_rows(heads: slice, head_dim: int) -> slice:
+    return slice(heads.start * head_dim, heads.stop * head_dim)

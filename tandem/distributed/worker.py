@@ -1,0 +1,145 @@
+"""One tensor-parallel rank: a spawned process that holds its shard and runs every step.
+
+The engine's process schedules; each worker receives every step's inputs (pickled once by the
+engine, one pipe per worker), launches it on its own stream and, on rank 0, sends the sampled
+ids back. Every rank samples the same ids (the sampler is a pure function of the logits, which
+the all-gather makes identical on every rank) and scatters them into its own token table, so no
+rank waits for another's tokens. A worker launches step N+1 before it waits for step N, so on a
+GPU its device never idles between the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from tandem.distributed.parallel import TensorParallel
+
+STOP = b""  # on the input pipe: finish the steps in flight and exit
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """Everything a rank needs to build its part of the engine (picklable for spawn)."""
+
+    rank: int
+    world_size: int
+    init_method: str  # tcp://host:port of the rendezvous
+    backend: str  # "gloo" (CPU) or "nccl" (CUDA)
+    model_path: str
+    device_type: str
+    dtype: torch.dtype
+    threads: int | None  # CPU: compute threads of this process
+    enforce_eager: bool
+    max_model_len: int | None
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_memory_gib: float
+    gpu_memory_utilization: float
+    timeout_s: float
+
+
+def run_worker(args: WorkerArgs, inputs: Connection, outputs: Connection) -> None:
+    """Process entry point: any failure is reported to the engine, named by rank, then exits."""
+    try:
+        _Worker(args, inputs, outputs).serve()
+    except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
+        text = "".join(traceback.format_exception(exc))
+        with contextlib.suppress(OSError):  # the engine may be gone
+            outputs.send(("error", args.rank, f"{type(exc).__name__}: {exc}", text))
+        os._exit(1)  # skip destructors that could wait on peers that are gone
+    os._exit(0)
+
+
+class _Worker:
+    def __init__(self, args: WorkerArgs, inputs: Connection, outputs: Connection):
+        self.args = args
+        self.inputs = inputs
+        self.outputs = outputs
+
+    def serve(self) -> None:
+        from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+        from tandem.models import fast_path
+        from tandem.models.loader import build_model, read_config
+        from tandem.runner import ModelRunner
+
+        a = self.args
+        if a.threads is not None:
+            torch.set_num_threads(a.threads)
+        device = torch.device(a.device_type, a.rank if a.device_type == "cuda" else None)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            a.backend,
+            init_method=a.init_method,
+            rank=a.rank,
+            world_size=a.world_size,
+            timeout=timedelta(seconds=a.timeout_s),
+        )
+        tp = TensorParallel(a.rank, a.world_size)
+        path, spec, hf_config = read_config(a.model_path)
+        model = build_model(path, spec, hf_config, a.dtype, device, a.max_model_len, tp)
+        plan = fast_path.prepare(model, device, a.dtype, a.enforce_eager)
+        local = model.local_spec
+        bytes_per_block = kv_bytes_per_block(
+            spec.num_layers, a.block_size, local.num_kv_heads, spec.head_dim, a.dtype
+        )
+        capacity = a.num_kv_blocks or num_blocks_for_budget(
+            bytes_per_block, device, a.kv_cache_memory_gib, a.gpu_memory_utilization
+        )
+        self.outputs.send(("loaded", a.rank, capacity))
+        num_blocks, table_rows, max_model_len = self.inputs.recv()
+        kv_caches = allocate_kv_cache(
+            spec.num_layers, num_blocks, a.block_size, local.num_kv_heads, spec.head_dim,
+            a.dtype, device,
+        )  # fmt: skip
+        runner = ModelRunner(model, kv_caches, table_rows, max_model_len, a.block_size, device)
+        plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
+        self.outputs.send(("ready", a.rank, plan))
+        try:
+            self._run_steps(runner)
+        finally:
+            runner.close()
+
+    def _run_steps(self, runner) -> None:
+        inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
+        pending: deque = deque()
+        while True:
+            try:
+                data = inbox.get(block=not pending)
+            except queue.Empty:  # nothing new: finish the oldest step in flight
+                self._finish(pending.popleft())
+                continue
+            if data == STOP:
+                break
+            pending.append(runner.launch(pickle.loads(data)))
+            while len(pending) > 1:
+                self._finish(pending.popleft())
+        while pending:
+            self._finish(pending.popleft())
+
+    def _read(self, inbox: queue.SimpleQueue) -> None:
+        """Drain the input pipe as steps arrive, so the engine's send never waits on a step."""
+        try:
+            while (data := self.inputs.recv_bytes()) != STOP:
+                inbox.put(data)
+        except (EOFError, OSError):  # the engine's process is gone
+            pass
+        inbox.put(STOP)
+
+    def _finish(self, handle) -> None:
+        result = handle.wait()  # raises what the step raised
+        if self.args.rank == 0:
+            self.outputs.send(("step", result.numpy(), handle.device_span))

@@ -1,0 +1,310 @@
+"""Tensor parallelism on CPU: gloo, two worker processes, tiny models.
+
+Greedy outputs at two ranks equal transformers' and one rank's, for every architecture, through
+both loops; seeded sampling is identical; logits stay within a bound of one rank's (a shard sums
+its half of each row-parallel product before the all-reduce adds the halves). Chunked prefill,
+preemption and aborts keep async equal to sync. A worker that dies or raises fails the engine
+within seconds, names the rank and leaves no process; the real server streams at two ranks and,
+when a rank is killed, answers everyone and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_server import metric_samples, sse_events, wait_until
+
+from tandem import SamplingParams
+from tandem.default_model import build_checkpoint
+from tandem.distributed.executor import WorkerFailure
+from tandem.distributed.parallel import Shard, TensorParallel, check_shardable
+from tandem.models import SUPPORTED_ARCHITECTURES
+from tandem.models.loader import read_config
+
+from conftest import hf_greedy_reference_allowing_ties, random_prompts
+from helpers import assert_idle_and_balanced, greedy, make_llm
+
+TP2 = {"tensor_parallel_size": 2, "cpu_threads": 1}
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def mqa_odd_vocab(tmp_path_factory) -> Path:
+    """One KV head (replicated on both ranks) and a vocabulary that two ranks split unevenly."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("mqa"), num_attention_heads=4, num_key_value_heads=1,
+        vocab_size=1027, seed=3,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------- sharding
+def test_unshardable_models_are_refused_naming_the_numbers(tiny_llama):
+    _, spec, _ = read_config(tiny_llama)  # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*4 attention"):
+        make_llm(tiny_llama, tensor_parallel_size=3)  # refused before any process starts
+    with pytest.raises(ValueError, match=r"3 KV heads \(neither a multiple nor a divisor of 2\)"):
+        check_shardable(replace(spec, num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match="intermediate size 130"):
+        check_shardable(replace(spec, intermediate_size=130), 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        make_llm(tiny_llama, tensor_parallel_size=0)
+
+
+def test_shards_partition_heads_mlp_and_vocabulary(tiny_llama):
+    _, spec, _ = read_config(tiny_llama)
+    spec = replace(spec, num_heads=8, num_kv_heads=2, intermediate_size=64, vocab_size=1027)
+    shards = [Shard(spec, TensorParallel(rank, 4)) for rank in range(4)]
+    assert [s.q_heads for s in shards] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    # 2 KV heads on 4 ranks: each is replicated on the two ranks whose query heads read it.
+    group = spec.num_heads // spec.num_kv_heads
+    for s in shards:
+        assert s.kv_heads.stop - s.kv_heads.start == 1
+        assert {h // group for h in range(s.q_heads.start, s.q_heads.stop)} == {s.kv_heads.start}
+    assert [s.intermediate.start for s in shards] == [0, 16, 32, 48]
+    covered = [i for s in shards for i in range(s.vocab.start, s.vocab.stop)]
+    assert covered == list(range(1027)) and {s.vocab_per_rank for s in shards} == {257}
+    even = [Shard(spec, TensorParallel(rank, 2)) for rank in range(2)]
+    assert [s.kv_heads for s in even] == [slice(0, 1), slice(1, 2)]
+
+
+# ---------------------------------------------------------------- equivalence
+@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture):
+    path = tiny_checkpoints[architecture]
+    prompts = random_prompts(random.Random(11), 5, 1024, 3, 40)
+    llm = make_llm(path, num_kv_blocks=128, max_model_len=512, **TP2)
+    try:
+        outputs = {}
+        for mode in (False, True):
+            llm.engine.async_scheduling = mode
+            outputs[mode] = [o.token_ids for o in llm.generate(prompts, greedy(12))]
+            assert_idle_and_balanced(llm.engine)
+        assert outputs[True] == outputs[False]
+        for prompt, tokens in zip(prompts, outputs[True], strict=True):
+            assert tokens == hf_greedy_reference_allowing_ties(path, prompt, tokens)
+    finally:
+        llm.close()
+
+
+def test_two_ranks_match_one_logits_and_seeded_sampling(mqa_odd_vocab):
+    """Replicated KV head, padded vocabulary shard: tokens equal, logprobs within 1e-4."""
+    prompts = random_prompts(random.Random(5), 6, 1024, 2, 60)
+    plans = [greedy(10, logprobs=5)] * 3 + [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+        for i in range(3)
+    ]
+    results = {}
+    for size in (1, 2):
+        llm = make_llm(mqa_odd_vocab, num_kv_blocks=128, tensor_parallel_size=size, cpu_threads=1)
+        try:
+            results[size] = llm.generate(prompts, plans)
+        finally:
+            llm.close()
+    worst = 0.0
+    for one, two in zip(results[1], results[2], strict=True):
+        assert one.token_ids == two.token_ids
+        for a, b in zip(one.logprobs or [], two.logprobs or [], strict=True):
+            assert a.keys() == b.keys()  # the same top-5 ids
+            worst = max(worst, *(abs(a[t].logprob - b[t].logprob) for t in a))
+    assert worst < 1e-4, worst
+
+
+def test_async_equals_sync_with_chunks_preemption_and_aborts(tiny_llama):
+    llm = make_llm(
+        tiny_llama, num_kv_blocks=20, block_size=8, max_num_seqs=4, max_num_batched_tokens=24,
+        **TP2,
+    )  # fmt: skip
+    engine = llm.engine
+    prompts = random_prompts(random.Random(8), 8, 1024, 10, 50)
+    finals = {}
+    try:
+        for mode in (False, True):
+            engine.async_scheduling = mode
+            preemptions = engine.scheduler.num_preemptions
+            ids = [engine.add_request(p, greedy(16)) for p in prompts]
+            to_abort = {3: ids[0], 5: ids[6], 9: ids[2]}
+            final, step = {}, 0
+            while engine.has_unfinished():
+                if step in to_abort:
+                    engine.abort(to_abort[step])
+                for out in engine.step():
+                    if out.finished:
+                        final[ids.index(out.request_id)] = out
+                step += 1
+            assert engine.scheduler.num_preemptions > preemptions
+            assert_idle_and_balanced(engine)
+            finals[mode] = final
+        aborted = {0, 6, 2}
+        for i, prompt in enumerate(prompts):
+            for mode in (False, True):
+                out = finals[mode][i]
+                ref = hf_greedy_reference_allowing_ties(tiny_llama, prompt, out.token_ids)
+                assert out.token_ids == ref
+                assert (out.finish_reason == "abort") == (i in aborted and len(ref) < 16)
+            if i not in aborted:
+                assert finals[True][i].token_ids == finals[False][i].token_ids
+    finally:
+        llm.close()
+
+
+# --------------------------------------------------------------------- faults
+def test_killed_worker_fails_fast_and_names_the_rank(tiny_llama):
+    llm = make_llm(tiny_llama, num_kv_blocks=256, **TP2)
+    engine = llm.engine
+    pids = [p.pid for p in engine.runner._procs]
+    for i in range(6):
+        engine.add_request([10 + i, 11, 12], greedy(400))
+    for _ in range(4):
+        engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rank 1 died \(killed by signal 9\)"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - start < 10
+    with pytest.raises(WorkerFailure, match="rank 1 died"):  # and stays failed
+        engine.runner.launch(None)
+    assert not any(_alive(pid) for pid in pids)
+    llm.close()  # after the failure: stops quietly
+
+
+def test_worker_that_raises_at_start_is_named(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_llama.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    children_before = _children()
+    with pytest.raises(WorkerFailure, match=r"rank 0 raised ModelLoadError: weights missing"):
+        make_llm(broken, **TP2)
+    wait_until(lambda: _children() <= children_before, 10, "workers to exit")
+
+
+def _children() -> set[int]:
+    """Live (non-zombie) child processes of this one."""
+    me, found = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) == me and state != "Z":
+                found.add(int(entry.name))
+    return found
+
+
+# --------------------------------------------------------------------- server
+def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
+    """The real `tandem serve --tensor-parallel-size 2`: streamed completions through the
+    openai client equal one rank's offline output; then a killed rank ends the running stream
+    with an error naming it, a new request gets 503, the server exits 1 and no process stays."""
+    prompts = ["Hello world", "The quick brown fox", "Once upon a time"]
+    offline = make_llm(tiny_llama, num_kv_blocks=256, max_model_len=1024)
+    refs = [o.text for o in offline.generate(prompts, greedy(12))]
+    offline.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable, "-m", "tandem", "serve", "--model", str(tiny_llama), "--port", str(port),
+        "--tensor-parallel-size", "2", "--cpu-threads", "1", "--num-kv-blocks", "256",
+        "--max-model-len", "1024", "--max-num-seqs", "1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, 120, "server health")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt, ref in zip(prompts, refs, strict=True):
+            stream = client.completions.create(
+                model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            chunks = list(stream)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+            assert chunks[-1].choices[0].finish_reason == "length"
+
+        workers = [pid for pid in _group(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert len(workers) == 2  # the two ranks (beside multiprocessing's resource tracker)
+        body = {"model": model, "prompt": "long", "max_tokens": 900, "ignore_eos": True}
+        with (
+            httpx.Client(timeout=30) as http,
+            ThreadPoolExecutor(1) as pool,
+            http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r,
+        ):
+            events = sse_events(r.iter_lines())
+            next(events)  # it is running, and holds the one running slot
+            queued = pool.submit(http.post, f"{url}/v1/completions", json=body)
+            waiting = ("tandem_requests_waiting", ())
+            wait_until(lambda: metric_samples(url)[waiting] == 1, 10, "a queued request")
+            os.kill(max(workers), signal.SIGKILL)  # rank 1: spawned after rank 0
+            rest = list(events)
+            answer = queued.result(30)
+        assert rest[-1] == "[DONE]"
+        assert "rank 1 died (killed by signal 9)" in rest[-2]["error"]["message"]
+        assert answer.status_code == 503
+        assert "rank 1 died" in answer.json()["error"]["message"]
+        assert proc.wait(60) == 1
+        assert _group(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _group(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
