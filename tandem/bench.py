@@ -166,6 +166,13 @@ def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
             f"note: {threads} compute thread(s) on {cores} cores: the host schedules step N+1 on "
             "a core of its own while step N computes, so async hides the host's time."
         )
+    if processes > 1:
+        return (
+            f"note: {processes} ranks x {threads_each} thread(s) compute on {cores} cores, so the "
+            "engine's scheduling of step N+1 takes a core from a rank, and the other ranks wait "
+            "for it at the next all-reduce: on a CPU this cost is physical and async can at best "
+            "break even here. Async wins where the ranks leave the host a core, and on GPUs."
+        )
     return (
         f"note: all {cores} cores compute, so the host's scheduling of step N+1 takes a core "
         "from the compute team, which then waits for it at its next barrier: on a CPU this "

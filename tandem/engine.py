@@ -128,7 +128,10 @@ class Engine:
             self.runner = ModelRunner(
                 model, kv_caches, table_rows, max_model_len, config.block_size, device
             )
-            if device.type == "cpu" and config.cpu_threads is None and self.execution.kernels:
+            if device.type == "cpu" and config.cpu_threads is not None:  # kept per engine
+                self.runner.set_cpu_threads(config.cpu_threads, config.cpu_threads)
+                self.execution.cpu_threads = config.cpu_threads
+            elif device.type == "cpu" and self.execution.kernels:
                 self._tune_cpu_threads(model)
         logger.info("execution: %s", self.execution.describe())
         self._depth = 1 if config.async_scheduling else 0
