@@ -24,14 +24,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from test_server import metric_samples, sse_events, wait_until
 
 from tandem import SamplingParams
 from tandem.default_model import build_checkpoint
 from tandem.distributed.executor import WorkerFailure
-from tandem.distributed.parallel import Shard, TensorParallel, check_shardable
+from tandem.distributed.parallel import SINGLE, Shard, TensorParallel, check_shardable
 from tandem.models import SUPPORTED_ARCHITECTURES
-from tandem.models.loader import read_config
+from tandem.models.loader import build_model, read_config
 
 from conftest import hf_greedy_reference_allowing_ties, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -86,6 +87,38 @@ def test_shards_partition_heads_mlp_and_vocabulary(tiny_llama):
     assert [s.kv_heads for s in even] == [slice(0, 1), slice(1, 2)]
 
 
+def test_each_rank_loads_only_its_slices(mqa_odd_vocab):
+    """In process (loading needs no process group): the two shards put together are the model,
+    the replicated KV head is on both, and neither rank holds the whole model."""
+    path, spec, hf_config = read_config(mqa_odd_vocab)
+
+    def build(tp: TensorParallel):
+        return build_model(path, spec, hf_config, torch.float32, torch.device("cpu"), None, tp)
+
+    full = build(SINGLE)
+    ranks = [build(TensorParallel(rank, 2)) for rank in range(2)]
+    size = sum(p.numel() for p in full.parameters())
+    assert all(sum(p.numel() for p in r.parameters()) < 0.75 * size for r in ranks)
+    embed = torch.cat([r.embed.weight for r in ranks])
+    assert torch.equal(embed[:1027], full.embed.weight) and not embed[1027:].any()
+    head = torch.cat([r.lm_head.weight for r in ranks])
+    assert torch.equal(head[:1027], full.lm_head.weight)
+    layer, halves = full.layers[1], [r.layers[1] for r in ranks]
+    q = spec.num_heads * spec.head_dim
+    kv = spec.head_dim  # one KV head: replicated
+    for h in halves:
+        assert torch.equal(h.attn.qkv.weight[q // 2 :], layer.attn.qkv.weight[q:])
+    assert torch.equal(torch.cat([h.attn.qkv.weight[: q // 2] for h in halves]),
+                       layer.attn.qkv.weight[:q])  # fmt: skip
+    assert halves[0].attn.qkv.weight.shape[0] == q // 2 + 2 * kv
+    assert torch.equal(torch.cat([h.attn.o.weight for h in halves], 1), layer.attn.o.weight)
+    assert torch.equal(torch.cat([h.mlp.down.weight for h in halves], 1), layer.mlp.down.weight)
+    inter = spec.intermediate_size
+    gate = torch.cat([h.mlp.gate_up.weight[: inter // 2] for h in halves])
+    up = torch.cat([h.mlp.gate_up.weight[inter // 2 :] for h in halves])
+    assert torch.equal(torch.cat([gate, up]), layer.mlp.gate_up.weight)
+
+
 # ---------------------------------------------------------------- equivalence
 @pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
 def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture):
@@ -110,8 +143,14 @@ def test_two_ranks_match_one_logits_and_seeded_sampling(mqa_odd_vocab):
     prompts = random_prompts(random.Random(5), 6, 1024, 2, 60)
     plans = [greedy(10, logprobs=5)] * 3 + [
         SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
-        for i in range(3)
+        for i in range(2)
     ]
+    plans.append(  # penalties and n > 1 (their counts live on every rank)
+        SamplingParams(
+            max_tokens=10, temperature=0.8, seed=9, n=2, presence_penalty=0.5,
+            repetition_penalty=1.3, logit_bias={7: 5.0}, min_tokens=3, ignore_eos=True,
+        )
+    )  # fmt: skip
     results = {}
     for size in (1, 2):
         llm = make_llm(mqa_odd_vocab, num_kv_blocks=128, tensor_parallel_size=size, cpu_threads=1)
@@ -121,7 +160,7 @@ def test_two_ranks_match_one_logits_and_seeded_sampling(mqa_odd_vocab):
             llm.close()
     worst = 0.0
     for one, two in zip(results[1], results[2], strict=True):
-        assert one.token_ids == two.token_ids
+        assert [o.token_ids for o in one.outputs] == [o.token_ids for o in two.outputs]
         for a, b in zip(one.logprobs or [], two.logprobs or [], strict=True):
             assert a.keys() == b.keys()  # the same top-5 ids
             worst = max(worst, *(abs(a[t].logprob - b[t].logprob) for t in a))
