@@ -92,6 +92,7 @@ def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.use_top_p:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop |= (mass_before >= t.top_p[:, None]) & (ranks > 0)
+        # Rows with top_p = 1 keep everything exactly: their cumulative sum may round past 1.
+        drop |= (mass_before >= t.top_p[:, None]) & (ranks > 0) & (t.top_p < 1)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
