@@ -26,6 +26,7 @@ from transformers import GenerationConfig
 
 from tandem.batch import BatchBuilder, StepExtras
 from tandem.config import EngineConfig
+from tandem.cuda_graphs import graph_sizes
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.distributed.executor import MultiprocExecutor, WorkerFailure
 from tandem.distributed.parallel import check_shardable
@@ -35,7 +36,7 @@ from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import fast_path
 from tandem.models.loader import build_model, load_tokenizer, read_config
 from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
-from tandem.runner import ModelRunner
+from tandem.runner import SPARE_KV_BLOCKS, ModelRunner
 from tandem.sampling import seed_key
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.streams import StepHandle
@@ -122,12 +123,14 @@ class Engine:
             self.execution = executor.plan
         else:
             kv_caches = allocate_kv_cache(
-                self.spec.num_layers, num_blocks, config.block_size, self.spec.num_kv_heads,
-                self.spec.head_dim, dtype, device,
+                self.spec.num_layers, num_blocks + SPARE_KV_BLOCKS, config.block_size,
+                self.spec.num_kv_heads, self.spec.head_dim, dtype, device,
             )  # fmt: skip
+            sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
             self.runner = ModelRunner(
-                model, kv_caches, table_rows, max_model_len, config.block_size, device
+                model, kv_caches, table_rows, max_model_len, config.block_size, device, sizes
             )
+            self.execution.cuda_graph_sizes = sizes
             if device.type == "cpu" and config.cpu_threads is not None:  # kept per engine
                 self.runner.set_cpu_threads(config.cpu_threads, config.cpu_threads)
                 self.execution.cpu_threads = config.cpu_threads

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tandem.batch import StepExtras, StepInputs
+from tandem.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode
 from tandem.logprobs import TokenLogprobsTensors, pack, score_tokens
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention import AttentionMetadata
@@ -29,6 +30,7 @@ _INT_FIELDS = (
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per log_softmax: bounds its [rows, vocab] memory
+SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
 
 
 class _PinnedStaging:
@@ -89,13 +91,18 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        graph_sizes: list[int] | None = None,
     ):
+        """`kv_caches` hold the scheduler's blocks plus SPARE_KV_BLOCKS; `graph_sizes`: the
+        padded batch sizes to capture decode steps at (CUDA), None for eager steps only."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        # Every running request's tokens, by (table row, position): the only copy the device needs.
-        self.token_table = torch.zeros(table_rows * max_model_len, dtype=torch.int64, device=device)
+        # Every running request's tokens, by (table row, position): the only copy the device
+        # needs; one entry more, where padded graph rows put their samples.
+        sink = table_rows * max_model_len
+        self.token_table = torch.zeros(sink + 1, dtype=torch.int64, device=device)
         # Penalties' token counts per table row, kept on the device (allocated on first use).
         self.token_counts = TokenCounts(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
@@ -109,6 +116,13 @@ class ModelRunner:
                 torch.empty(table_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)
             ]
             self._out_next = 0
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            spare = kv_caches[0].shape[1] - SPARE_KV_BLOCKS
+            width = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(graph_sizes, width, spare, block_size, sink, device)
+            with torch.inference_mode():
+                self.graphs.capture(self._graph_step)
 
     def launch(self, inputs: StepInputs) -> StepHandle:
         """Enqueue the step and return at once; the handle's wait() yields the sampled ids."""
@@ -132,6 +146,8 @@ class ModelRunner:
             wanted = self._cpu_threads[prefill_tokens >= PREFILL_TOKENS_FOR_ALL_THREADS]
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
+        if self.graphs is not None and (ids := self._replay(x)) is not None:
+            return self._to_host(ids)
         t = self._to_device(x)
         table = self.token_table
         if len(x.known_index):
@@ -155,6 +171,38 @@ class ModelRunner:
         ids = sample(logits, self._sampling_tensors(x, t))
         table.index_copy_(0, t["sample_index"], ids)
         return self._to_host(ids)
+
+    def _replay(self, x: StepInputs) -> torch.Tensor | None:
+        """A plain decode step through its captured graph; None if it has none."""
+        mode = graph_mode(x)
+        size = self.graphs.size_for(x.num_tokens) if mode else None
+        if size is None:
+            return None
+        ints, floats = self.graphs.pack(x, size)
+        if self._cuda:
+            uploaded = self._int_staging.upload(ints), self._float_staging.upload(floats)
+        else:  # the graph logic run eagerly on a CPU (tests/test_cuda_graphs.py)
+            uploaded = torch.from_numpy(ints), torch.from_numpy(floats)
+        return self.graphs.replay(size, mode, *uploaded, x.num_tokens)
+
+    def _graph_step(self, inputs: GraphInputs, mode: str) -> torch.Tensor:
+        """What a captured decode step does, from the static buffers: the eager path's plain
+        decode (gather, forward, sample, scatter) at a fixed padded size."""
+        i = inputs.ints
+        input_ids = self.token_table[i["token_index"]]
+        meta = AttentionMetadata(
+            slot_mapping=i["slot_mapping"],
+            block_tables=inputs.block_tables,
+            context_lens=i["context_lens"],
+            num_decodes=len(input_ids),
+            decode_max_blocks=inputs.block_tables.shape[1],
+            prefills=[],
+            block_size=self.block_size,
+        )
+        hidden = self.model(input_ids, i["positions"], self.kv_caches, meta)
+        ids = sample(self.model.compute_logits(hidden), inputs.sampling(mode))
+        self.token_table.index_copy_(0, i["sample_index"], ids)
+        return ids
 
     def _sample_with_extras(
         self, x: StepInputs, e: StepExtras, t: dict[str, torch.Tensor], hidden: torch.Tensor

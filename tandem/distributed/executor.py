@@ -86,6 +86,7 @@ class MultiprocExecutor:
                 enforce_eager=config.enforce_eager,
                 max_model_len=config.max_model_len,
                 block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
                 num_kv_blocks=config.num_kv_blocks,
                 kv_cache_memory_gib=config.kv_cache_memory_gib,
                 gpu_memory_utilization=config.gpu_memory_utilization,

@@ -44,6 +44,7 @@ class WorkerArgs:
     enforce_eager: bool
     max_model_len: int | None
     block_size: int
+    max_num_seqs: int
     num_kv_blocks: int | None
     kv_cache_memory_gib: float
     gpu_memory_utilization: float
@@ -72,7 +73,8 @@ class _Worker:
         from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
         from tandem.models import fast_path
         from tandem.models.loader import build_model, read_config
-        from tandem.runner import ModelRunner
+        from tandem.cuda_graphs import graph_sizes
+        from tandem.runner import SPARE_KV_BLOCKS, ModelRunner
 
         a = self.args
         if a.threads is not None:
@@ -101,10 +103,14 @@ class _Worker:
         self.outputs.send(("loaded", a.rank, capacity))
         num_blocks, table_rows, max_model_len = self.inputs.recv()
         kv_caches = allocate_kv_cache(
-            spec.num_layers, num_blocks, a.block_size, local.num_kv_heads, spec.head_dim,
-            a.dtype, device,
+            spec.num_layers, num_blocks + SPARE_KV_BLOCKS, a.block_size, local.num_kv_heads,
+            spec.head_dim, a.dtype, device,
         )  # fmt: skip
-        runner = ModelRunner(model, kv_caches, table_rows, max_model_len, a.block_size, device)
+        sizes = graph_sizes(device, a.enforce_eager, a.max_num_seqs)  # every rank captures alike
+        runner = ModelRunner(
+            model, kv_caches, table_rows, max_model_len, a.block_size, device, sizes
+        )
+        plan.cuda_graph_sizes = sizes
         plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
         self.outputs.send(("ready", a.rank, plan))
         try:

@@ -29,6 +29,7 @@ class ExecutionPlan:
     thread_timings_ms: dict[int, float] = field(default_factory=dict)  # decode step ms by threads
     tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
     backend: str | None = None  # their collectives: gloo or nccl
+    cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
 
     def describe(self) -> str:
         gemm = "MKL pre-packed GEMMs" if self.packed_gemm else "default GEMMs"
@@ -46,6 +47,11 @@ class ExecutionPlan:
             text += (
                 f"; {self.cpu_threads} compute thread(s) for decodes (decode step {tried}), "
                 f"{max(self.thread_timings_ms)} for prefills"
+            )
+        if self.cuda_graph_sizes:
+            text += (
+                f"; CUDA graphs for decode steps of up to {max(self.cuda_graph_sizes)} requests "
+                f"({len(self.cuda_graph_sizes)} sizes x 3 sampler variants)"
             )
         k = self.kernels
         if k is not None and k.available:

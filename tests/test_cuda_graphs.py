@@ -1,0 +1,122 @@
+"""The CUDA-graph decode path's logic, run eagerly on a CPU.
+
+Capture and replay need a GPU (benchmarks/cuda_check.py runs them there). Everything else a
+captured step does is checked here: which steps qualify and with which sampler variant, the
+padded layout of the static buffers, the spare KV block and token-table entry that padded rows
+write to, and the graph's step body. The body runs from the static buffers instead of a replay,
+and a whole generation through it must give exactly the eager path's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from conftest import random_prompts
+from helpers import assert_idle_and_balanced, greedy, make_llm
+from tandem import SamplingParams
+from tandem.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode, graph_sizes
+
+
+class EagerGraphs(DecodeGraphs):
+    """Replays by running the step body on the static buffers (what the graph captured)."""
+
+    def __init__(self, body, *args):
+        super().__init__(*args)
+        self.body = body
+        self.replays: dict[tuple[int, str], int] = {}
+
+    def replay(self, size, mode, ints, floats, batch):
+        self.int_buffer[: ints.numel()].copy_(ints)
+        self.float_buffer[: floats.numel()].copy_(floats)
+        self.replays[size, mode] = self.replays.get((size, mode), 0) + 1
+        with torch.inference_mode():
+            return self.body(self.views(size), mode)[:batch]
+
+
+def _with_eager_graphs(llm, sizes: list[int]) -> EagerGraphs:
+    runner, engine = llm.engine.runner, llm.engine
+    width = -(-engine.max_model_len // engine.config.block_size)
+    spare = runner.kv_caches[0].shape[1] - 1
+    sink = len(runner.token_table) - 1
+    runner.graphs = EagerGraphs(
+        runner._graph_step, sizes, width, spare, engine.config.block_size, sink, runner.device
+    )
+    return runner.graphs
+
+
+def test_capture_sizes_and_where_graphs_apply():
+    assert capture_sizes(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(1000)[-1] == 256
+    assert graph_sizes(torch.device("cpu"), False, 128) == []  # nothing to capture on a CPU
+
+
+def test_graph_step_gives_the_eager_tokens(tiny_llama):
+    """Greedy, seeded sampling, top-k / top-p rows mixed with plain ones, requests joining
+    and leaving: every decode step through the graph body, padded to the next size, gives
+    the eager path's tokens, and the padded rows touch no block of any request."""
+    prompts = random_prompts(random.Random(2), 9, 1024, 3, 40)
+    params = [
+        greedy(14),
+        SamplingParams(max_tokens=11, temperature=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=1.0, top_p=0.7, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.9, min_p=0.1, seed=4, ignore_eos=True),
+    ] * 2
+    options = dict(num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=64)
+    reference = make_llm(tiny_llama, **options).generate(prompts, params[:9])
+    for async_scheduling in (False, True):
+        llm = make_llm(tiny_llama, async_scheduling=async_scheduling, **options)
+        graphs = _with_eager_graphs(llm, [1, 2, 4, 8])
+        spare = graphs.pad_block
+        cache_before = [c[:, spare].clone() for c in llm.engine.runner.kv_caches]
+        outs = llm.generate(prompts, params[:9])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+        assert_idle_and_balanced(llm.engine)
+        modes = {mode for _, mode in graphs.replays}
+        assert "sample-filtered" in modes and modes <= {"sample", "sample-filtered"}
+        assert {size for size, _ in graphs.replays} >= {2, 8}  # padded: 6 requests -> 8
+        # The padded rows wrote only the spare block.
+        assert any(not torch.equal(c[:, spare], b) for c, b in zip(
+            llm.engine.runner.kv_caches, cache_before, strict=True))  # fmt: skip
+
+
+def test_all_greedy_steps_use_the_greedy_variant(tiny_llama):
+    prompts = random_prompts(random.Random(3), 3, 1024, 3, 20)
+    llm = make_llm(tiny_llama, num_kv_blocks=32)
+    reference = [o.token_ids for o in make_llm(tiny_llama).generate(prompts, greedy(8))]
+    graphs = _with_eager_graphs(llm, [1, 2, 4])
+    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == reference
+    assert {mode for _, mode in graphs.replays} == {"greedy"}
+    assert (4, "greedy") in graphs.replays  # 3 requests padded to 4
+    sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(3)]
+    reference = [o.token_ids for o in make_llm(tiny_llama).generate(prompts, sampled)]
+    graphs.replays.clear()
+    assert [o.token_ids for o in llm.generate(prompts, sampled)] == reference
+    assert {mode for _, mode in graphs.replays} == {"sample"}
+
+
+def test_padded_layout(tiny_llama):
+    llm = make_llm(tiny_llama, num_kv_blocks=32, async_scheduling=False)
+    engine = llm.engine
+    graphs = _with_eager_graphs(llm, [4])
+    captured = []
+    real_pack = graphs.pack
+    graphs.pack = lambda x, size: captured.append((x, real_pack(x, size))) or captured[-1][1]
+    llm.generate([[5, 6, 7], [8, 9]], greedy(3))
+    x, (ints, floats) = captured[0]
+    n, width = x.num_tokens, graphs.width
+    fields = ints[: 8 * 4].reshape(8, 4)  # _INTS order, 4 rows each
+    assert n == 2 and np.array_equal(fields[0, :n], x.token_index)
+    assert (fields[0, n:] == len(engine.runner.token_table) - 1).all()  # the sink entry
+    assert (fields[2, n:] == graphs.pad_block * engine.config.block_size).all()  # spare block
+    assert (fields[3, n:] == 1).all()  # context 1: the spare slot itself
+    tables = ints[8 * 4 :].reshape(4, width)
+    assert np.array_equal(tables[:n, : x.block_tables.shape[1]], x.block_tables)
+    assert (tables[n:] == graphs.pad_block).all()
+    temperature, top_p = floats[:4], floats[4:8]
+    assert (temperature[n:] == 0).all() and (top_p[n:] == 1).all()
+    assert graph_mode(x) == "greedy"
