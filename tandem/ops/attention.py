@@ -4,12 +4,17 @@ The batch holds decode tokens first (one query each), then prefill chunks. Every
 first written into the paged cache; decodes then attend to their cache in one batched call, and
 each prefill chunk attends to its cached prefix plus causally within itself. The portable decode
 path gathers each request's blocks into a dense copy; with the fused CPU kernels
-(`csrc/cpu_kernels.cpp`) decodes read the paged cache in place instead.
+(`csrc/cpu_kernels.cpp`) decodes read the paged cache in place instead. On CUDA, when triton
+imports, `paged_attention` runs the Triton kernels of `triton_attention.py`, which read the cache
+in place for decodes and prefill chunks alike (`TANDEM_TRITON_ATTENTION=0` keeps the portable ops).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +64,22 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if q.is_cuda and (kernels := triton_kernels()) is not None:
+        return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def portable_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` in PyTorch ops on any device, once the step's K/V are in the cache."""
     out = torch.empty_like(q)
     d = meta.num_decodes
     if d:
@@ -71,6 +92,20 @@ def paged_attention(
             keys, values = _gather_context(k_cache, v_cache, meta, seg)
         out[rows] = _chunk_attention(q[rows], keys, values, seg, scale, sliding_window)
     return out
+
+
+@functools.cache
+def triton_kernels() -> ModuleType | None:
+    """`triton_attention` if triton imports (and TANDEM_TRITON_ATTENTION is not 0), else None.
+
+    Looked up on the first CUDA call only, so CPU runs never import triton."""
+    if os.environ.get("TANDEM_TRITON_ATTENTION", "1") == "0":
+        return None
+    try:
+        from tandem.ops import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
 
 
 def _gather_context(k_cache, v_cache, meta: AttentionMetadata, seg: PrefillSegment):

@@ -1,0 +1,304 @@
+"""The CUDA attention kernels (Triton) against the portable path, on the CPU.
+
+Under Triton's interpreter (`TRITON_INTERPRET=1`) the kernels' own logic runs on CPU tensors and
+is compared with `ops/attention.py`; shapes are tiny, since the interpreter runs every program of
+the grid in Python. Separately, Triton's real compiler builds the kernels down to sm_90 (H200)
+binaries without a GPU (tests/triton_sm90_compile.py), which the interpreter alone would not prove.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+# Before triton is first imported: Triton decorates its own library for the interpreter or for
+# the compiler once, so the interpreter is process-wide (the sm_90 compile runs in a subprocess).
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from tandem.ops import attention  # noqa: E402
+from tandem.ops import triton_attention as ta  # noqa: E402
+from tandem.ops.attention import (  # noqa: E402
+    AttentionMetadata,
+    PrefillSegment,
+    _decode_attention,
+    write_kv,
+)
+
+_ROOT = Path(__file__).resolve().parents[1]
+assert isinstance(ta._decode_kernel, InterpretedFunction)
+
+
+def _cache(num_blocks, block_size, kv_heads, dim, dtype, g):
+    """A cache full of nan: a kernel that loads any slot past a context would return nan."""
+    shape = (num_blocks, block_size, kv_heads, dim)
+    return torch.full(shape, float("nan"), dtype=dtype), torch.full(
+        shape, float("nan"), dtype=dtype
+    )
+
+
+def _fill(k_cache, v_cache, table_row, length, g) -> None:
+    """Write random K/V into the first `length` positions of one request."""
+    bs, kv_heads, dim = k_cache.shape[1:]
+    slots = torch.arange(length)
+    flat = table_row[slots // bs] * bs + slots % bs
+    k = torch.randn(length, kv_heads, dim, generator=g).to(k_cache.dtype)
+    v = torch.randn(length, kv_heads, dim, generator=g).to(k_cache.dtype)
+    write_kv(k, v, k_cache, v_cache, flat)
+
+
+def _tables(lens, block_size, num_blocks, g, extra_columns=1):
+    """Distinct random blocks per request; unused columns hold garbage block ids."""
+    width = max(-(-n // block_size) for n in lens) + extra_columns
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(10**6, 10**7, (len(lens), width))  # never a valid block id
+    used = 0
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[i, :need] = perm[used : used + need]
+        used += need
+    return tables
+
+
+def _clean(cache: torch.Tensor) -> torch.Tensor:
+    """The reference gathers whole blocks and masks afterwards: it needs finite padding."""
+    return torch.nan_to_num(cache.float(), nan=0.0)
+
+
+DECODE_CASES = [
+    # head_dim, heads, kv_heads, block_size, lens, window, splits, block_n
+    (32, 4, 4, 16, [1, 17, 40], None, 1, 16),
+    (64, 4, 2, 32, [33, 5, 64, 70], None, 1, 16),
+    (48, 8, 2, 16, [23, 47, 2], None, 3, 16),  # head_dim padded to 64 by masking
+    (32, 8, 2, 16, [50, 38, 16, 1, 66], 7, 1, 16),  # 38: the window starts at key 31
+    (64, 8, 2, 32, [70, 9], 20, 4, 16),  # window and splits: some splits have no tile
+    (32, 4, 1, 16, [100], None, 2, 64),  # one request, GQA group of 4, the GPU tile size
+]
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads,bs,lens,window,splits,block_n", DECODE_CASES)
+def test_decode_matches_portable_attention(
+    dim, heads, kv_heads, bs, lens, window, splits, block_n
+) -> None:
+    g = torch.Generator().manual_seed(sum(lens) + dim)
+    num_blocks = 24
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, torch.float32, g)
+    tables = _tables(lens, bs, num_blocks, g)
+    for i, n in enumerate(lens):
+        _fill(k_cache, v_cache, tables[i], n, g)
+    # A padded batch: two rows of context 0 whose table rows are garbage.
+    r = len(lens)
+    padded_tables = torch.cat([tables, torch.randint(10**6, 10**7, (2, tables.shape[1]))])
+    context = torch.tensor([*lens, 0, 0])
+    q = torch.randn(r + 2, heads, dim + 8, generator=g)[:, :, :dim]  # strided, as from a fused qkv
+    out = ta.decode_attention(
+        q, k_cache, v_cache, padded_tables, context, bs, 0.3, window,
+        num_splits=splits, block_n=block_n,
+    )  # fmt: skip
+    meta = AttentionMetadata(
+        torch.zeros(0), tables.clamp(max=num_blocks - 1), context[:r], r,
+        max(-(-n // bs) for n in lens), [], bs,
+    )  # fmt: skip
+    ref = _decode_attention(q[:r], _clean(k_cache), _clean(v_cache), meta, 0.3, window)
+    torch.testing.assert_close(out[:r], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[r:], torch.zeros_like(out[r:]))  # padding rows: zeros, not nan
+
+
+def _packed_batch(dim, heads, kv_heads, bs, decode_lens, chunks, dtype, g):
+    """A mixed step as the runner makes one: decodes first, then prefill chunks.
+
+    chunks: (cached prefix, chunk tokens) per prefill. Returns q, k, v, caches and metadata, the
+    caches holding every request's context before this step (nan elsewhere)."""
+    lens = [n - 1 for n in decode_lens] + [prefix for prefix, _ in chunks]
+    ends = list(decode_lens) + [prefix + n for prefix, n in chunks]
+    num_blocks = sum(-(-n // bs) for n in ends) + 3
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, dtype, g)
+    tables = _tables(ends, bs, num_blocks, g)
+    for i, n in enumerate(lens):
+        _fill(k_cache, v_cache, tables[i], n, g)
+    slots, prefills = [], []
+    token = len(decode_lens)
+    for i, (start, end) in enumerate(zip(lens, ends, strict=True)):
+        pos = torch.arange(start, end)
+        slots.append(tables[i, pos // bs] * bs + pos % bs)
+        if i >= len(decode_lens):
+            prefills.append(PrefillSegment(token, end - start, end, i))
+            token += end - start
+    t = token
+    q = torch.randn(t, heads, dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, dim, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        torch.cat(slots), tables, torch.tensor(ends), len(decode_lens),
+        max((-(-n // bs) for n in decode_lens), default=0), prefills, bs,
+    )  # fmt: skip
+    return q, k, v, k_cache, v_cache, meta
+
+
+def _portable(q, k, v, k_cache, v_cache, meta, scale, window):
+    """The portable path on fp32 copies (nan-free), the reference for every dtype."""
+    kc, vc = _clean(k_cache), _clean(v_cache)
+    clamped = AttentionMetadata(
+        meta.slot_mapping, meta.block_tables.clamp(max=kc.shape[0] - 1), meta.context_lens,
+        meta.num_decodes, meta.decode_max_blocks, meta.prefills, meta.block_size,
+    )  # fmt: skip
+    write_kv(k.float(), v.float(), kc, vc, meta.slot_mapping)
+    return attention.portable_attention(
+        q.float(), k.float(), v.float(), kc, vc, clamped, scale, window
+    )
+
+
+PREFILL_CASES = [
+    # head_dim, heads, kv_heads, block_size, decode lens, (prefix, chunk) per prefill, window
+    (32, 4, 4, 16, [], [(0, 20)], None),  # a first chunk: no cached prefix
+    (32, 4, 2, 16, [], [(37, 12)], None),  # a later chunk: 37 cached tokens, crossing blocks
+    (64, 8, 2, 32, [5, 40], [(0, 9), (30, 35)], None),  # mixed step, GQA 4, two chunks
+    (48, 4, 2, 16, [3], [(20, 25), (0, 17)], 7),  # sliding window, head_dim padded
+]
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads,bs,decode_lens,chunks,window", PREFILL_CASES)
+def test_packed_batch_matches_portable_attention(
+    dim, heads, kv_heads, bs, decode_lens, chunks, window
+) -> None:
+    """What the CUDA dispatch runs: write_kv, then decodes and chunks read the cache in place."""
+    g = torch.Generator().manual_seed(dim + len(chunks) + (window or 0))
+    q, k, v, k_cache, v_cache, meta = _packed_batch(
+        dim, heads, kv_heads, bs, decode_lens, chunks, torch.float32, g
+    )
+    ref = _portable(q, k, v, k_cache, v_cache, meta, 0.25, window)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = ta.paged_attention(q, k_cache, v_cache, meta, 0.25, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
+def test_prefill_tiles_smaller_than_the_chunk(block_m, block_n) -> None:
+    """Several query tiles (a tile ends inside a GQA group's rows) and key tiles per chunk."""
+    g = torch.Generator().manual_seed(block_m)
+    q, k, v, k_cache, v_cache, meta = _packed_batch(
+        32, 6, 2, 16, [], [(21, 19)], torch.float32, g
+    )  # group of 3: 57 rows, tiles of 16 split groups
+    ref = _portable(q, k, v, k_cache, v_cache, meta, 0.25, 11)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    (seg,) = meta.prefills
+    ta.prefill_attention(
+        q, k_cache, v_cache, meta.block_tables, seg, 16, 0.25, 11,
+        out=out, block_m=block_m, block_n=block_n,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_tolerance(dtype) -> None:
+    """bf16/fp16 inputs: fp32 softmax and accumulation, probabilities rounded for the PV dot."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, k_cache, v_cache, meta = _packed_batch(64, 8, 2, 16, [30, 70], [(18, 14)], dtype, g)
+    ref = _portable(q, k, v, k_cache, v_cache, meta, 0.125, None)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = ta.paged_attention(q, k_cache, v_cache, meta, 0.125, None)
+    assert out.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    split = ta.decode_attention(
+        q[:2], k_cache, v_cache, meta.block_tables, meta.context_lens, 16, 0.125, num_splits=3,
+        block_n=16,
+    )  # fmt: skip
+    torch.testing.assert_close(split.float(), ref[:2], rtol=tol, atol=tol)
+
+
+def test_decode_of_a_long_random_batch() -> None:
+    """Random lengths and tables; the split count that fills an H200 for this batch shape."""
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    lens = [rng.randint(1, 150) for _ in range(4)]
+    bs, num_blocks = 16, 64
+    k_cache, v_cache = _cache(num_blocks, bs, 2, 32, torch.float32, g)
+    tables = _tables(lens, bs, num_blocks, g)
+    for i, n in enumerate(lens):
+        _fill(k_cache, v_cache, tables[i], n, g)
+    q = torch.randn(len(lens), 4, 32, generator=g)
+    context = torch.tensor(lens)
+    meta = AttentionMetadata(
+        torch.zeros(0), tables.clamp(max=num_blocks - 1), context, len(lens),
+        tables.shape[1], [], bs,
+    )  # fmt: skip
+    ref = _decode_attention(q, _clean(k_cache), _clean(v_cache), meta, 0.2, None)
+    splits = ta.MAX_SPLITS  # 4 requests x 2 KV heads on 132 SMs
+    out = ta.decode_attention(
+        q, k_cache, v_cache, tables, context, bs, 0.2, num_splits=splits, block_n=16
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_attention_never_looks_for_triton(monkeypatch) -> None:
+    """CPU tensors keep the portable path; triton is looked up for CUDA tensors only."""
+
+    def fail():
+        raise AssertionError("CPU attention consulted the Triton kernels")
+
+    monkeypatch.setattr(attention, "triton_kernels", fail)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, k_cache, v_cache, meta = _packed_batch(32, 4, 2, 16, [9], [(0, 5)], torch.float32, g)
+    out = attention.paged_attention(q, k, v, _clean(k_cache), _clean(v_cache), meta, 0.3, None)
+    assert torch.isfinite(out).all()
+
+
+def test_triton_kernels_lookup_and_off_switch(monkeypatch) -> None:
+    attention.triton_kernels.cache_clear()
+    try:
+        kernels = attention.triton_kernels()
+        assert kernels is not None and kernels.__name__ == "tandem.ops.triton_attention"
+        attention.triton_kernels.cache_clear()
+        monkeypatch.setenv("TANDEM_TRITON_ATTENTION", "0")
+        assert attention.triton_kernels() is None
+    finally:
+        attention.triton_kernels.cache_clear()
+
+
+def test_default_split_count_ignores_context_lengths() -> None:
+    cpu = torch.device("cpu")
+    assert ta.default_num_splits(32, 8, cpu) == 1
+
+
+# ------------------------------------------------------------ real compilation for sm_90
+H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """Triton's real compiler (not the interpreter) builds every kernel for an H200: bf16 and
+    fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, str(_ROOT / "tests" / "triton_sm90_compile.py")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    kernels = {(r["case"], r["kernel"]) for r in records}
+    assert kernels == {
+        ("llama8b-bf16", "_decode_kernel"),
+        ("llama8b-bf16", "_merge_splits_kernel"),
+        ("llama8b-bf16", "_prefill_kernel"),
+        ("llama1b-bf16", "_decode_kernel"),
+        ("llama1b-bf16", "_prefill_kernel"),
+        ("group7-window-fp16", "_decode_kernel"),
+        ("group7-window-fp16", "_prefill_kernel"),
+        ("fp32-dim48", "_decode_kernel"),
+        ("fp32-dim48", "_merge_splits_kernel"),
+    }
+    for r in records:
+        assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
+        if r["kernel"] != "_merge_splits_kernel" and not r["case"].startswith("fp32"):
+            assert r["mma"], r  # the dots run on tensor cores

@@ -1,0 +1,86 @@
+"""Compile the Triton attention kernels for sm_90 (H100/H200) on a machine without a GPU.
+
+Run by tests/test_triton_attention.py in a fresh process (the interpreter, which the numeric
+tests use, is process-wide in Triton). Triton asks its driver only for the target, the device and
+the stream before compiling; a stand-in answers for an H200, and every launch is turned into
+`warmup` (compile, do not run). The wrappers of `tandem.ops.triton_attention` are called as the
+engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
+line per compiled kernel: name, dtype case, shared memory, whether its PTX uses tensor cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile with the real compiler"
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+from tandem.ops import triton_attention as ta  # noqa: E402
+from tandem.ops.attention import PrefillSegment  # noqa: E402
+
+CASES = {
+    # dtype, head_dim, heads, kv_heads, window, decode splits, compile a prefill
+    "llama8b-bf16": (torch.bfloat16, 128, 32, 8, None, 4, True),
+    "llama1b-bf16": (torch.bfloat16, 64, 32, 8, None, 1, True),
+    "group7-window-fp16": (torch.float16, 128, 28, 4, 4096, 1, True),
+    "fp32-dim48": (torch.float32, 48, 4, 2, None, 2, False),  # an fp32 prefill takes ~7 s
+}
+
+
+class CompileOnlyDriver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+
+def main(names: list[str]) -> None:
+    driver.set_active(CompileOnlyDriver())
+    built = []
+    for kernel in (ta._decode_kernel, ta._merge_splits_kernel, ta._prefill_kernel):
+
+        def compile_only(*args, grid, warmup, _run=kernel.run, **kwargs):
+            built.append(_run(*args, grid=grid, warmup=True, **kwargs))
+            return built[-1]
+
+        kernel.run = compile_only
+    for name in names:
+        dtype, dim, heads, kv_heads, window, splits, prefill = CASES[name]
+        bs, r = 16, 8
+        k_cache = torch.zeros(64, bs, kv_heads, dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        q = torch.zeros(r + 24, heads, dim, dtype=dtype)
+        tables = torch.zeros(r + 1, 16, dtype=torch.int64)
+        context = torch.zeros(r + 1, dtype=torch.int64)
+        built.clear()
+        ta.decode_attention(
+            q[:r], k_cache, v_cache, tables, context, bs, 0.1, window, num_splits=splits
+        )
+        if prefill:
+            seg = PrefillSegment(r, 24, 40, r)
+            ta.prefill_attention(
+                q, k_cache, v_cache, tables, seg, bs, 0.1, window, out=torch.empty_like(q)
+            )
+        for k in built:
+            record = {
+                "case": name,
+                "kernel": k.name,
+                "cubin_bytes": len(k.asm["cubin"]),
+                "shared": k.metadata.shared,
+                "num_warps": k.metadata.num_warps,
+                "mma": "mma" in k.asm["ptx"],
+            }
+            print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(CASES))
