@@ -52,10 +52,7 @@ def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) ->
 def graph_mode(x: StepInputs) -> str | None:
     """The captured variant that runs step `x` exactly as the eager path would, or None."""
     plain_decode = (
-        x.extras is None
-        and not x.prefills
-        and x.num_tokens == x.num_decodes == x.num_sampled
-        and len(x.known_index) == 0
+        x.extras is None and not x.prefills and x.num_tokens == x.num_decodes == x.num_sampled
     )
     if not plain_decode or x.num_tokens == 0:
         return None
@@ -121,21 +118,26 @@ class DecodeGraphs:
     def views(self, size: int) -> GraphInputs:
         ints = dict(zip(_INTS, self.int_buffer[: len(_INTS) * size].split(size), strict=True))
         tables = self.int_buffer[len(_INTS) * size : self._num_ints(size)].view(size, self.width)
-        floats = dict(zip(_FLOATS, self.float_buffer[: len(_FLOATS) * size].split(size), strict=True))
+        floats = dict(
+            zip(_FLOATS, self.float_buffer[: len(_FLOATS) * size].split(size), strict=True)
+        )
         return GraphInputs(ints, floats, tables)
 
     def size_for(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
     def pack(self, x: StepInputs, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The step's arrays padded to `size` rows, in the static buffers' layout."""
-        n = x.num_tokens
-        ints = np.empty(self._num_ints(size), dtype=np.int64)
+        """The step's arrays padded to `size` rows, in the static buffers' layout, followed by
+        its host-known tokens (index, then value: the sync loop's last samples), which the
+        runner writes into the token table before the replay."""
+        n, k = x.num_tokens, len(x.known_index)
+        ints = np.empty(self._num_ints(size) + 2 * k, dtype=np.int64)
+        ints[self._num_ints(size) :] = np.concatenate([x.known_index, x.known_tokens])
         for i, name in enumerate(_INTS):
             part = ints[i * size : (i + 1) * size]
             part[:n] = getattr(x, name)
             part[n:] = self.pad[name]
-        tables = ints[len(_INTS) * size :].reshape(size, self.width)
+        tables = ints[len(_INTS) * size : self._num_ints(size)].reshape(size, self.width)
         tables[:] = self.pad_block
         tables[:n, : x.block_tables.shape[1]] = x.block_tables[:n]
         floats = np.empty(len(_FLOATS) * size, dtype=np.float32)
@@ -177,11 +179,16 @@ class DecodeGraphs:
         floats = np.repeat(np.array([self.pad[n] for n in _FLOATS], np.float32), size)
         return ints, floats
 
+    def known_tokens(self, ints: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (token-table index, token) pairs packed after the static layout."""
+        index, tokens = ints[self._num_ints(size) :].chunk(2)
+        return index, tokens
+
     def replay(
         self, size: int, mode: str, ints: torch.Tensor, floats: torch.Tensor, batch: int
     ) -> torch.Tensor:
         """On the compute stream: inputs into the static buffers, replay; the real rows' ids."""
-        self.int_buffer[: ints.numel()].copy_(ints)
+        self.int_buffer[: self._num_ints(size)].copy_(ints[: self._num_ints(size)])
         self.float_buffer[: floats.numel()].copy_(floats)
         graph, out = self.graphs[size, mode]
         graph.replay()

@@ -183,6 +183,8 @@ class ModelRunner:
             uploaded = self._int_staging.upload(ints), self._float_staging.upload(floats)
         else:  # the graph logic run eagerly on a CPU (tests/test_cuda_graphs.py)
             uploaded = torch.from_numpy(ints), torch.from_numpy(floats)
+        if len(x.known_index):
+            self.token_table.index_copy_(0, *self.graphs.known_tokens(uploaded[0], size))
         return self.graphs.replay(size, mode, *uploaded, x.num_tokens)
 
     def _graph_step(self, inputs: GraphInputs, mode: str) -> torch.Tensor:

@@ -14,10 +14,11 @@ import random
 import numpy as np
 import torch
 
-from conftest import random_prompts
-from helpers import assert_idle_and_balanced, greedy, make_llm
 from tandem import SamplingParams
 from tandem.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode, graph_sizes
+
+from conftest import random_prompts
+from helpers import assert_idle_and_balanced, greedy, make_llm
 
 
 class EagerGraphs(DecodeGraphs):
@@ -29,7 +30,7 @@ class EagerGraphs(DecodeGraphs):
         self.replays: dict[tuple[int, str], int] = {}
 
     def replay(self, size, mode, ints, floats, batch):
-        self.int_buffer[: ints.numel()].copy_(ints)
+        self.int_buffer[: self._num_ints(size)].copy_(ints[: self._num_ints(size)])
         self.float_buffer[: floats.numel()].copy_(floats)
         self.replays[size, mode] = self.replays.get((size, mode), 0) + 1
         with torch.inference_mode():
@@ -114,7 +115,10 @@ def test_padded_layout(tiny_llama):
     assert (fields[0, n:] == len(engine.runner.token_table) - 1).all()  # the sink entry
     assert (fields[2, n:] == graphs.pad_block * engine.config.block_size).all()  # spare block
     assert (fields[3, n:] == 1).all()  # context 1: the spare slot itself
-    tables = ints[8 * 4 :].reshape(4, width)
+    tables = ints[8 * 4 : 8 * 4 + 4 * width].reshape(4, width)
+    # Then the sync loop's host-known last samples, written into the table before the replay.
+    tail = ints[8 * 4 + 4 * width :]
+    assert len(x.known_index) == n and np.array_equal(tail, np.r_[x.known_index, x.known_tokens])
     assert np.array_equal(tables[:n, : x.block_tables.shape[1]], x.block_tables)
     assert (tables[n:] == graphs.pad_block).all()
     temperature, top_p = floats[:4], floats[4:8]

@@ -70,10 +70,10 @@ class _Worker:
         self.outputs = outputs
 
     def serve(self) -> None:
+        from tandem.cuda_graphs import graph_sizes
         from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
         from tandem.models import fast_path
         from tandem.models.loader import build_model, read_config
-        from tandem.cuda_graphs import graph_sizes
         from tandem.runner import SPARE_KV_BLOCKS, ModelRunner
 
         a = self.args
