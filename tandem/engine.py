@@ -142,6 +142,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        if parallel:
+            self.runner.on_exit = self._wakeup.set  # an idle loop learns of a dead rank at once
         self._live_ids: set[str] = set()
         self._requests: dict[str, list[Request]] = {}  # request id -> its samples
         self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
@@ -224,10 +226,12 @@ class Engine:
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block an idle loop thread until a request arrives (or timeout); True if there is work."""
+        self.runner.check_health()
         if self.has_unfinished():
             return True
         self._wakeup.wait(timeout)
         self._wakeup.clear()
+        self.runner.check_health()
         return self.has_unfinished()
 
     def abort(self, request_id: str) -> None:

@@ -131,6 +131,9 @@ class ModelRunner:
     def close(self) -> None:
         self.stream.close()
 
+    def check_health(self) -> None:
+        """In-process execution has no separate worker to lose (see MultiprocExecutor)."""
+
     def set_cpu_threads(self, decode: int, prefill: int) -> None:
         """CPU: compute threads for decode-only steps and for steps that prefill.
 

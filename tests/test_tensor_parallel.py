@@ -226,6 +226,21 @@ def test_killed_worker_fails_fast_and_names_the_rank(tiny_llama):
     llm.close()  # after the failure: stops quietly
 
 
+def test_idle_engine_learns_of_a_dead_rank(tiny_llama):
+    """No step in flight: the engine loop's wait for work raises as soon as a rank dies."""
+    llm = make_llm(tiny_llama, num_kv_blocks=64, **TP2)
+    engine = llm.engine
+    assert llm.generate([[5, 6, 7]], greedy(3))[0].token_ids  # it works, then idles
+    os.kill(engine.runner._procs[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rank 0 died \(killed by signal 9\)"):
+        while time.monotonic() - start < 30:  # as the server's loop thread calls it
+            engine.wait_for_work(timeout=30)
+    assert time.monotonic() - start < 5
+    llm.close()
+    assert not any(_alive(p.pid) for p in engine.runner._procs)
+
+
 def test_worker_that_raises_at_start_is_named(tiny_llama, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -321,7 +336,8 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
         assert answer.status_code == 503
         assert "rank 1 died" in answer.json()["error"]["message"]
         assert proc.wait(60) == 1
-        assert _group(proc.pid) == []
+        # multiprocessing's resource tracker leaves once it reads EOF from the server's end
+        wait_until(lambda: _group(proc.pid) == [], 10, "every process of the server to exit")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -347,3 +363,14 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_rendezvous_uses_master_addr_and_port_when_given(monkeypatch):
+    from tandem.distributed.executor import _rendezvous
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    assert _rendezvous() == "tcp://10.1.2.3:29555"
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    assert _rendezvous().startswith("tcp://127.0.0.1:")

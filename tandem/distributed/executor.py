@@ -18,8 +18,10 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import numpy as np
@@ -110,6 +112,9 @@ class MultiprocExecutor:
         self._received = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._inputs)
+        self._exited = threading.Event()  # set by the watcher when any worker's process ends
+        self.on_exit: Callable[[], None] | None = None  # e.g. wake an idle engine loop
+        threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         loaded = self._gather("loaded")
         self.num_kv_blocks = min(loaded.values())  # every rank must hold every block
         self.plan = None
@@ -122,9 +127,20 @@ class MultiprocExecutor:
         self.plan.tensor_parallel_size = self.world_size
         self.plan.backend = self.backend
 
-    def launch(self, inputs: StepInputs) -> StepHandle:
+    def check_health(self) -> None:
+        """Raise WorkerFailure if a worker has exited, even while no step is in flight."""
         if self._failure is not None:
             raise self._failure
+        if self._exited.is_set() and not self._closed:
+            dead = next(r for r, p in enumerate(self._procs) if not p.is_alive())
+            message = ("died", dead)
+            if self._outputs[dead].poll():  # it said why before it exited
+                with contextlib.suppress(EOFError, OSError):
+                    message = self._outputs[dead].recv()
+            raise self._fail(message)
+
+    def launch(self, inputs: StepInputs) -> StepHandle:
+        self.check_health()
         payload = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._inputs):
             try:
@@ -143,6 +159,13 @@ class MultiprocExecutor:
         self._finalizer()
 
     # ------------------------------------------------------------------ internals
+    def _watch(self) -> None:
+        """Wait for any worker's process to end; an idle engine learns of it at once."""
+        wait([p.sentinel for p in self._procs])
+        self._exited.set()
+        if not self._closed and self.on_exit is not None:
+            self.on_exit()
+
     def _result(self, index: int) -> tuple[np.ndarray, tuple[float, float]]:
         while index not in self._results:
             message = self._next_message()
