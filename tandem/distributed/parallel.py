@@ -29,6 +29,11 @@ class TensorParallel:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def group_name(self) -> str:
+        """The process group's registered name, for collectives issued from C++ ("": none)."""
+        return dist.group.WORLD.group_name if self.enabled else ""
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place. Every rank gets the same bits (one reduction, shared)."""
         if self.enabled:

@@ -67,8 +67,6 @@ def prepare(
 ) -> ExecutionPlan:
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
         return ExecutionPlan("portable", False, None)
-    if model.tp.enabled:  # the one-call forward has no all-reduce: ranks run the layers
-        return ExecutionPlan("portable", model.use_fast_path(fused=False), None)
     build = cpu_kernels.load()
     packed = model.use_fast_path(fused=build.available)
     return ExecutionPlan("fused-cpu" if build.available else "portable", packed, build)

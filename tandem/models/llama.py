@@ -172,7 +172,7 @@ class LlamaModel(nn.Module):
         packed = [m.prepack() for m in self.modules() if isinstance(m, Linear)]
         if self.spec.tie_word_embeddings and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        if fused and not self.tp.enabled:  # the one-call forward has no all-reduce
+        if fused:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 
@@ -208,7 +208,7 @@ class LlamaModel(nn.Module):
             self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
             meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,
-            s.sliding_window or 0,
+            s.sliding_window or 0, self.tp.group_name, self.shard.vocab.start,
         )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

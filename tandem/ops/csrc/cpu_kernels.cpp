@@ -23,6 +23,7 @@
 #include <cstring>
 #include <latch>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -393,6 +394,34 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
   return linear(out.view({-1, q_size}), w[kO], w[kOPacked], at::Tensor());
 }
 
+// Tensor parallelism: sum `x` over the ranks of process group `group` (registered by name by
+// torch.distributed), in place, through torch's functional collectives. No Python is involved,
+// so a rank's step still needs the GIL once. An empty name means one rank: nothing to do.
+void all_reduce_(at::Tensor& x, const std::string& group) {
+  if (group.empty()) return;
+  static auto reduce =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+  static auto wait =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  torch::jit::Stack stack{x, std::string("sum"), group};
+  reduce.callBoxed(&stack);
+  torch::jit::Stack waiting{x};
+  wait.callBoxed(&waiting);
+}
+
+// The embedding of a vocabulary shard (rows vocab_start ..): ids outside it give zeros, and
+// the all-reduce fills each id's row from the one rank that holds it.
+at::Tensor embed_tokens(const at::Tensor& embed, const at::Tensor& input_ids, int64_t vocab_start,
+                        const std::string& group) {
+  if (group.empty()) return at::embedding(embed, input_ids);
+  auto local = input_ids - vocab_start;
+  auto outside = local.lt(0).logical_or(local.ge(embed.size(0)));
+  auto x = at::embedding(embed, local.masked_fill(outside, 0));
+  x.masked_fill_(outside.unsqueeze(1), 0.0);
+  all_reduce_(x, group);
+  return x;
+}
+
 at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& positions,
                          const at::Tensor& embed, at::TensorList weights,
                          at::TensorList kv_caches, const at::Tensor& final_norm,
@@ -401,12 +430,14 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
                          const at::Tensor& context_lens, int64_t num_decodes,
                          const at::Tensor& prefills, int64_t block_size, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                         int64_t sliding_window) {
+                         int64_t sliding_window, c10::string_view group_name,
+                         int64_t vocab_start) {
   TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
               "expected ", kWeightsPerLayer, " weights per layer");
   const ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, sliding_window,
                        eps, scale};
-  at::Tensor x = at::embedding(embed, input_ids), residual, h;
+  const std::string group(group_name);
+  at::Tensor x = embed_tokens(embed, input_ids, vocab_start, group), residual, h;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     auto w = weights.slice(layer * kWeightsPerLayer, kWeightsPerLayer);
     if (layer == 0) {
@@ -417,9 +448,11 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
     }
     auto a = attention_block(h, w, kv_caches[layer], positions, cos, sin, slot_mapping,
                              block_tables, context_lens, prefills, s, eps);
+    all_reduce_(a, group);  // O is row-parallel
     h = add_rms_norm(a, residual, w[kPostNorm], eps);
     x = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], at::Tensor())), w[kDown],
                w[kDownPacked], at::Tensor());
+    all_reduce_(x, group);  // down is row-parallel
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }
@@ -439,7 +472,7 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, int num_decodes, Tensor prefills, "
       "int block_size, int heads, int kv_heads, int head_dim, float eps, float scale, "
-      "int sliding_window) -> Tensor");
+      "int sliding_window, str group_name, int vocab_start) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
