@@ -2,16 +2,21 @@
 
 `--workload shared-prefix` gives many requests over a few long system prompts and runs each loop
 with prefix caching off and on: prefill tokens computed and saved, and throughput, side by side.
-Every run starts with a cold prefix cache.
+Every run starts with a cold prefix cache. `--workload seed` is the seed's experiment (32 requests
+at once, short prompts, long generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled
+down. `--profile` (CUDA) adds the kernel-level idle figure of a window of each run
+(`kernel_profile.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -20,22 +25,45 @@ from rich.table import Table
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.kernel_profile import KernelProfiler, KernelWindow
 from tandem.metrics import RunSummary, StepRecord, plot_timeline, write_chrome_trace
+from tandem.models.llama import checkpoint_shapes
 from tandem.request import SamplingParams
+
+# The seed's experiment (transformers on an H200: an 8B model, batch 32, 8K generated tokens):
+# every request at once, short prompts, each request generating exactly --output-len tokens.
+SEED_NUM_REQUESTS = 32
+SEED_PROMPT_LEN = 32
+SEED_OUTPUT_LEN = {"cuda": 8192, "cpu": 1536}  # CPU: the default model, about a minute on 2 cores
+SEED_CUDA_MODEL = "llama-3.1-8b"  # under benchmarks/models/, with load_format="dummy"
+DEFAULT_SIZES = {"num_requests": 64, "prompt_len": 128, "output_len": 128}
+MODELS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "models"
+PROFILE_STEPS = 64  # steps per profiled window: a few tens of thousands of kernels on an 8B
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+    g.add_argument("--workload", choices=("random", "shared-prefix", "seed"), default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
-                   "--num-prefixes system prompts, run with prefix caching off and on")  # fmt: skip
-    g.add_argument("--num-requests", type=int, default=64)
-    g.add_argument("--prompt-len", type=int, default=128,
-                   help="mean prompt length (tokens; shared-prefix: after the system prompt)")  # fmt: skip
+                   "--num-prefixes system prompts, run with prefix caching off and on; seed: the "
+                   f"seed's experiment, {SEED_NUM_REQUESTS} requests at once with short prompts "
+                   f"(mean {SEED_PROMPT_LEN} tokens) each generating exactly --output-len tokens: "
+                   f"on CUDA {SEED_OUTPUT_LEN['cuda']} tokens on benchmarks/models/"
+                   f"{SEED_CUDA_MODEL} with dummy weights (unless --model is given), on a CPU "
+                   f"{SEED_OUTPUT_LEN['cpu']} tokens on the default model (about a minute on 2 "
+                   "cores); the size flags still override")  # fmt: skip
+    g.add_argument("--num-requests", type=int, default=None,
+                   help=f"default {DEFAULT_SIZES['num_requests']} (seed: {SEED_NUM_REQUESTS})")  # fmt: skip
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help="mean prompt length (tokens; shared-prefix: after the system prompt); "
+                   f"default {DEFAULT_SIZES['prompt_len']} (seed: {SEED_PROMPT_LEN})")  # fmt: skip
     g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts")
     g.add_argument("--prefix-len", type=int, default=512,
                    help="shared-prefix: tokens per system prompt")  # fmt: skip
-    g.add_argument("--output-len", type=int, default=128, help="mean output length (tokens)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help=f"mean output length (tokens); default {DEFAULT_SIZES['output_len']} "
+                   f"(seed: exact, {SEED_OUTPUT_LEN['cuda']} on CUDA, "
+                   f"{SEED_OUTPUT_LEN['cpu']} on a CPU)")  # fmt: skip
     g.add_argument("--len-spread", type=float, default=0.5,
                    help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
     g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",
@@ -50,6 +78,65 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="run the modes this many times, interleaved; report each mode's median run")  # fmt: skip
     g.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) of both runs")
     g.add_argument("--plot", help="write a PNG timeline of both runs")
+    g.add_argument("--profile", action="store_true",
+                   help="CUDA only: time the device's kernels (torch.profiler) over "
+                   f"{PROFILE_STEPS} steps in the middle of each run and report their busy time "
+                   "over wall time beside the step-level idle figure")  # fmt: skip
+
+
+def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str) -> EngineConfig:
+    """Fill in the sizes left unset; the seed preset on CUDA (`device`) also picks the 8B-shaped
+    dummy model (unless --model was given). Returns the engine config to use."""
+    if args.workload == "seed":
+        sizes = {
+            "num_requests": SEED_NUM_REQUESTS,
+            "prompt_len": SEED_PROMPT_LEN,
+            "output_len": SEED_OUTPUT_LEN["cuda" if device == "cuda" else "cpu"],
+        }
+        if device == "cuda" and config.model is None:
+            config = replace(config, model=str(shipped_model(SEED_CUDA_MODEL)), load_format="dummy")
+    else:
+        sizes = DEFAULT_SIZES
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return config
+
+
+def shipped_model(name: str) -> Path:
+    """A config-only model folder under benchmarks/models/ (part of the source tree)."""
+    path = MODELS_DIR / name
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path / 'config.json'} is missing (it ships with Tandem's source tree); give "
+            "--model <a folder with config.json> --load-format dummy"
+        )
+    return path
+
+
+def describe_model(engine: Engine) -> str:
+    """Which model ran, and its shape: the figures mean little without it."""
+    s, config = engine.spec, engine.config
+    params = sum(math.prod(shape) for shape in checkpoint_shapes(s).values())
+    weights = (
+        f"dummy weights, seed {config.seed}" if config.load_format == "dummy" else "its weights"
+    )
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    return (
+        f"model: {engine.model_path.name} ({weights}): {s.num_layers} layers, hidden "
+        f"{s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV) of {s.head_dim}, "
+        f"intermediate {s.intermediate_size}, vocab {s.vocab_size}, {count} parameters, {dtype}"
+    )
+
+
+def profile_window(workload: Workload) -> tuple[int, int]:
+    """Steps [first, stop) of a run to profile: PROFILE_STEPS around its middle (decode steps
+    dominate a run: about as many as the longest output)."""
+    steps = max(workload.output_lens, default=1)
+    width = max(1, min(PROFILE_STEPS, steps // 2))
+    first = max(1, steps // 2 - width // 2)
+    return first, first + width
 
 
 @dataclass
@@ -77,9 +164,11 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
         for _ in range(args.num_prefixes if shared else 1)
     ]
     prompts, outputs, arrivals, t = [], [], [], 0.0
+    exact_outputs = args.workload == "seed"  # as the seed's experiment: every request alike
     for i in range(args.num_requests):
         prefix = prefixes[i % len(prefixes)]
-        n_out = min(length(args.output_len), max_model_len - 1)
+        n_out = args.output_len if exact_outputs else length(args.output_len)
+        n_out = min(n_out, max_model_len - 1)
         n_in = min(len(prefix) + length(args.prompt_len), max_model_len - n_out)
         suffix = [rng.randrange(3, vocab_size) for _ in range(max(0, n_in - len(prefix)))]
         prompts.append((prefix + suffix)[:n_in])
@@ -97,12 +186,19 @@ class Run:
     outputs: list[list[int]]
     prefill_computed: int  # prompt tokens computed (recomputation after preemption included)
     prefill_saved: int  # prompt tokens served from the prefix cache
+    kernels: KernelWindow | None = None  # --profile: the profiled window's kernel busy time
 
 
 def run_workload(
-    engine: Engine, workload: Workload, temperature: float, progress: Progress | None, label: str
+    engine: Engine,
+    workload: Workload,
+    temperature: float,
+    progress: Progress | None,
+    label: str,
+    profile: tuple[int, int] | None = None,
 ) -> Run:
-    """Feed the workload by its arrival times, from a cold prefix cache."""
+    """Feed the workload by its arrival times, from a cold prefix cache. `profile`: steps
+    [first, stop) whose kernels are timed (CUDA)."""
     engine.reset_metrics()
     engine.reset_prefix_cache()
     stats = engine.scheduler.stats
@@ -115,6 +211,7 @@ def run_workload(
     outputs: dict[str, list[int]] = {}
     order = [f"{label}-{i}" for i in range(len(params))]
     start, next_i = time.perf_counter(), 0
+    steps, profiler, kernels = 0, None, None
     while next_i < len(params) or engine.has_unfinished():
         now = time.perf_counter() - start
         while next_i < len(params) and workload.arrival_times[next_i] <= now:
@@ -123,11 +220,19 @@ def run_workload(
         if not engine.has_unfinished():
             time.sleep(max(0.0, workload.arrival_times[next_i] - now))
             continue
+        if profile is not None and steps == profile[0]:
+            profiler = KernelProfiler()
+            profiler.start()
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
                 if progress:
                     progress.advance(task)
+        steps += 1
+        if profiler is not None and profiler.running and steps == profile[1]:
+            kernels = profiler.stop(steps - profile[0])
+    if profiler is not None and profiler.running:  # the run ended inside the window
+        kernels = profiler.stop(steps - profile[0])
     saved = stats.hit_tokens - hit
     return Run(
         engine.summary(),
@@ -135,6 +240,28 @@ def run_workload(
         [outputs[r] for r in order],
         stats.query_tokens - queried - saved,
         saved,
+        kernels,
+    )
+
+
+def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
+    """--profile: the kernel-level idle figure of each run's window, and what it covers."""
+
+    def cell(window: KernelWindow | None, text) -> str:
+        if window is None:
+            return "not reached"  # the run ended before its window
+        return text(window) if window.kernels else "no kernels recorded"
+
+    table.add_row(
+        "device idle % (kernels)", *(cell(w, lambda w: f"{w.idle_pct:.2f}") for w in windows)
+    )
+    table.add_row(
+        "kernel window: steps, kernels, ms",
+        *(cell(w, lambda w: f"{w.steps}, {w.kernels}, {w.wall_s * 1e3:.0f}") for w in windows),
+    )
+    table.add_row(
+        "profiler pause (ms, in wall)",
+        *(cell(w, lambda w: f"{w.pause_s * 1e3:.0f}") for w in windows),
     )
 
 
@@ -189,6 +316,14 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"--modes takes sync and/or async, got {args.modes!r}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.profile and config.torch_device.type != "cuda":
+        raise ValueError(
+            "--profile times the device's kernels with torch.profiler's CUDA activity, so it "
+            f"needs a CUDA device; this run is on {config.torch_device.type}"
+        )
+    if args.profile and config.tensor_parallel_size > 1:
+        raise ValueError("--profile times one device: use it with --tensor-parallel-size 1")
+    config = resolve_workload(args, config, config.torch_device.type)
     # shared-prefix: caching off, then on (only off with --no-prefix-caching).
     compare = args.workload == "shared-prefix" and config.enable_prefix_caching
     cachings = [False, True] if compare else [config.enable_prefix_caching]
@@ -199,6 +334,10 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     columns = [label(m, c) for m in modes for c in cachings]
     engine = Engine(config)
     workload = make_workload(args, engine.spec.vocab_size, engine.max_model_len)
+    console.print(describe_model(engine))
+    window = profile_window(workload) if args.profile else None
+    if args.profile:
+        KernelProfiler.warm_up()
     warmup = Workload(workload.prompts[:4], [4] * min(4, len(workload.prompts)), [0.0] * 4)
     runs: dict[str, list[Run]] = {c: [] for c in columns}
     bars = (
@@ -217,7 +356,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
                     column = label(mode, caching)
                     name = column if args.repeats == 1 else f"{column} #{repeat + 1}"
                     runs[column].append(
-                        run_workload(engine, workload, args.temperature, progress, name)
+                        run_workload(engine, workload, args.temperature, progress, name, window)
                     )
     engine.close()
     # Interleaved repeats and medians: a shared machine's noise is larger than the effect.
@@ -228,11 +367,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     identical = all(run.outputs == first for r in runs.values() for run in r)
 
     repeats = f", median of {args.repeats}" if args.repeats > 1 else ""
-    kind = (
-        f", {args.num_prefixes} shared prefixes of {args.prefix_len} tokens"
-        if args.workload == "shared-prefix"
-        else ""
-    )
+    kind = ""
+    if args.workload == "shared-prefix":
+        kind = f", {args.num_prefixes} shared prefixes of {args.prefix_len} tokens"
+    elif args.workload == "seed":
+        kind = f" x {args.output_len} output tokens (seed preset)"
     table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")
@@ -257,6 +396,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     stats = {column: run.summary.as_dict() for column, run in results.items()}
     for name, key, fmt in rows:
         table.add_row(name, *(fmt.format(stats[c].get(key, 0)) for c in columns))
+        if key == "device_idle_pct" and args.profile:
+            add_kernel_rows(table, [results[c].kernels for c in columns])
     prompt_tokens = sum(len(p) for p in workload.prompts)
 
     def all_tokens_per_s(column: str) -> float:
@@ -297,6 +438,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     Console().print(table)
     Console().print(f"execution: {engine.execution.describe()}")
+    Console().print(describe_model(engine))
     note = cpu_overlap_note(engine, results)
     if note:
         Console().print(note)

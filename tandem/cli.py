@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import fields
 
-from tandem.config import EngineConfig
+from tandem.config import LOAD_FORMATS, EngineConfig
 from tandem.request import SamplingParams
 
 
@@ -16,6 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", default=None, help="HF checkpoint folder (default: built-in tiny Llama)"
     )
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="auto: the folder's safetensors; dummy: seeded random weights made on the "
+                   "device from config.json alone (no tokenizer files: token-id prompts only)")  # fmt: skip
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")

@@ -17,12 +17,17 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+# auto: read the checkpoint's safetensors; dummy: build the model from config.json alone with
+# seeded random weights made on the device (shapes and speed of a model without its download).
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass
 class EngineConfig:
     """Everything that shapes the engine; names follow vLLM where vLLM has one."""
 
     model: str | None = None
+    load_format: str = "auto"  # auto: the folder's safetensors; dummy: seeded random weights
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
@@ -51,6 +56,10 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:

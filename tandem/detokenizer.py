@@ -60,3 +60,16 @@ class IncrementalDetokenizer:
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
+
+
+class NoDetokenizer:
+    """For a model without a tokenizer: no text, and no stop strings (they are refused)."""
+
+    text = ""
+    emitted_text = ""
+
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        return False
+
+    def delta(self, finished: bool) -> str:
+        return ""

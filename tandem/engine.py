@@ -27,14 +27,14 @@ from transformers import GenerationConfig
 from tandem.batch import BatchBuilder, StepExtras
 from tandem.config import EngineConfig
 from tandem.cuda_graphs import graph_sizes
-from tandem.detokenizer import IncrementalDetokenizer
+from tandem.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from tandem.distributed.executor import MultiprocExecutor, WorkerFailure
 from tandem.distributed.parallel import check_shardable
 from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.logprobs import LogprobsArrays, unpack
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import fast_path
-from tandem.models.loader import build_model, load_tokenizer, read_config
+from tandem.models.loader import build_model, find_tokenizer, read_config
 from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
 from tandem.runner import SPARE_KV_BLOCKS, ModelRunner
 from tandem.sampling import seed_key
@@ -69,8 +69,12 @@ class Engine:
             model_path = Path(config.model)
         path, self.spec, hf_config = read_config(model_path)
         self.model_path = path
-        self.tokenizer = load_tokenizer(path)
-        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        # None for a folder without tokenizer files (config.json for dummy weights): the engine
+        # then takes token-id prompts only and its outputs carry token ids, not text.
+        self.tokenizer = find_tokenizer(path)
+        self._backend_tokenizer = self.tokenizer.backend_tokenizer if self.tokenizer else None
+        if self.tokenizer is None:
+            logger.info("%s has no tokenizer files: prompts must be token ids", path)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer, path)
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if max_model_len > self.spec.max_position_embeddings:
@@ -84,7 +88,10 @@ class Engine:
             executor = MultiprocExecutor(config, str(path))
             num_blocks = executor.num_kv_blocks
         else:
-            model = build_model(path, self.spec, hf_config, dtype, device, config.max_model_len)
+            model = build_model(
+                path, self.spec, hf_config, dtype, device, config.max_model_len,
+                load_format=config.load_format, seed=config.seed,
+            )  # fmt: skip
             self.execution = fast_path.prepare(model, device, dtype, config.enforce_eager)
             bytes_per_block = kv_bytes_per_block(
                 self.spec.num_layers,
@@ -170,6 +177,11 @@ class Engine:
     ) -> Request:
         """Tokenize and validate, without queuing: raises ValueError naming the problem."""
         params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer, and this model has no tokenizer "
+                "(its folder has no tokenizer files): use stop_token_ids"
+            )
         token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         processing = self._logits_processing(params)
@@ -334,6 +346,11 @@ class Engine:
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this model has no tokenizer (its folder has no tokenizer files): "
+                    "give the prompt as a list of token ids"
+                )
             if not prompt:
                 raise ValueError("prompt is empty")
             token_ids = self.tokenizer(prompt).input_ids
@@ -379,11 +396,15 @@ class Engine:
                 samples = self._fan_out(payload)
                 self._requests[payload.request_id] = samples
                 for request in samples:
-                    self._detok[request.key] = IncrementalDetokenizer(
-                        self._backend_tokenizer,
-                        request.prompt_token_ids,
-                        request.params.stop,
-                        request.params.skip_special_tokens,
+                    self._detok[request.key] = (
+                        NoDetokenizer()
+                        if self._backend_tokenizer is None
+                        else IncrementalDetokenizer(
+                            self._backend_tokenizer,
+                            request.prompt_token_ids,
+                            request.params.stop,
+                            request.params.skip_special_tokens,
+                        )
                     )
                     self.scheduler.add(request)
             elif (samples := self._requests.get(payload)) is not None:
@@ -468,7 +489,10 @@ class Engine:
                     done.append(entries[j])
                 j += 1
 
-    def _decode_token(self, token: int) -> str:
+    def _decode_token(self, token: int) -> str | None:
+        """A token's text for logprobs; None without a tokenizer."""
+        if self._backend_tokenizer is None:
+            return None
         text = self._token_text.get(token)
         if text is None:
             text = self._backend_tokenizer.decode([token], skip_special_tokens=False)
@@ -514,7 +538,7 @@ class Engine:
     @staticmethod
     def _output(
         request: Request,
-        detok: IncrementalDetokenizer,
+        detok: IncrementalDetokenizer | NoDetokenizer,
         delta_text: str,
         delta_ids: list[int],
         finished: bool = False,
@@ -554,7 +578,7 @@ def sample_seed(seed: int, index: int) -> int:
 
 def _eos_token_ids(hf_config, tokenizer, path: Path) -> set[int]:
     ids: set[int] = set()
-    for source in (hf_config.eos_token_id, tokenizer.eos_token_id):
+    for source in (hf_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
         ids.update(source if isinstance(source, list) else [source] if source is not None else [])
     if (path / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id

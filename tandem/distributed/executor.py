@@ -82,6 +82,8 @@ class MultiprocExecutor:
                 init_method=init_method,
                 backend=self.backend,
                 model_path=model_path,
+                load_format=config.load_format,
+                seed=config.seed,
                 device_type=device.type,
                 dtype=config.torch_dtype,
                 threads=self.threads_per_rank if device.type == "cpu" else None,

@@ -38,6 +38,8 @@ class WorkerArgs:
     init_method: str  # tcp://host:port of the rendezvous
     backend: str  # "gloo" (CPU) or "nccl" (CUDA)
     model_path: str
+    load_format: str  # "auto" or "dummy" (every rank makes its own slices of the same values)
+    seed: int  # the engine's: seeds dummy weights
     device_type: str
     dtype: torch.dtype
     threads: int | None  # CPU: compute threads of this process
@@ -91,7 +93,9 @@ class _Worker:
         )
         tp = TensorParallel(a.rank, a.world_size)
         path, spec, hf_config = read_config(a.model_path)
-        model = build_model(path, spec, hf_config, a.dtype, device, a.max_model_len, tp)
+        model = build_model(
+            path, spec, hf_config, a.dtype, device, a.max_model_len, tp, a.load_format, a.seed
+        )
         plan = fast_path.prepare(model, device, a.dtype, a.enforce_eager)
         local = model.local_spec
         bytes_per_block = kv_bytes_per_block(

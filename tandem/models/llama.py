@@ -246,21 +246,12 @@ class LlamaModel(nn.Module):
 
     def checkpoint_names(self) -> set[str]:
         """The HF tensor names this model needs from a checkpoint."""
-        s = self.spec
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not s.tie_word_embeddings:
-            names.add("lm_head.weight")
-        parts = ["self_attn.o_proj.weight", "input_layernorm.weight"]
-        parts += ["post_attention_layernorm.weight"]
-        parts += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-        parts += [f"self_attn.{p}_proj.weight" for p in "qkv"]
-        if s.qkv_bias:
-            parts += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-        if s.qk_norm:
-            parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        for i in range(s.num_layers):
-            names.update(f"model.layers.{i}.{part}" for part in parts)
-        return names
+        return set(self.checkpoint_shapes())
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The HF tensors this model needs from a checkpoint, by name, with their whole shapes
+        (what a dummy load makes up; `load_weight` takes this rank's part of each)."""
+        return checkpoint_shapes(self.spec)
 
     def _place(self, name: str) -> _Placement | None:
         """Where checkpoint tensor `name` goes in this rank's model, and which part of it."""
@@ -301,6 +292,37 @@ class LlamaModel(nn.Module):
             replicated["self_attn.q_norm.weight"] = "attn.q_norm.weight"
             replicated["self_attn.k_norm.weight"] = "attn.k_norm.weight"
         return _Placement(f"{p}.{replicated[rest]}") if rest in replicated else None
+
+
+def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
+    """The HF checkpoint tensors of a model of this spec, by name, with their shapes."""
+    s = spec
+    hidden, inter = s.hidden_size, s.intermediate_size
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (s.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not s.tie_word_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, hidden)
+    parts: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    if s.qkv_bias:
+        parts |= {f"self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))}
+    if s.qk_norm:
+        parts["self_attn.q_norm.weight"] = parts["self_attn.k_norm.weight"] = (s.head_dim,)
+    for i in range(s.num_layers):
+        shapes |= {f"model.layers.{i}.{part}": shape for part, shape in parts.items()}
+    return shapes
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""Load a Hugging Face checkpoint folder from disk: config.json, safetensors, tokenizer files."""
+"""Load a Hugging Face checkpoint folder from disk: config.json, safetensors, tokenizer files.
+
+With `load_format="dummy"` the weights are made up from config.json alone (`models/dummy.py`),
+and a folder without tokenizer files gives a model without a tokenizer (token ids only).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,12 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.distributed.parallel import SINGLE, TensorParallel
+from tandem.models.dummy import load_dummy_weights
 from tandem.models.llama import LlamaModel, LlamaSpec, Rotary
+
+# Any of these makes a folder's tokenizer loadable (fast tokenizer, its config, sentencepiece, BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DEFAULT_INITIALIZER_RANGE = 0.02  # dummy weights' standard deviation when the config names none
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -31,7 +40,7 @@ class LoadedModel:
     model: LlamaModel
     spec: LlamaSpec
     hf_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None: the folder has no tokenizer files
     path: Path
 
 
@@ -41,10 +50,12 @@ def load_model(
     device: torch.device,
     max_model_len: int | None = None,
     tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LoadedModel:
     path, spec, hf_config = read_config(path)
-    model = build_model(path, spec, hf_config, dtype, device, max_model_len, tp)
-    return LoadedModel(model, spec, hf_config, load_tokenizer(path), path)
+    model = build_model(path, spec, hf_config, dtype, device, max_model_len, tp, load_format, seed)
+    return LoadedModel(model, spec, hf_config, find_tokenizer(path), path)
 
 
 def read_config(path: str | Path) -> tuple[Path, LlamaSpec, PretrainedConfig]:
@@ -59,6 +70,14 @@ def read_config(path: str | Path) -> tuple[Path, LlamaSpec, PretrainedConfig]:
     except Exception as exc:  # malformed JSON, unknown model_type ...
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     return path, _spec_from_config(hf_config), hf_config
+
+
+def find_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The folder's tokenizer, or None if it has no tokenizer files at all (a config-only folder
+    for dummy weights: the engine then takes token ids only). Files that fail to load raise."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return load_tokenizer(path)
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -76,14 +95,24 @@ def build_model(
     device: torch.device,
     max_model_len: int | None = None,
     tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LlamaModel:
-    """This rank's model with its shard of the weights, read straight from the safetensors."""
+    """This rank's model with its shard of the weights, read straight from the safetensors, or
+    made up on the device (`load_format="dummy"`, seeded by `seed`). The parameters are allocated
+    once, in `dtype`, on `device`."""
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
         model = LlamaModel(spec, tp)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     model.rotary = Rotary(*_inv_freq(hf_config), positions).to(device)
-    _load_weights(model, path)
+    if load_format == "dummy":
+        std = getattr(hf_config, "initializer_range", None) or DEFAULT_INITIALIZER_RANGE
+        load_dummy_weights(model, seed, std)
+    elif load_format == "auto":
+        _load_weights(model, path)
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval().requires_grad_(False)
 
 
@@ -149,7 +178,10 @@ def _weight_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights found in {path}")
+        raise ModelLoadError(
+            f"no *.safetensors weights found in {path} (load_format='dummy' builds the model "
+            "from config.json alone, with random weights)"
+        )
     return files
 
 

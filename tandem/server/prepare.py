@@ -213,6 +213,12 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) ->
 def render_chat(engine: Engine, messages: list[ChatMessage]) -> str:
     """The tokenizer's chat template applied to `messages`, as text."""
     tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise bad_request(
+            "this model has no tokenizer (its folder has no tokenizer files), so "
+            "/v1/chat/completions cannot build a prompt; use /v1/completions with token ids",
+            param="messages",
+        )
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request(
             "this model's tokenizer has no chat template, so /v1/chat/completions cannot build "

@@ -74,12 +74,12 @@ class CompletionFormat:
         offsets = out["text_offset"] = []
         offset = self._text_offsets.get(index, 0)
         for entry in entries:
-            sampled = next(iter(entry.values()))
+            token, sampled = next(iter(entry.items()))
             text = sampled.decoded_token or ""
-            out["tokens"].append(text)
+            out["tokens"].append(_token_label(token, sampled))
             out["token_logprobs"].append(_logprob(sampled.logprob))
             out["top_logprobs"].append(
-                {lp.decoded_token: _logprob(lp.logprob) for lp in entry.values()}
+                {_token_label(t, lp): _logprob(lp.logprob) for t, lp in entry.items()}
             )
             offsets.append(offset)
             offset += len(text)
@@ -221,6 +221,11 @@ class ChatFormat:
             ],
             "usage": counts,
         }
+
+
+def _token_label(token: int, lp: Logprob) -> str:
+    """The token's text; a model without a tokenizer has none, so its id (vLLM's label)."""
+    return f"token_id:{token}" if lp.decoded_token is None else lp.decoded_token
 
 
 def _chat_token(lp: Logprob) -> dict[str, Any]:

@@ -1,0 +1,133 @@
+"""`tandem bench --workload seed` and `--profile`: the preset's sizes and model, the kernel-busy
+arithmetic (on synthetic intervals: the profiler itself needs CUDA), and the CPU refusal."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tandem.bench import (
+    SEED_OUTPUT_LEN,
+    make_workload,
+    profile_window,
+    resolve_workload,
+    shipped_model,
+)
+from tandem.cli import build_parser, engine_config, main
+from tandem.kernel_profile import EDGE_FRACTION, measure, union_busy
+
+
+def _bench_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", *flags])
+
+
+# ---------------------------------------------------------------- the seed preset
+def test_seed_preset_sizes_and_model_by_device():
+    args = _bench_args("--workload", "seed")
+    config = resolve_workload(args, engine_config(args), "cpu")
+    assert (args.num_requests, args.prompt_len, args.output_len) == (32, 32, SEED_OUTPUT_LEN["cpu"])
+    assert config.model is None and config.load_format == "auto"  # the default model
+
+    args = _bench_args("--workload", "seed")
+    config = resolve_workload(args, engine_config(args), "cuda")
+    assert args.output_len == 8192 == SEED_OUTPUT_LEN["cuda"]
+    assert config.model == str(shipped_model("llama-3.1-8b")) and config.load_format == "dummy"
+
+    args = _bench_args("--workload", "seed", "--model", "/my/model", "--output-len", "100")
+    config = resolve_workload(args, engine_config(args), "cuda")
+    assert (config.model, config.load_format, args.output_len) == ("/my/model", "auto", 100)
+
+    args = _bench_args()  # the other workloads keep their defaults
+    resolve_workload(args, engine_config(args), "cuda")
+    assert (args.num_requests, args.prompt_len, args.output_len) == (64, 128, 128)
+
+
+def test_seed_workload_generates_exact_lengths_all_at_once():
+    args = _bench_args("--workload", "seed", "--output-len", "300")
+    resolve_workload(args, engine_config(args), "cpu")
+    workload = make_workload(args, 2048, 4096)
+    assert len(workload.prompts) == 32 and set(workload.output_lens) == {300}
+    assert set(workload.arrival_times) == {0.0}
+    assert all(16 <= len(p) <= 48 for p in workload.prompts)  # short: 32 tokens +- 50%
+    assert profile_window(workload) == (118, 182)  # 64 steps around the middle
+
+
+def test_seed_preset_runs_scaled_down_on_cpu(tiny_llama, capsys):
+    args = ["bench", "--workload", "seed", "--model", str(tiny_llama), "--num-requests", "4",
+            "--output-len", "6"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "4 requests x 6 output tokens (seed preset)" in " ".join(out.split())
+    assert "model: " in out and "4 heads (2 KV) of 16" in " ".join(out.split())
+
+
+# ---------------------------------------------------------------------- --profile
+def test_union_busy_counts_concurrent_kernels_once_and_clips_to_the_window():
+    assert union_busy([]) == (0.0, 0.0)
+    # Disjoint: busy 1 + 2 over the span 0..10.
+    assert union_busy([(0, 1), (8, 10)]) == (3, 10)
+    # Overlapping, nested, touching and unsorted kernels (two streams): one busy run 0..6.
+    assert union_busy([(4, 6), (0, 3), (1, 2), (2.5, 4), (5, 5)]) == (6, 6)
+    # Clipped to a window: of 0..3 and 5..9, the window 2..6 sees 2..3 and 5..6.
+    assert union_busy([(0, 3), (5, 9)], (2, 6)) == (2, 4)
+    assert union_busy([(0, 1)], (2, 4)) == (0, 2)  # nothing inside: all idle
+
+
+def test_measure_leaves_out_the_window_edges():
+    # 10 steps of 9 ms of kernels and 1 ms gaps, then a 50 ms stall at the end (the stop).
+    kernels = [(i * 10e-3, i * 10e-3 + 9e-3) for i in range(10)] + [(149e-3, 150e-3)]
+    window = measure(kernels, steps=10, pause_s=0.02)
+    span = 150e-3
+    assert window.wall_s == pytest.approx(span * (1 - 2 * EDGE_FRACTION))
+    assert window.kernels == 11 and window.steps == 10
+    busy, wall = union_busy(kernels, (span * EDGE_FRACTION, span * (1 - EDGE_FRACTION)))
+    assert window.busy_s == pytest.approx(busy) and 0 < window.idle_pct < 100
+    assert window.idle_pct == pytest.approx(100 * (1 - busy / wall))
+    assert measure([], 3, 0.0).kernels == 0
+
+
+def test_profile_on_cpu_is_refused_with_a_clear_message(tiny_llama, capsys):
+    assert main(["bench", "--profile", "--model", str(tiny_llama), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "tandem bench: error: --profile" in err and "needs a CUDA device" in err
+    assert "Traceback" not in err
+
+
+def test_help_names_the_preset_and_profile(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "seed" in text and "--profile" in text and "llama-3.1-8b" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    assert "--load-format" in capsys.readouterr().out
+
+
+def test_kernel_intervals_keep_only_the_device_kernels():
+    """The filter over what torch.profiler records (fake events: the CPU build records no CUDA)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from tandem.kernel_profile import kernel_intervals
+
+    def event(name, kind, device=DeviceType.CUDA, start=0, duration=1000):
+        return SimpleNamespace(
+            name=lambda: name, activity_type=lambda: kind, device_type=lambda: device,
+            start_ns=lambda: start, duration_ns=lambda: duration,
+        )  # fmt: skip
+
+    events = [
+        event("gemm", "kernel", start=1000, duration=2000),
+        event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy"),
+        event("Memset (Device)", "gpu_memset"),
+        event("step", "gpu_user_annotation", duration=10**9),  # spans the gaps: never busy
+        event("cudaLaunchKernel", "cuda_runtime", device=DeviceType.CPU),
+        event("rms_norm", "kernel", start=5000, duration=500),
+    ]
+    profile = SimpleNamespace(
+        profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
+    )
+    flat = [t for interval in kernel_intervals(profile) for t in interval]
+    assert flat == pytest.approx([1e-6, 3e-6, 5e-6, 5.5e-6])
