@@ -1,29 +1,68 @@
-"""The CUDA path's checks, for a machine with a GPU (CI has none, so these are not in tests/).
+"""The CUDA path's checks and the seed's experiment, for a machine with a GPU (CI has none).
 
-1. Greedy fp32 outputs on CUDA equal Hugging Face `generate` on CPU, sync and async, with chunked
-   prefill and preemption.
-2. The whole loop runs under `torch.cuda.set_sync_debug_mode("error")`: any hidden host-device
-   synchronisation (`.item()`, `.cpu()`, a boolean-mask index ...) raises.
-3. Penalties, logit_bias, min_tokens and logprobs (raw and prompt) on CUDA, under the same
-   sync check: greedy tokens equal the CPU engine's, logprobs within 1e-3 of them, and seeded
-   sampling gives the same tokens sync and async.
-4. `tandem bench` on a larger random Llama (bf16), where the device step dominates.
+One prepared script, sized to finish within 8 minutes on one H200; it prints one table last.
+1. Greedy fp32 outputs on CUDA equal Hugging Face `generate` on CPU, sync and async, CUDA graphs
+   on and off (`enforce_eager`), with chunked prefill and preemption, the whole loop under
+   `torch.cuda.set_sync_debug_mode("error")` (any hidden host-device sync raises).
+2. bf16 against transformers in bf16 on the same GPU: prompt logprobs within a tolerance, and
+   greedy tokens equal up to the first position where transformers' own top two are closer than
+   that tolerance (a bf16 near-tie, which either order of summation may break either way).
+3. Penalties, logit_bias, min_tokens and logprobs on CUDA under the same sync check.
+4. The seed's experiment (`tandem bench --workload seed`: 32 requests at once, short prompts,
+   long generations) on the 8B-shaped dummy model (`benchmarks/models/llama-3.1-8b`): sync and
+   async, CUDA graphs on and off; tokens/s, step-level device idle, and kernel-level device idle
+   over a profiled window (torch.profiler).
+5. transformers' `generate_batch` with async batching (and its CUDA graphs) on the same dummy
+   8B model and workload, if this transformers has it.
 
-    python benchmarks/cuda_check.py [--bench-layers 16] [--bench-hidden 2048]
+    python benchmarks/cuda_check.py [--seed-output-len 1024] [--skip-hf]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import inspect
 import os
 import random
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+MODEL_8B = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"
+BF16_TOLERANCE = 0.1  # logprob difference allowed between two bf16 implementations
+TABLE: list[tuple[str, str, str]] = []  # (section, what, result): printed last
+DEVICE = "cuda"  # --cpu-dry-run: "cpu", tiny shapes, to catch a broken script before a GPU run
+SEED_MODEL = MODEL_8B  # --cpu-dry-run: a config-only copy of the tiny checkpoint
+
+
+def sync_checked() -> str:
+    return "no hidden sync" if DEVICE == "cuda" else "hidden syncs not checked (CPU)"
+
+
+@contextlib.contextmanager
+def no_hidden_sync():
+    """CUDA: any hidden host-device sync inside raises (start-up, which syncs, stays outside)."""
+    if DEVICE != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def record(section: str, what: str, result: str) -> None:
+    TABLE.append((section, what, result))
+    print(f"[{section}] {what}: {result}", flush=True)
 
 
 def check_equivalence(path: Path) -> None:
@@ -41,20 +80,61 @@ def check_equivalence(path: Path) -> None:
         out = hf.generate(torch.tensor([prompt]), generation_config=config)
         refs.append(out[0, len(prompt) :].tolist())
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for async_scheduling in (False, True):
-        llm = LLM(str(path), device="cuda", dtype="float32", async_scheduling=async_scheduling,
-                  max_num_batched_tokens=64, block_size=8, num_kv_blocks=120)  # fmt: skip
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            outs = llm.generate(prompts, params)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        equal = sum(o.token_ids == r for o, r in zip(outs, refs, strict=True))
-        mode = "async" if async_scheduling else "sync"
-        print(f"{mode}: {equal}/{len(refs)} requests equal HF; "
-              f"preemptions {llm.engine.scheduler.num_preemptions}; no hidden sync")  # fmt: skip
-        llm.close()
-        assert equal == len(refs)
+    outputs = {}
+    for graphs in (True, False):
+        for async_scheduling in (False, True):
+            llm = LLM(str(path), device=DEVICE, dtype="float32", async_scheduling=async_scheduling,
+                      max_num_batched_tokens=64, block_size=8, num_kv_blocks=120,
+                      enforce_eager=not graphs)  # fmt: skip
+            with no_hidden_sync():  # after start-up: capturing graphs syncs by design
+                outs = llm.generate(prompts, params)
+            equal = sum(o.token_ids == r for o, r in zip(outs, refs, strict=True))
+            label = f"fp32 {'async' if async_scheduling else 'sync'}, graphs {'on' if graphs else 'off'}"
+            record("equivalence", label, f"{equal}/{len(refs)} equal HF; preemptions "
+                   f"{llm.engine.scheduler.num_preemptions}; {sync_checked()}")  # fmt: skip
+            outputs[graphs, async_scheduling] = [o.token_ids for o in outs]
+            llm.close()
+            assert equal == len(refs)
+    assert len({str(v) for v in outputs.values()}) == 1
+
+
+def check_bf16(path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tandem import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(8, 120))] for _ in range(16)]
+    llm = LLM(str(path), device=DEVICE, dtype="bfloat16", num_kv_blocks=256)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate(prompts, params)
+    llm.close()
+    worst, equal, ties = 0.0, 0, 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt + out.token_ids], device=DEVICE)
+        with torch.no_grad():
+            logprobs = hf(ids).logits[0].float().log_softmax(-1)
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):  # position i's token
+            token = prompt[i]
+            worst = max(worst, abs(entry[token].logprob - logprobs[i - 1, token].item()))
+        # Teacher-forced on Tandem's own tokens: at every position its token must be
+        # transformers' argmax, or within a near-tie of it.
+        n = len(prompt)
+        reference = logprobs[n - 1 : n - 1 + len(out.token_ids)]
+        chosen = reference.gather(1, torch.tensor(out.token_ids, device=DEVICE)[:, None])[:, 0]
+        margin = (reference.max(-1).values - chosen).max().item()
+        assert margin < BF16_TOLERANCE, f"a greedy token is {margin:.3f} below transformers' best"
+        if margin == 0:
+            equal += 1
+        else:
+            ties += 1
+    record("equivalence", "bf16 vs transformers bf16 (prompt logprobs)",
+           f"max |diff| {worst:.3f} (tolerance {BF16_TOLERANCE})")  # fmt: skip
+    record("equivalence", "bf16 greedy tokens", f"{equal}/{len(prompts)} requests are "
+           f"transformers' argmax at every position; {ties} take a bf16 near-tie "
+           f"(within {BF16_TOLERANCE})")  # fmt: skip
+    assert worst < BF16_TOLERANCE
 
 
 def check_features(path: Path) -> None:
@@ -76,12 +156,9 @@ def check_features(path: Path) -> None:
     cpu = LLM(str(path), device="cpu", **options).generate(prompts, params)
     runs = {}
     for async_scheduling in (False, True):
-        llm = LLM(str(path), device="cuda", async_scheduling=async_scheduling, **options)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        llm = LLM(str(path), device=DEVICE, async_scheduling=async_scheduling, **options)
+        with no_hidden_sync():
             runs[async_scheduling] = llm.generate(prompts, params)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         llm.close()
     assert [o.token_ids for o in runs[False]] == [o.token_ids for o in runs[True]]
     worst = 0.0
@@ -96,35 +173,172 @@ def check_features(path: Path) -> None:
             if a is not None:
                 t = next(iter(b))
                 worst = max(worst, abs(a[t].logprob - b[t].logprob))
-    print(f"features: greedy tokens equal the CPU engine's, async == sync, logprobs within "
-          f"{worst:.1e} of CPU; no hidden sync")  # fmt: skip
+    record("features", "penalties, bias, min_tokens, logprobs", f"greedy tokens equal the CPU "
+           f"engine's, async == sync, logprobs within {worst:.1e} of CPU; {sync_checked()}")  # fmt: skip
     assert worst < 1e-3
+
+
+def seed_workload(output_len: int, vocab_size: int, max_model_len: int):
+    from tandem.bench import make_workload
+
+    shape = SimpleNamespace(
+        workload="seed", num_requests=32, prompt_len=32, output_len=output_len, len_spread=0.5,
+        arrivals="offline", rate=0.0, workload_seed=0, num_prefixes=1, prefix_len=0,
+    )  # fmt: skip
+    return make_workload(shape, vocab_size, max_model_len)
+
+
+def seed_experiment(output_len: int) -> dict[str, float]:
+    """Sync and async, graphs on and off, on the 8B-shaped dummy model; returns tokens/s."""
+    from tandem import Engine, EngineConfig
+    from tandem.bench import profile_window, run_workload
+
+    rates = {}
+    max_model_len = 64 + output_len + 16
+    for graphs in (True, False):
+        start = time.perf_counter()
+        engine = Engine(EngineConfig(
+            model=str(SEED_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
+            enforce_eager=not graphs, max_model_len=max_model_len, max_num_seqs=32,
+            num_kv_blocks=32 * (max_model_len // 16 + 2),
+        ))  # fmt: skip
+        label = f"graphs {'on' if graphs else 'off'}"
+        record("seed", f"engine start ({label})", f"{time.perf_counter() - start:.1f} s; "
+               f"{engine.execution.describe()}")  # fmt: skip
+        work = seed_workload(output_len, engine.spec.vocab_size, engine.max_model_len)
+        short = seed_workload(min(256, output_len), engine.spec.vocab_size, engine.max_model_len)
+        warm = type(work)(work.prompts[:4], [4] * 4, [0.0] * 4)
+        for mode in ("sync", "async"):
+            engine.async_scheduling = mode == "async"
+            run_workload(engine, warm, 0.0, None, "warmup")
+            run = run_workload(engine, work, 0.0, None, f"{mode}-{label}")
+            summary = run.summary
+            window = profile_window(short) if DEVICE == "cuda" else None
+            profiled = run_workload(engine, short, 0.0, None, "profiled", profile=window)
+            kernels = profiled.kernels
+            name = f"{mode}, {label}"
+            rates[name] = summary.tokens_per_s
+            kernel_idle = f"{kernels.idle_pct:.2f}%" if kernels else "n/a"
+            record("seed", name, f"{summary.tokens_per_s:.0f} tok/s; step-level idle "
+                   f"{100 * summary.device_idle_fraction:.2f}%; kernel-level idle {kernel_idle} "
+                   f"({kernels.kernels if kernels else 0} kernels over "
+                   f"{kernels.steps if kernels else 0} steps)")  # fmt: skip
+        engine.close()
+        del engine
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    base = rates.get("sync, graphs off")
+    if base:
+        for name, rate in rates.items():
+            record("seed", f"{name} vs sync, graphs off", f"{rate / base:.2f}x")
+    return rates
+
+
+def hf_async_batching(output_len: int) -> float | None:
+    """transformers' continuous batching with async batching on the dummy 8B; tokens/s."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        record("hf", "generate_batch", f"transformers {transformers.__version__} has none")
+        return None
+    config = AutoConfig.from_pretrained(SEED_MODEL)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # random weights: generate every token
+    work = seed_workload(output_len, config.vocab_size, 64 + output_len + 16)
+    on_gpu = DEVICE == "cuda"  # transformers' async batching and graphs need a GPU
+    wanted = {"use_async_batching": on_gpu, "use_cuda_graph": on_gpu, "page_size": 16,
+              "num_blocks": 32 * ((64 + output_len) // 16 + 2), "max_requests_per_batch": 32,
+              "allow_block_sharing": False}  # fmt: skip
+    accepted = inspect.signature(ContinuousBatchingConfig).parameters
+    cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
+    dropped = sorted(set(wanted) - set(accepted))
+    gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None)
+    model.generate_batch(inputs=work.prompts[:4], generation_config=gen,
+                         continuous_batching_config=cb, max_new_tokens=4)  # warm-up  # fmt: skip
+    synchronize()
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=work.prompts, generation_config=gen,
+                                   continuous_batching_config=cb)  # fmt: skip
+    synchronize()
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in results.values())
+    kind = "async" if on_gpu else "sync (dry run)"
+    record("hf", f"generate_batch {kind} (transformers {transformers.__version__})",
+           f"{tokens / wall:.0f} tok/s ({tokens} tokens in {wall:.1f} s)"
+           + (f"; options it lacks: {', '.join(dropped)}" if dropped else ""))  # fmt: skip
+    return tokens / wall
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bench-layers", type=int, default=16)
-    parser.add_argument("--bench-hidden", type=int, default=2048)
+    parser.add_argument("--seed-output-len", type=int, default=1024,
+                        help="tokens per request in the seed runs (the seed used 8192)")  # fmt: skip
+    parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' run")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run every section on the CPU at tiny sizes (the seed runs on the "
+                        "tiny model's config with dummy weights, no profiler): checks the "
+                        "script itself before a GPU run")  # fmt: skip
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check", file=sys.stderr)
+    global DEVICE, SEED_MODEL
+    if args.cpu_dry_run:
+        DEVICE = "cpu"
+        args.seed_output_len = min(args.seed_output_len, 24)
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (--cpu-dry-run checks the script)", file=sys.stderr)
         return 2
-    from tandem.cli import main as cli
     from tandem.default_model import build_checkpoint
 
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    record("machine", name, f"torch {torch.__version__}")
+    failures = 0
+    sections = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_checkpoint(Path(tmp) / "tiny")
-        check_equivalence(tiny)
-        check_features(tiny)
-        big = build_checkpoint(
-            Path(tmp) / "big", hidden_size=args.bench_hidden,
-            intermediate_size=int(args.bench_hidden * 3.5), num_hidden_layers=args.bench_layers,
-            num_attention_heads=args.bench_hidden // 128, num_key_value_heads=8,
-            initializer_range=0.02, dtype=torch.bfloat16,
-        )  # fmt: skip
-        return cli(["bench", "--model", str(big), "--num-requests", "128", "--prompt-len",
-                    "512", "--output-len", "256", "--repeats", "3",
-                    "--trace", "cuda_trace.json", "--plot", "cuda_timeline.png"])  # fmt: skip
+        if args.cpu_dry_run:
+            SEED_MODEL = Path(tmp) / "config-only"
+            SEED_MODEL.mkdir()
+            (SEED_MODEL / "config.json").write_text((tiny / "config.json").read_text())
+        sections = [
+            ("equivalence", lambda: check_equivalence(tiny)),
+            ("bf16", lambda: check_bf16(tiny)),
+            ("features", lambda: check_features(tiny)),
+            ("seed", lambda: seed_experiment(args.seed_output_len)),
+        ]
+        if not args.skip_hf:
+            sections.append(("hf", lambda: hf_async_batching(args.seed_output_len)))
+        results = {}
+        for name, run in sections:  # each section runs even if an earlier one failed
+            start = time.perf_counter()
+            try:
+                results[name] = run()
+            except Exception as exc:
+                failures += 1
+                traceback.print_exc()
+                record(name, "FAILED", f"{type(exc).__name__}: {exc}"[:300])
+            record(name, "section time", f"{time.perf_counter() - start:.0f} s")
+    rates, hf = results.get("seed") or {}, results.get("hf")
+    if rates and hf:
+        record("targets", "async graphs on vs transformers async",
+               f"{rates.get('async, graphs on', 0) / hf:.2f}x (target >= 1)")  # fmt: skip
+    if rates.get("sync, graphs off"):
+        record("targets", "async graphs on vs sync graphs off",
+               f"{rates.get('async, graphs on', 0) / rates['sync, graphs off']:.2f}x "
+               "(target >= 1.25)")  # fmt: skip
+    width = max(len(w) for _, w, _ in TABLE)
+    print("\n" + "-" * 100)
+    for section, what, result in TABLE:
+        print(f"{section:<12} {what:<{width}}  {result}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

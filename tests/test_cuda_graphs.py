@@ -124,3 +124,22 @@ def test_padded_layout(tiny_llama):
     temperature, top_p = floats[:4], floats[4:8]
     assert (temperature[n:] == 0).all() and (top_p[n:] == 1).all()
     assert graph_mode(x) == "greedy"
+
+
+def test_cuda_check_script_runs_on_a_cpu():
+    """benchmarks/cuda_check.py is run on a GPU rarely and at a cost: its --cpu-dry-run runs
+    every section here at tiny sizes, so a broken script is found before a GPU run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_check.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cpu-dry-run"], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.rindex("-" * 100) :]
+    assert "FAILED" not in table
+    for section in ("equivalence", "features", "seed", "hf", "targets"):
+        assert f"\n{section}" in table, table
