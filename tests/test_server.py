@@ -88,6 +88,38 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.01)
 
 
+def wait_for_health(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    """Until a server process answers /health with 200; its output if it exits first."""
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(healthy, timeout, "server process health")
+
+
+def processes(where: Callable[[list[str]], bool]) -> list[int]:
+    """Pids whose /proc stat fields after the name (state, ppid, pgrp, ...) satisfy `where`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if where(stat[stat.rindex(")") + 2 :].split()):
+                found.append(int(entry.name))
+    return found
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    return processes(lambda f: int(f[2]) == pgid and f[0] != "Z")
+
+
 def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics, keyed by (name, sorted labels); the text must parse."""
     text = httpx.get(f"{url}/metrics").text
@@ -552,15 +584,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(healthy, 60, "server process health")
+        wait_for_health(proc, url, 60)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "drain me", "max_tokens": 400, "ignore_eos": True}
         with (

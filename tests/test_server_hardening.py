@@ -32,8 +32,10 @@ from test_server import (
     LiveServer,
     assert_idle,
     metric_samples,
+    processes_in_group,
     sse_events,
     start_server,
+    wait_for_health,
     wait_until,
 )
 from tokenizers import Regex, pre_tokenizers
@@ -534,20 +536,6 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path) -> None:
     wait_until(lambda: set(threading.enumerate()) <= threads_before, 10, "threads to end")
 
 
-def _processes_in_group(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp
-                found.append(int(entry.name))
-    return found
-
-
 FAULTY_SERVE = """
 import os, sys, threading
 import tandem.engine
@@ -592,22 +580,14 @@ def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, tmp_path: 
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {KEY}"}
     try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(healthy, 120, "server process health")  # a loaded machine is slow
+        wait_for_health(proc, url, 120)  # a loaded machine is slow
         model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the env
         # A large body starts the JSON counting helper, which must not outlive the server.
         big = {"model": model, "prompt": "word " * 40_000}
         refused = httpx.post(f"{url}/v1/completions", json=big, headers=auth)
         assert refused.status_code == 400 and "at least" in refused.json()["error"]["message"]
-        assert len(_processes_in_group(proc.pid)) == 2
+        assert len(processes_in_group(proc.pid)) == 2
         body = {"model": model, "prompt": "fault", "max_tokens": 900, "ignore_eos": True}
         with (
             httpx.Client(timeout=30, headers=auth) as client,
@@ -641,7 +621,7 @@ def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, tmp_path: 
         out = proc.stdout.read().decode()
         assert "THREADS LEFT: []" in out, out
         assert "EngineFailure" in out
-        assert _processes_in_group(proc.pid) == []
+        assert processes_in_group(proc.pid) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

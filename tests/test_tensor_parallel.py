@@ -25,7 +25,14 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server import metric_samples, sse_events, wait_until
+from test_server import (
+    metric_samples,
+    processes,
+    processes_in_group,
+    sse_events,
+    wait_for_health,
+    wait_until,
+)
 
 from tandem import SamplingParams
 from tandem.default_model import build_checkpoint
@@ -251,25 +258,18 @@ def test_worker_that_raises_at_start_is_named(tiny_llama, tmp_path):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.layers.0.mlp.down_proj.weight"]
     save_file(tensors, broken / "model.safetensors")
-    children_before = _children()
+    before = _children()
     with pytest.raises(WorkerFailure, match=r"rank 0 raised ModelLoadError: weights missing"):
         make_llm(broken, **TP2)
-    wait_until(lambda: _children() <= children_before, 10, "workers to exit")
+    wait_until(lambda: _children() <= before, 10, "workers to exit")
 
 
 def _children() -> set[int]:
-    """Live (non-zombie) child processes of this one."""
-    me, found = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-            if int(ppid) == me and state != "Z":
-                found.add(int(entry.name))
-    return found
+    """Live (non-zombie) spawned children of this process (not multiprocessing's resource
+    tracker, which the first spawn starts for good)."""
+    me = os.getpid()
+    children = processes(lambda f: int(f[1]) == me and f[0] != "Z")
+    return {pid for pid in children if b"spawn_main" in _cmdline(pid)}
 
 
 # --------------------------------------------------------------------- server
@@ -295,15 +295,7 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(healthy, 120, "server health")
+        wait_for_health(proc, url, 120)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         for prompt, ref in zip(prompts, refs, strict=True):
@@ -315,7 +307,7 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
             assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
             assert chunks[-1].choices[0].finish_reason == "length"
 
-        workers = [pid for pid in _group(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        workers = [pid for pid in processes_in_group(proc.pid) if b"spawn_main" in _cmdline(pid)]
         assert len(workers) == 2  # the two ranks (beside multiprocessing's resource tracker)
         body = {"model": model, "prompt": "long", "max_tokens": 900, "ignore_eos": True}
         with (
@@ -337,25 +329,13 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
         assert "rank 1 died" in answer.json()["error"]["message"]
         assert proc.wait(60) == 1
         # multiprocessing's resource tracker leaves once it reads EOF from the server's end
-        wait_until(lambda: _group(proc.pid) == [], 10, "every process of the server to exit")
+        wait_until(
+            lambda: processes_in_group(proc.pid) == [], 10, "every process of the server to exit"
+        )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def _group(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
 
 
 def _cmdline(pid: int) -> bytes:
