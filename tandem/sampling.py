@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.ops import cpu_kernels
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -54,7 +56,18 @@ def seed_key(seed: int) -> int:
 
 
 def uniform_noise(seed_keys: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0, 1) noise [S, V] that depends only on (seed, output index, vocab id)."""
+    """U(0, 1) noise [S, V] that depends only on (seed, output index, vocab id).
+
+    On a CPU with the fused kernels loaded, `tandem::uniform_noise` computes the same bits in
+    native 32-bit arithmetic (this function is its reference, and the path everywhere else)."""
+    if seed_keys.device.type == "cpu" and cpu_kernels.loaded():
+        return torch.ops.tandem.uniform_noise(seed_keys, output_index, vocab)
+    return portable_uniform_noise(seed_keys, output_index, vocab)
+
+
+def portable_uniform_noise(
+    seed_keys: torch.Tensor, output_index: torch.Tensor, vocab: int
+) -> torch.Tensor:
     row = mix32(seed_keys ^ mix32(output_index & _MASK32))
     col = mix32(torch.arange(vocab, device=seed_keys.device, dtype=torch.int64) + 0x9E3779B9)
     bits = mix32(mix32(row[:, None] ^ col[None, :]) ^ row[:, None])

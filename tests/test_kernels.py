@@ -58,6 +58,21 @@ def test_elementwise_kernels_match_portable_ops() -> None:
     )
 
 
+def test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit() -> None:
+    """The sampler's noise decides every sampled token: the fused kernel must not move a bit."""
+    from tandem.sampling import portable_uniform_noise, seed_key, uniform_noise
+
+    g = torch.Generator().manual_seed(1)
+    for rows, vocab in ((1, 1), (3, 7), (32, 8192), (2, 151936)):
+        keys = torch.randint(0, 2**32, (rows,), generator=g)
+        keys[0] = seed_key(-(2**70))  # any Python seed folds into 32 bits
+        index = torch.randint(0, 2**40, (rows,), generator=g)  # only the low 32 bits count
+        fused = uniform_noise(keys, index, vocab)
+        assert fused.dtype == torch.float32 and fused.shape == (rows, vocab)
+        assert torch.equal(fused, portable_uniform_noise(keys, index, vocab))
+        assert fused.min() > 0 and fused.max() < 1
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 48])  # 48: the kernel's generic-size path
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3)])
 @pytest.mark.parametrize("num_requests", [1, 3, 40])  # few: a task per kv head; many: per request

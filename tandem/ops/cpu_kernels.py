@@ -62,6 +62,11 @@ def _build_name() -> str:
     return f"tandem_cpu_kernels_{key.hexdigest()[:16]}"
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process (by `load()`; nothing is built here)."""
+    return _loaded is not None and _loaded.available
+
+
 def load() -> KernelBuild:
     """Load the kernels, building them first if no cached build fits this machine."""
     global _loaded

@@ -457,6 +457,44 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
   return add_rms_norm(x, residual, final_norm, eps);
 }
 
+// The sampler's noise (tandem/sampling.py `uniform_noise`, the reference) in native 32-bit
+// arithmetic: the same hash of (seed key, output index, vocab id), bit for bit. PyTorch has no
+// wrapping 32-bit multiply, so the portable version emulates each one with several int64 ops
+// over the whole [rows, vocab] tensor: about a hundred passes a step, 9 ms at 32 x 8192 here.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+at::Tensor uniform_noise(const at::Tensor& seed_keys, const at::Tensor& output_index,
+                         int64_t vocab) {
+  TORCH_CHECK(seed_keys.scalar_type() == at::kLong && output_index.scalar_type() == at::kLong,
+              "uniform_noise takes int64 seed keys and output indices");
+  TORCH_CHECK(vocab < 0x61C88647, "vocab too large for the noise hash");
+  auto keys = seed_keys.contiguous(), index = output_index.contiguous();
+  const int64_t rows = keys.numel();
+  auto out = at::empty({rows, vocab}, keys.options().dtype(at::kFloat));
+  std::vector<uint32_t> col(vocab);
+  for (int64_t v = 0; v < vocab; ++v) col[v] = mix32(static_cast<uint32_t>(v + 0x9E3779B9LL));
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t* o = index.data_ptr<int64_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint32_t row = mix32(static_cast<uint32_t>(k[r]) ^ mix32(static_cast<uint32_t>(o[r])));
+      float* d = dst + r * vocab;
+      for (int64_t v = 0; v < vocab; ++v) {
+        const uint32_t bits = mix32(mix32(row ^ col[v]) ^ row);
+        d[v] = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -464,6 +502,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
@@ -480,6 +519,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_", &rotary_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("uniform_noise", &uniform_noise);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);
 }
