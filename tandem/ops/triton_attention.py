@@ -371,6 +371,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
             raise ValueError("the head dimension must be contiguous")
 
 
+def _strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]:
+    """The strides both kernels take, in their order: q (token, head), each cache (block, slot,
+    head), out (token, head), block table (row)."""
+    return (
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
+        block_tables.stride(0),
+    )  # fmt: skip
+
+
 def _precision(dtype: torch.dtype) -> str:
     """fp32 dots in IEEE arithmetic (TF32 would cost the fp32 path its accuracy)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -436,17 +445,7 @@ def decode_attention(
         context_lens,
         scale * LOG2E,
         num_heads,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
+        *_strides(q, k_cache, v_cache, out, block_tables),
         GROUP=group,
         WINDOW=sliding_window or 0,
         BLOCK_SIZE=block_size,
@@ -511,17 +510,7 @@ def prefill_attention(
         seg.num_tokens,
         seg.context_len,
         seg.row,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
+        *_strides(q, k_cache, v_cache, out, block_tables),
         GROUP=group,
         WINDOW=sliding_window or 0,
         BLOCK_SIZE=block_size,
