@@ -71,6 +71,25 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return checkpoints
 
 
+@pytest.fixture(scope="session")
+def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with attention_bias=True: q/k/v *and* o_proj carry biases. transformers
+    initialises biases to zero, which would hide a dropped one, so they are made random."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_checkpoint(
+        tmp_path_factory.mktemp("llama-bias"), extra_config={"attention_bias": True}
+    )
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=g) * 0.5
+    assert any(n.endswith("o_proj.bias") for n in tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 @functools.cache
 def _load_hf_model(path: str) -> torch.nn.Module:
     """Load a checkpoint with transformers once per path, in fp32 eval mode.

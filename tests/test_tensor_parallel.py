@@ -145,6 +145,19 @@ def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture
         llm.close()
 
 
+def test_row_parallel_bias_is_added_once(llama_with_biases):
+    """o_proj's bias (Llama with attention_bias) is added after the all-reduce, not per rank."""
+    prompts = random_prompts(random.Random(4), 4, 1024, 3, 30)
+    llm = make_llm(llama_with_biases, num_kv_blocks=64, **TP2)
+    try:
+        outs = llm.generate(prompts, greedy(10))
+    finally:
+        llm.close()
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_greedy_reference_allowing_ties(llama_with_biases, prompt, out.token_ids)
+        assert out.token_ids == ref
+
+
 def test_two_ranks_match_one_logits_and_seeded_sampling(mqa_odd_vocab):
     """Replicated KV head, padded vocabulary shard: tokens equal, logprobs within 1e-4."""
     prompts = random_prompts(random.Random(5), 6, 1024, 2, 60)

@@ -39,6 +39,7 @@ class LlamaSpec:
     qkv_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    o_bias: bool = False  # Llama / Qwen3 with attention_bias: o_proj has a bias too
 
 
 class RMSNorm(nn.Module):
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o = Linear(self.q_size, spec.hidden_size)
+        self.o = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -96,7 +97,12 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window
         )
-        return self.tp.all_reduce(self.o(out.view(-1, self.q_size)))
+        out = out.view(-1, self.q_size)
+        o = self.o
+        if not self.tp.enabled or o.bias is None:
+            return self.tp.all_reduce(o(out))
+        # Row-parallel: each rank holds part of the sum; the bias is added once, to the total.
+        return self.tp.all_reduce(linear(out, o.weight, None, o.packed)).add_(o.bias)
 
 
 class MLP(nn.Module):
@@ -126,7 +132,8 @@ class DecoderLayer(nn.Module):
         k_norm = a.k_norm.weight if a.spec.qk_norm else none
         return [
             self.input_norm.weight, a.qkv.weight, _or(a.qkv.packed, none), _or(a.qkv.bias, none),
-            q_norm, k_norm, a.o.weight, _or(a.o.packed, none), self.post_attn_norm.weight,
+            q_norm, k_norm, a.o.weight, _or(a.o.packed, none), _or(a.o.bias, none),
+            self.post_attn_norm.weight,
             m.gate_up.weight, _or(m.gate_up.packed, none), m.down.weight, _or(m.down.packed, none),
         ]  # fmt: skip
 
@@ -275,6 +282,8 @@ class LlamaModel(nn.Module):
                 if rest == f"self_attn.{part}_proj.{kind}":
                     rows = heads_to_rows(heads, s.head_dim)
                     return _Placement(f"{p}.attn.qkv.{kind}", offset=offset, rows=rows)
+        if rest == "self_attn.o_proj.bias" and s.o_bias:  # added once, after the all-reduce
+            return _Placement(f"{p}.attn.o.bias")
         if rest == "self_attn.o_proj.weight":  # row-parallel: this rank's input columns
             return _Placement(f"{p}.attn.o.weight", cols=heads_to_rows(shard.q_heads, s.head_dim))
         if rest == "mlp.down_proj.weight":
@@ -318,6 +327,8 @@ def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     }
     if s.qkv_bias:
         parts |= {f"self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))}
+    if s.o_bias:
+        parts["self_attn.o_proj.bias"] = (hidden,)
     if s.qk_norm:
         parts["self_attn.q_norm.weight"] = parts["self_attn.k_norm.weight"] = (s.head_dim,)
     for i in range(s.num_layers):

@@ -144,6 +144,8 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=sliding_window,
+        o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        and bool(getattr(config, "attention_bias", False)),
     )
 
 

@@ -306,7 +306,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 // Per layer, in this order; a missing optional weight is an empty tensor.
 enum LayerWeight {
-  kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kPostNorm,
+  kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kOBias, kPostNorm,
   kGateUp, kGateUpPacked, kDown, kDownPacked, kWeightsPerLayer
 };
 
@@ -391,7 +391,7 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
                                v.narrow(0, seg[0], seg[1]), k_cache, v_cache,
                                block_tables.select(0, seg[3]), seg[1], seg[2], s));
   }
-  return linear(out.view({-1, q_size}), w[kO], w[kOPacked], at::Tensor());
+  return linear(out.view({-1, q_size}), w[kO], w[kOPacked], at::Tensor());  // bias: by the caller
 }
 
 // Tensor parallelism: sum `x` over the ranks of process group `group` (registered by name by
@@ -448,7 +448,8 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
     }
     auto a = attention_block(h, w, kv_caches[layer], positions, cos, sin, slot_mapping,
                              block_tables, context_lens, prefills, s, eps);
-    all_reduce_(a, group);  // O is row-parallel
+    all_reduce_(a, group);  // O is row-parallel: its bias is added once, to the sum
+    if (present(w[kOBias])) a.add_(w[kOBias]);
     h = add_rms_norm(a, residual, w[kPostNorm], eps);
     x = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], at::Tensor())), w[kDown],
                w[kDownPacked], at::Tensor());
