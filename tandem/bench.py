@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -23,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, usable_cores
 from tandem.engine import Engine
 from tandem.kernel_profile import KernelProfiler, KernelWindow
 from tandem.metrics import RunSummary, StepRecord, plot_timeline, write_chrome_trace
@@ -287,7 +286,7 @@ def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
         return None
     processes, threads_each = compute_layout(engine)
     threads = processes * threads_each
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     if threads < cores:
         return (
             f"note: {threads} compute thread(s) on {cores} cores: the host schedules step N+1 on "

@@ -26,17 +26,15 @@ from transformers import GenerationConfig
 
 from tandem.batch import BatchBuilder, StepExtras
 from tandem.config import EngineConfig
-from tandem.cuda_graphs import graph_sizes
 from tandem.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from tandem.distributed.executor import MultiprocExecutor, WorkerFailure
 from tandem.distributed.parallel import check_shardable
-from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.logprobs import LogprobsArrays, unpack
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import fast_path
 from tandem.models.loader import build_model, find_tokenizer, read_config
 from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
-from tandem.runner import SPARE_KV_BLOCKS, ModelRunner
+from tandem.runner import ModelRunner, build_runner, cache_capacity
 from tandem.sampling import seed_key
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.streams import StepHandle
@@ -93,16 +91,7 @@ class Engine:
                 load_format=config.load_format, seed=config.seed,
             )  # fmt: skip
             self.execution = fast_path.prepare(model, device, dtype, config.enforce_eager)
-            bytes_per_block = kv_bytes_per_block(
-                self.spec.num_layers,
-                config.block_size,
-                self.spec.num_kv_heads,
-                self.spec.head_dim,
-                dtype,
-            )
-            num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-                bytes_per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
-            )
+            num_blocks = cache_capacity(model, config, device)
         cache_tokens = num_blocks * config.block_size
         if cache_tokens < max_model_len:
             logger.info(
@@ -129,15 +118,8 @@ class Engine:
             self.runner: ModelRunner | MultiprocExecutor = executor
             self.execution = executor.plan
         else:
-            kv_caches = allocate_kv_cache(
-                self.spec.num_layers, num_blocks + SPARE_KV_BLOCKS, config.block_size,
-                self.spec.num_kv_heads, self.spec.head_dim, dtype, device,
-            )  # fmt: skip
-            sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
-            self.runner = ModelRunner(
-                model, kv_caches, table_rows, max_model_len, config.block_size, device, sizes
-            )
-            self.execution.cuda_graph_sizes = sizes
+            self.runner = build_runner(model, config, device, num_blocks, table_rows, max_model_len)
+            self.execution.cuda_graph_sizes = self.runner.graph_sizes
             if device.type == "cpu" and config.cpu_threads is not None:  # kept per engine
                 self.runner.set_cpu_threads(config.cpu_threads, config.cpu_threads)
                 self.execution.cpu_threads = config.cpu_threads

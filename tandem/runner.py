@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from tandem.batch import StepExtras, StepInputs
-from tandem.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode
+from tandem.config import EngineConfig
+from tandem.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
+from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.logprobs import TokenLogprobsTensors, pack, score_tokens
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention import AttentionMetadata
@@ -82,6 +84,43 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
     return torch.float32 if array.dtype == np.float32 else torch.int64
 
 
+def cache_capacity(model: LlamaModel, config: EngineConfig, device: torch.device) -> int:
+    """KV blocks this process can hold: `num_kv_blocks`, else what its memory budget fits for
+    this model's (this rank's) KV heads. The engine sizes the scheduler to it (TP: the least
+    of the ranks')."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    spec = model.spec
+    per_block = kv_bytes_per_block(
+        spec.num_layers, config.block_size, model.local_spec.num_kv_heads, spec.head_dim,
+        config.torch_dtype,
+    )  # fmt: skip
+    return num_blocks_for_budget(
+        per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
+    )
+
+
+def build_runner(
+    model: LlamaModel,
+    config: EngineConfig,
+    device: torch.device,
+    num_blocks: int,
+    table_rows: int,
+    max_model_len: int,
+) -> ModelRunner:
+    """A runner with its KV cache (the scheduler's blocks and the spare ones) and, where they
+    apply, its captured decode graphs: the same for the engine's process and every TP rank."""
+    spec = model.spec
+    kv_caches = allocate_kv_cache(
+        spec.num_layers, num_blocks + SPARE_KV_BLOCKS, config.block_size,
+        model.local_spec.num_kv_heads, spec.head_dim, config.torch_dtype, device,
+    )  # fmt: skip
+    sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
+    return ModelRunner(
+        model, kv_caches, table_rows, max_model_len, config.block_size, device, sizes
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -130,6 +169,11 @@ class ModelRunner:
 
     def close(self) -> None:
         self.stream.close()
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The padded batch sizes whose decode steps replay a captured graph."""
+        return self.graphs.sizes if self.graphs is not None else []
 
     def check_health(self) -> None:
         """In-process execution has no separate worker to lose (see MultiprocExecutor)."""

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tandem.batch import StepInputs
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, usable_cores
 from tandem.distributed.worker import STOP, WorkerArgs, run_worker
 from tandem.streams import StepHandle
 
@@ -66,8 +66,7 @@ class MultiprocExecutor:
                 f"tensor_parallel_size {world} needs {world} GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.threads_per_rank = config.cpu_threads or max(1, (cores or 1) // world)
+        self.threads_per_rank = config.cpu_threads or max(1, usable_cores() // world)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.world_size = world
         init_method = _rendezvous()
@@ -82,18 +81,8 @@ class MultiprocExecutor:
                 init_method=init_method,
                 backend=self.backend,
                 model_path=model_path,
-                load_format=config.load_format,
-                seed=config.seed,
-                device_type=device.type,
-                dtype=config.torch_dtype,
+                config=config,
                 threads=self.threads_per_rank if device.type == "cpu" else None,
-                enforce_eager=config.enforce_eager,
-                max_model_len=config.max_model_len,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                num_kv_blocks=config.num_kv_blocks,
-                kv_cache_memory_gib=config.kv_cache_memory_gib,
-                gpu_memory_utilization=config.gpu_memory_utilization,
                 timeout_s=COLLECTIVE_TIMEOUT_S,
             )
             in_recv, in_send = ctx.Pipe(duplex=False)

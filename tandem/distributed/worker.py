@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from tandem.config import EngineConfig
 from tandem.distributed.parallel import TensorParallel
 
 STOP = b""  # on the input pipe: finish the steps in flight and exit
@@ -38,18 +39,8 @@ class WorkerArgs:
     init_method: str  # tcp://host:port of the rendezvous
     backend: str  # "gloo" (CPU) or "nccl" (CUDA)
     model_path: str
-    load_format: str  # "auto" or "dummy" (every rank makes its own slices of the same values)
-    seed: int  # the engine's: seeds dummy weights
-    device_type: str
-    dtype: torch.dtype
+    config: EngineConfig  # the engine's: dtype, device type, cache budget, eager, graphs ...
     threads: int | None  # CPU: compute threads of this process
-    enforce_eager: bool
-    max_model_len: int | None
-    block_size: int
-    max_num_seqs: int
-    num_kv_blocks: int | None
-    kv_cache_memory_gib: float
-    gpu_memory_utilization: float
     timeout_s: float
 
 
@@ -72,16 +63,15 @@ class _Worker:
         self.outputs = outputs
 
     def serve(self) -> None:
-        from tandem.cuda_graphs import graph_sizes
-        from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
         from tandem.models import fast_path
         from tandem.models.loader import build_model, read_config
-        from tandem.runner import SPARE_KV_BLOCKS, ModelRunner
+        from tandem.runner import build_runner, cache_capacity
 
-        a = self.args
+        a, config = self.args, self.args.config
         if a.threads is not None:
             torch.set_num_threads(a.threads)
-        device = torch.device(a.device_type, a.rank if a.device_type == "cuda" else None)
+        device_type = config.torch_device.type
+        device = torch.device(device_type, a.rank if device_type == "cuda" else None)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(
@@ -93,28 +83,16 @@ class _Worker:
         )
         tp = TensorParallel(a.rank, a.world_size)
         path, spec, hf_config = read_config(a.model_path)
+        dtype = config.torch_dtype
         model = build_model(
-            path, spec, hf_config, a.dtype, device, a.max_model_len, tp, a.load_format, a.seed
-        )
-        plan = fast_path.prepare(model, device, a.dtype, a.enforce_eager)
-        local = model.local_spec
-        bytes_per_block = kv_bytes_per_block(
-            spec.num_layers, a.block_size, local.num_kv_heads, spec.head_dim, a.dtype
-        )
-        capacity = a.num_kv_blocks or num_blocks_for_budget(
-            bytes_per_block, device, a.kv_cache_memory_gib, a.gpu_memory_utilization
-        )
-        self.outputs.send(("loaded", a.rank, capacity))
-        num_blocks, table_rows, max_model_len = self.inputs.recv()
-        kv_caches = allocate_kv_cache(
-            spec.num_layers, num_blocks + SPARE_KV_BLOCKS, a.block_size, local.num_kv_heads,
-            spec.head_dim, a.dtype, device,
+            path, spec, hf_config, dtype, device, config.max_model_len, tp, config.load_format,
+            config.seed,
         )  # fmt: skip
-        sizes = graph_sizes(device, a.enforce_eager, a.max_num_seqs)  # every rank captures alike
-        runner = ModelRunner(
-            model, kv_caches, table_rows, max_model_len, a.block_size, device, sizes
-        )
-        plan.cuda_graph_sizes = sizes
+        plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
+        self.outputs.send(("loaded", a.rank, cache_capacity(model, config, device)))
+        num_blocks, table_rows, max_model_len = self.inputs.recv()
+        runner = build_runner(model, config, device, num_blocks, table_rows, max_model_len)
+        plan.cuda_graph_sizes = runner.graph_sizes  # every rank captures alike
         plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
         self.outputs.send(("ready", a.rank, plan))
         try:

@@ -9,12 +9,12 @@ Hugging Face's own.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from tandem.config import usable_cores
 from tandem.models.llama import LlamaModel
 from tandem.ops import cpu_kernels
 from tandem.ops.attention import AttentionMetadata
@@ -84,7 +84,7 @@ def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dic
     """
     spec = model.spec
     before = torch.get_num_threads()
-    most = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    most = usable_cores()
     candidates = sorted({1, max(1, most - 1), most})
     blocks_each, context = 2, block_size + 1
     caches = [
