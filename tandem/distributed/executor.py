@@ -124,11 +124,7 @@ class MultiprocExecutor:
             raise self._failure
         if self._exited.is_set() and not self._closed:
             dead = next(r for r, p in enumerate(self._procs) if not p.is_alive())
-            message = ("died", dead)
-            if self._outputs[dead].poll():  # it said why before it exited
-                with contextlib.suppress(EOFError, OSError):
-                    message = self._outputs[dead].recv()
-            raise self._fail(message)
+            raise self._fail(self._last_words(dead))
 
     def launch(self, inputs: StepInputs) -> StepHandle:
         self.check_health()
@@ -184,14 +180,19 @@ class MultiprocExecutor:
         while True:
             for conn in wait([*self._outputs, *sentinels]):
                 if conn in sentinels:
-                    rank = sentinels[conn]
-                    if not self._outputs[rank].poll():  # read what it said before it exited
-                        return ("died", rank)
-                    conn = self._outputs[rank]
+                    return self._last_words(sentinels[conn])
                 try:
                     return conn.recv()
                 except (EOFError, OSError):
                     return ("died", self._outputs.index(conn))
+
+    def _last_words(self, rank: int) -> tuple:
+        """What a worker whose process ended sent last (its error, say), or ("died", rank)."""
+        conn = self._outputs[rank]
+        if conn.poll():
+            with contextlib.suppress(EOFError, OSError):
+                return conn.recv()
+        return ("died", rank)
 
     def _fail(self, first: tuple) -> WorkerFailure:
         """Gather what else fails within a moment, name the cause, stop every worker."""
