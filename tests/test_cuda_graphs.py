@@ -112,7 +112,8 @@ def test_padded_layout(tiny_llama):
     n, width = x.num_tokens, graphs.width
     fields = ints[: 8 * 4].reshape(8, 4)  # _INTS order, 4 rows each
     assert n == 2 and np.array_equal(fields[0, :n], x.token_index)
-    assert (fields[0, n:] == len(engine.runner.token_table) - 1).all()  # the sink entry
+    sink = len(engine.runner.token_table) - 1
+    assert (fields[0, n:] == sink).all() and (fields[4, n:] == sink).all()  # read, write: sink
     assert (fields[2, n:] == graphs.pad_block * engine.config.block_size).all()  # spare block
     assert (fields[3, n:] == 1).all()  # context 1: the spare slot itself
     tables = ints[8 * 4 : 8 * 4 + 4 * width].reshape(4, width)
