@@ -290,7 +290,9 @@ def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
     if threads < cores:
         return (
             f"note: {threads} compute thread(s) on {cores} cores: the host schedules step N+1 on "
-            "a core of its own while step N computes, so async hides the host's time."
+            "a core of its own while step N computes, so async hides the host's time. (Decode "
+            "attention that reads 1 MiB of K or more per layer spreads over every core: at long "
+            "contexts the host shares a core with it, and async gains less.)"
         )
     if processes > 1:
         return (

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import huge_pages
+
 
 class FreeList:
     """Hands out integer ids (token-table rows) and records each id's owner.
@@ -268,4 +270,4 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """One tensor per layer, [2 (k, v), blocks, block_size, kv_heads, head_dim]."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]

@@ -73,12 +73,21 @@ def test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit() -> None:
         assert fused.min() > 0 and fused.max() < 1
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 48])  # 48: the kernel's generic-size path
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3)])
+@pytest.fixture(params=["vector", "generic"])
+def attention_kernel(request):
+    """The vector kernel (head sizes of 16s, groups of 1/2/4/8) and the generic loop, which
+    serves every other shape: both are checked on a machine that has both."""
+    before = torch.ops.tandem.set_generic_decode_attention(request.param == "generic")
+    yield request.param
+    torch.ops.tandem.set_generic_decode_attention(before)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 48])  # 48: the generic loop only
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3), (16, 2)])
 @pytest.mark.parametrize("num_requests", [1, 3, 40])  # few: a task per kv head; many: per request
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_decode_attention_reads_the_cache_in_place(
-    head_dim, heads, kv_heads, num_requests, window
+    head_dim, heads, kv_heads, num_requests, window, attention_kernel
 ) -> None:
     rng = random.Random(head_dim * 100 + heads * 10 + num_requests)
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
@@ -102,7 +111,7 @@ def test_paged_decode_attention_reads_the_cache_in_place(
 
 
 @pytest.mark.parametrize("num_requests", [3, 12])  # per kv head / per request, on every core
-def test_paged_decode_attention_on_long_contexts(num_requests) -> None:
+def test_paged_decode_attention_on_long_contexts(num_requests, attention_kernel) -> None:
     """Contexts long enough that the kernel spreads the work over all cores."""
     g = torch.Generator().manual_seed(num_requests)
     heads, kv_heads, dim, block_size, num_blocks = 8, 2, 32, 16, 1200

@@ -104,6 +104,7 @@ class MultiprocExecutor:
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._inputs)
         self._exited = threading.Event()  # set by the watcher when any worker's process ends
+        self._exited_rank = -1  # which one (valid once _exited is set)
         self.on_exit: Callable[[], None] | None = None  # e.g. wake an idle engine loop
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         loaded = self._gather("loaded")
@@ -123,8 +124,7 @@ class MultiprocExecutor:
         if self._failure is not None:
             raise self._failure
         if self._exited.is_set() and not self._closed:
-            dead = next(r for r, p in enumerate(self._procs) if not p.is_alive())
-            raise self._fail(self._last_words(dead))
+            raise self._fail(self._last_words(self._exited_rank))
 
     def launch(self, inputs: StepInputs) -> StepHandle:
         self.check_health()
@@ -148,7 +148,10 @@ class MultiprocExecutor:
     # ------------------------------------------------------------------ internals
     def _watch(self) -> None:
         """Wait for any worker's process to end; an idle engine learns of it at once."""
-        wait([p.sentinel for p in self._procs])
+        # The rank comes from its sentinel: is_alive() can still say True for a moment after the
+        # sentinel fires (the process closes its pipes before it can be reaped).
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        self._exited_rank = sentinels[wait(list(sentinels))[0]]
         self._exited.set()
         if not self._closed and self.on_exit is not None:
             self.on_exit()

@@ -245,6 +245,160 @@ void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t d
   }
 }
 
+// The same attention with explicit 16-lane vectors (GCC vector extensions: AVX-512 registers
+// where the CPU has them, pairs of AVX2 registers or scalar code elsewhere), for head sizes that
+// are multiples of 16 and common group sizes. Why: the generic loop above reduces every dot
+// product across its lanes on its own and keeps its sums in memory. Here a kv head's G queries
+// stay in registers, scores are made 16 tokens at a time (16 lane-vectors reduced together by a
+// shuffle tree, 30 shuffles instead of 16 full reductions) and the weighted sum of V accumulates
+// in registers. Measured on the development VM (32 requests, 8 heads of 32, 2 KV heads): 1.85x
+// the generic loop's speed with the cache in CPU caches, 1.05-1.2x from memory.
+using Vec16 = float __attribute__((vector_size(64)));
+using Lanes16 = int32_t __attribute__((vector_size(64)));
+using Vec16Unaligned = float __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16Unaligned*>(p); }
+inline void store16(float* p, Vec16 v) { *reinterpret_cast<Vec16Unaligned*>(p) = v; }
+
+// Lane t of the result is the sum of the 16 lanes of v[t]. Each level adds the two halves of
+// every token's partial sums, packing two vectors' tokens into one, in order.
+inline Vec16 sum_lanes(Vec16 v[16]) {
+  const Lanes16 lo16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const Lanes16 hi16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const Lanes16 lo8 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const Lanes16 hi8 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const Lanes16 lo4 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const Lanes16 hi4 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const Lanes16 lo2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const Lanes16 hi2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  auto level = [](Vec16* x, int pairs, Lanes16 lo, Lanes16 hi) {
+    for (int i = 0; i < pairs; ++i) {
+      x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo) +
+             __builtin_shuffle(x[2 * i], x[2 * i + 1], hi);
+    }
+  };
+  level(v, 8, lo16, hi16);
+  level(v, 4, lo8, hi8);
+  level(v, 2, lo4, hi4);
+  level(v, 1, lo2, hi2);
+  return v[0];
+}
+
+// Request r's query heads of kv heads [h0, h1); D is a multiple of 16, G query heads per kv head.
+// Rows are taken 16 at a time, every kv head of a row together, so each block's rows are read as
+// one contiguous stretch. (Software prefetching of the next blocks was tried: no gain measured.)
+template <int64_t D, int64_t G>
+void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
+                std::vector<float>& scores, std::vector<Vec16>& acc) {
+  constexpr int64_t C = D / 16;
+  const int64_t token_stride = p.kv_heads * D, len = p.context_lens[r];
+  const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
+  const int64_t n = len - first, heads = h1 - h0, nh = heads * G;
+  const int64_t stride = (n + 15) / 16 * 16;  // each head's scores, whole groups of 16
+  scores.resize(nh * stride);
+  acc.assign(nh * C, Vec16{});
+  const float* qr = p.q + r * p.q_stride + h0 * G * D;
+  const int64_t* blocks = p.block_tables + r * p.bt_stride;
+  // Calls body(rows, count, index) with up to 16 row pointers (kv head h0 of each token);
+  // a short group repeats its first row, and only `count` rows are real.
+  auto for_each_group = [&](const float* cache, auto&& body) {
+    const float* rows[16];
+    int64_t count = 0, index = 0;
+    for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
+      const int64_t t0 = b * p.block_size;
+      const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
+      const float* base = cache + (blocks[b] * p.block_size) * token_stride + h0 * D;
+      for (int64_t o = lo; o < hi; ++o) {
+        rows[count++] = base + o * token_stride;
+        if (count == 16) {
+          body(rows, count, index);
+          index += count;
+          count = 0;
+        }
+      }
+    }
+    if (count > 0) {
+      for (int64_t t = count; t < 16; ++t) rows[t] = rows[0];
+      body(rows, count, index);
+    }
+  };
+  for_each_group(p.k, [&](const float* const* rows, int64_t /*count*/, int64_t index) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t j = 0; j < G; ++j) {
+        const float* qj = qr + (h * G + j) * D;
+        Vec16 q[C];
+        for (int64_t c = 0; c < C; ++c) q[c] = load16(qj + c * 16);
+        Vec16 part[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          const float* k = rows[t] + h * D;
+          Vec16 a = q[0] * load16(k);
+          for (int64_t c = 1; c < C; ++c) a += q[c] * load16(k + c * 16);
+          part[t] = a;
+        }
+        store16(scores.data() + (h * G + j) * stride + index, sum_lanes(part) * p.scale);
+      }
+    }
+  });
+  std::vector<float> inv_sums(nh);
+  for (int64_t j = 0; j < nh; ++j) {
+    float* s = scores.data() + j * stride;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = fast_exp(s[i] - m);
+      total += s[i];
+    }
+    inv_sums[j] = 1.f / total;
+  }
+  for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t j = 0; j < G; ++j) {
+        const float* w = scores.data() + (h * G + j) * stride + index;
+        Vec16 a[C];
+        for (int64_t c = 0; c < C; ++c) a[c] = acc[(h * G + j) * C + c];
+        for (int64_t t = 0; t < count; ++t) {
+          const float* v = rows[t] + h * D;
+          for (int64_t c = 0; c < C; ++c) a[c] += w[t] * load16(v + c * 16);
+        }
+        for (int64_t c = 0; c < C; ++c) acc[(h * G + j) * C + c] = a[c];
+      }
+    }
+  });
+  for (int64_t j = 0; j < nh; ++j)
+    for (int64_t c = 0; c < C; ++c)
+      store16(p.out + (r * p.heads + h0 * G + j) * D + c * 16, acc[j * C + c] * inv_sums[j]);
+}
+
+// Tests switch the vector kernels off to check the generic loop on a machine that has both.
+std::atomic<bool> portable_attention{false};
+
+bool set_generic_decode_attention(bool generic) { return portable_attention.exchange(generic); }
+
+// The vector kernel for this head size and group, or null where only the generic loop fits.
+using AttendVec = void (*)(const DecodeProblem&, int64_t, int64_t, int64_t, std::vector<float>&,
+                           std::vector<Vec16>&);
+template <int64_t D>
+AttendVec vector_kernel_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_vec<D, 1>;
+    case 2: return &attend_vec<D, 2>;
+    case 4: return &attend_vec<D, 4>;
+    case 8: return &attend_vec<D, 8>;
+    default: return nullptr;
+  }
+}
+AttendVec vector_kernel(int64_t dim, int64_t group) {
+  switch (dim) {
+    case 32: return vector_kernel_for_group<32>(group);
+    case 64: return vector_kernel_for_group<64>(group);
+    case 128: return vector_kernel_for_group<128>(group);
+    default: return nullptr;
+  }
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale,
@@ -267,17 +421,26 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   // pool, whose threads sleep when idle (OpenMP's spin and would take the core the host needs);
   // tasks are claimed one by one, so a core the host takes for a moment only shifts work to
   // the others. Short contexts stay on this thread: waking others would cost more than it saves.
+  // The bound, 2^18 floats of K (1 MiB), was measured in whole runs at 32 requests: on the
+  // default model 2^16, 2^18 and 2^21 were tried (2^18 as fast as the best at contexts of 128
+  // and 3072); on the 107M model 2^18 ran the offline batch 8% faster than one thread.
   int64_t total_rows = 0;
   for (int64_t r = 0; r < reqs; ++r) total_rows += p.context_lens[r];
-  const int64_t threads = total_rows * kv_heads * dim < (1 << 21) ? 1 : omp_get_num_procs();
+  const int64_t threads = total_rows * kv_heads * dim < (1 << 18) ? 1 : omp_get_num_procs();
   const int64_t heads_per_task = reqs >= 4 * threads ? kv_heads : 1;
   const int64_t tasks_per_req = kv_heads / heads_per_task, items = reqs * tasks_per_req;
+  const AttendVec fast = portable_attention ? nullptr : vector_kernel(dim, p.group);
   std::atomic<int64_t> next{0};
   auto work = [&] {
     std::vector<float> scores, acc;
+    std::vector<Vec16> vec_acc;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t r = item / tasks_per_req, h0 = (item % tasks_per_req) * heads_per_task;
       const int64_t h1 = h0 + heads_per_task;
+      if (fast != nullptr) {
+        fast(p, r, h0, h1, scores, vec_acc);
+        continue;
+      }
       switch (dim) {
         case 64: attend<64>(p, r, h0, h1, dim, scores, acc); break;
         case 128: attend<128>(p, r, h0, h1, dim, scores, acc); break;
@@ -507,6 +670,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
+  m.def("set_generic_decode_attention(bool generic) -> bool", &set_generic_decode_attention);
   m.def(
       "llama_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor[] weights, "
       "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
