@@ -166,6 +166,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Softmax's numerators in place: s[i] = exp(s[i] - max(s)); returns 1 / their sum.
+inline float exp_scores(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = fast_exp(s[i] - m);
+    total += s[i];
+  }
+  return 1.f / total;
+}
+
 // One query per request against its paged K/V, read in place through the block table.
 //   q [R, H, D] (any row stride), caches [blocks, block_size, Hkv, D] contiguous,
 //   block_tables [>=R, max_blocks] int64, context_lens [>=R] int64, out [R, H, D] contiguous.
@@ -216,18 +230,7 @@ void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t d
     }
   });
   std::vector<float> inv_sums(nh);
-  for (int64_t j = 0; j < nh; ++j) {
-    float* s = scores.data() + j * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = fast_exp(s[i] - m);
-      total += s[i];
-    }
-    inv_sums[j] = 1.f / total;
-  }
+  for (int64_t j = 0; j < nh; ++j) inv_sums[j] = exp_scores(scores.data() + j * n, n);
   for_each_row(p.v, [&](int64_t i, const float* row) {
     for (int64_t j = 0; j < nh; ++j) {
       const float w = scores[j * n + i];
@@ -286,7 +289,9 @@ inline Vec16 sum_lanes(Vec16 v[16]) {
 
 // Request r's query heads of kv heads [h0, h1); D is a multiple of 16, G query heads per kv head.
 // Rows are taken 16 at a time, every kv head of a row together, so each block's rows are read as
-// one contiguous stretch. (Software prefetching of the next blocks was tried: no gain measured.)
+// one contiguous stretch. Blocks lie anywhere in the cache and the hardware prefetcher stops at
+// each block's end, so each row visited prefetches the same row of the request's next block:
+// 1.2-1.8x measured on the development VM (the whole next block at once gained nothing).
 template <int64_t D, int64_t G>
 void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<Vec16>& acc) {
@@ -308,7 +313,14 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
       const int64_t t0 = b * p.block_size;
       const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
       const float* base = cache + (blocks[b] * p.block_size) * token_stride + h0 * D;
+      const bool has_next = (b + 1) * p.block_size < len;
+      const float* next = has_next ? cache + (blocks[b + 1] * p.block_size) * token_stride + h0 * D
+                                   : nullptr;
       for (int64_t o = lo; o < hi; ++o) {
+        if (has_next) {  // the same row of the next block, one cache line (16 floats) at a time
+          const float* row = next + o * token_stride;
+          for (int64_t c = 0; c < heads * D; c += 16) __builtin_prefetch(row + c);
+        }
         rows[count++] = base + o * token_stride;
         if (count == 16) {
           body(rows, count, index);
@@ -340,19 +352,7 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
     }
   });
   std::vector<float> inv_sums(nh);
-  for (int64_t j = 0; j < nh; ++j) {
-    float* s = scores.data() + j * stride;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = fast_exp(s[i] - m);
-      total += s[i];
-    }
-    inv_sums[j] = 1.f / total;
-  }
+  for (int64_t j = 0; j < nh; ++j) inv_sums[j] = exp_scores(scores.data() + j * stride, n);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t j = 0; j < G; ++j) {
