@@ -168,9 +168,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // Softmax's numerators in place: s[i] = exp(s[i] - max(s)); returns 1 / their sum.
 inline float exp_scores(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  // The max in 16 independent lanes: a single running max is a chain of dependent scalar
+  // compares (GCC does not vectorise that reduction), which took 3/4 of this function's time.
+  float lanes[16];
+  std::fill(lanes, lanes + 16, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int64_t l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], s[i + l]);
+  for (; i < n; ++i) lanes[0] = std::max(lanes[0], s[i]);
+  const float m = *std::max_element(lanes, lanes + 16);
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
