@@ -361,16 +361,18 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
   for (int64_t j = 0; j < nh; ++j) inv_sums[j] = exp_scores(scores.data() + j * stride, n);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
     for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t j = 0; j < G; ++j) {
-        const float* w = scores.data() + (h * G + j) * stride + index;
-        Vec16 a[C];
-        for (int64_t c = 0; c < C; ++c) a[c] = acc[(h * G + j) * C + c];
-        for (int64_t t = 0; t < count; ++t) {
-          const float* v = rows[t] + h * D;
-          for (int64_t c = 0; c < C; ++c) a[c] += w[t] * load16(v + c * 16);
-        }
-        for (int64_t c = 0; c < C; ++c) acc[(h * G + j) * C + c] = a[c];
+      Vec16 a[G][C];
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t c = 0; c < C; ++c) a[j][c] = acc[(h * G + j) * C + c];
+      const float* w = scores.data() + h * G * stride + index;
+      for (int64_t t = 0; t < count; ++t) {  // each V row is loaded once for the G queries
+        Vec16 v[C];
+        for (int64_t c = 0; c < C; ++c) v[c] = load16(rows[t] + h * D + c * 16);
+        for (int64_t j = 0; j < G; ++j)
+          for (int64_t c = 0; c < C; ++c) a[j][c] += w[j * stride + t] * v[c];
       }
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t c = 0; c < C; ++c) acc[(h * G + j) * C + c] = a[j][c];
     }
   });
   for (int64_t j = 0; j < nh; ++j)
