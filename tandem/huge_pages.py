@@ -15,7 +15,7 @@ process where torch allocated before tandem was imported.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import sys
 from pathlib import Path
 
@@ -35,6 +35,20 @@ def thp_mode() -> str | None:
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
 
 
+@functools.cache
+def _madvise():
+    """libc's madvise, looked up once (the process's own symbols include libc's)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The address range of `tensor`'s whole storage."""
+    start = tensor.untyped_storage().data_ptr()
+    return start, start + tensor.untyped_storage().nbytes()
+
+
 def advise(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back `tensor`'s whole 2 MiB pages with huge pages; True if it agreed.
 
@@ -43,20 +57,16 @@ def advise(tensor: torch.Tensor) -> bool:
     """
     if sys.platform != "linux" or tensor.device.type != "cpu" or thp_mode() in (None, "never"):
         return False
-    start = tensor.data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
+    start, end = _span(tensor)
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if last <= first:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
+    return _madvise()(first, last - first, MADV_HUGEPAGE) == 0
 
 
 def huge_kib(tensor: torch.Tensor) -> int:
     """KiB of `tensor`'s memory that the kernel backs with huge pages (from /proc/self/smaps)."""
-    start = tensor.data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
+    start, end = _span(tensor)
     total, inside = 0, False
     try:
         with open("/proc/self/smaps") as smaps:
