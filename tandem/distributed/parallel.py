@@ -88,10 +88,14 @@ class Shard:
             intermediate_size=s.intermediate_size // n,
         )
 
+    def _even_share(self, total: int) -> slice:
+        """This rank's equal share of `total` items (heads, columns), in rank order."""
+        local = total // self.tp.world_size
+        return slice(self.tp.rank * local, (self.tp.rank + 1) * local)
+
     @property
     def q_heads(self) -> slice:
-        local = self.spec.num_heads // self.tp.world_size
-        return slice(self.tp.rank * local, (self.tp.rank + 1) * local)
+        return self._even_share(self.spec.num_heads)
 
     @property
     def kv_heads(self) -> slice:
@@ -102,8 +106,7 @@ class Shard:
 
     @property
     def intermediate(self) -> slice:
-        local = self.spec.intermediate_size // self.tp.world_size
-        return slice(self.tp.rank * local, (self.tp.rank + 1) * local)
+        return self._even_share(self.spec.intermediate_size)
 
     @property
     def vocab_per_rank(self) -> int:
