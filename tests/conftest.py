@@ -14,6 +14,10 @@ from pathlib import Path
 # Set before transformers is imported anywhere, so nothing tries to reach the Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The Triton kernels' tests run them on CPU tensors under Triton's interpreter. Triton picks the
+# interpreter or its compiler once, when first imported, so this holds for the whole session
+# (tests/triton_sm90_compile.py compiles for real in a subprocess without it).
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

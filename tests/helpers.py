@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tandem import LLM, Engine, RequestOutput, SamplingParams
+from tandem.ops.attention import AttentionMetadata, PrefillSegment
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -40,3 +43,28 @@ def run_both_loops(
         runs[mode] = (llm.generate(prompts, params), llm)
         assert_idle_and_balanced(llm.engine)
     return runs
+
+
+def prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits at every position: a prefill of all but the last token, then one decode step."""
+    spec = model.spec
+    n = len(prompt)
+    num_blocks = -(-n // block_size)
+    caches = [
+        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        for _ in range(spec.num_layers)
+    ]
+    tables = torch.arange(num_blocks).view(1, -1)
+    ids = torch.tensor(prompt)
+    positions = torch.arange(n)
+    prefill = AttentionMetadata(
+        positions[: n - 1], tables, torch.tensor([n - 1]), 0, 0,
+        [PrefillSegment(0, n - 1, n - 1, 0)], block_size,
+    )  # fmt: skip
+    decode = AttentionMetadata(
+        positions[n - 1 :], tables, torch.tensor([n]), 1, num_blocks, [], block_size
+    )
+    with torch.inference_mode():
+        first = model(ids[: n - 1], positions[: n - 1], caches, prefill)
+        last = model(ids[n - 1 :], positions[n - 1 :], caches, decode)
+        return model.compute_logits(torch.cat([first, last]))

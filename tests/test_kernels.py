@@ -15,10 +15,10 @@ import torch
 from tandem.models import fast_path, load_model
 from tandem.ops import cpu_kernels
 from tandem.ops import elementwise as ops
-from tandem.ops.attention import AttentionMetadata, PrefillSegment, _decode_attention
+from tandem.ops.attention import AttentionMetadata, _decode_attention
 
 from conftest import _load_hf_model, hf_greedy_reference, random_prompts
-from helpers import greedy, make_llm
+from helpers import greedy, make_llm, prefill_then_decode_logits
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,31 +128,6 @@ def test_paged_decode_attention_on_long_contexts(num_requests, attention_kernel)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def _prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) -> torch.Tensor:
-    """Logits at every position: a prefill of all but the last token, then one decode step."""
-    spec = model.spec
-    n = len(prompt)
-    num_blocks = -(-n // block_size)
-    caches = [
-        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        for _ in range(spec.num_layers)
-    ]
-    tables = torch.arange(num_blocks).view(1, -1)
-    ids = torch.tensor(prompt)
-    positions = torch.arange(n)
-    prefill = AttentionMetadata(
-        positions[: n - 1], tables, torch.tensor([n - 1]), 0, 0,
-        [PrefillSegment(0, n - 1, n - 1, 0)], block_size,
-    )  # fmt: skip
-    decode = AttentionMetadata(
-        positions[n - 1 :], tables, torch.tensor([n]), 1, num_blocks, [], block_size
-    )
-    with torch.inference_mode():
-        first = model(ids[: n - 1], positions[: n - 1], caches, prefill)
-        last = model(ids[n - 1 :], positions[n - 1 :], caches, decode)
-        return model.compute_logits(torch.cat([first, last]))
-
-
 @pytest.mark.parametrize(
     "arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 )
@@ -168,7 +143,7 @@ def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> 
         plan = fast_path.prepare(loaded.model, torch.device("cpu"), torch.float32, eager)
         assert plan.ops == ("portable" if eager else "fused-cpu")
         assert plan.packed_gemm == (not eager)
-        logits = _prefill_then_decode_logits(loaded.model, prompt)
+        logits = prefill_then_decode_logits(loaded.model, prompt)
         diffs[eager] = (logits - reference).abs().max().item()
         assert torch.equal(logits.argmax(-1), reference.argmax(-1))
     assert diffs[True] < 2e-5, diffs  # the portable path is transformers' arithmetic

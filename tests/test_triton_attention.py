@@ -15,19 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Before triton is first imported: Triton decorates its own library for the interpreter or for
-# the compiler once, so the interpreter is process-wide (the sm_90 compile runs in a subprocess).
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set")
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction  # conftest chose the interpreter
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from tandem.ops import attention  # noqa: E402
-from tandem.ops import triton_attention as ta  # noqa: E402
-from tandem.ops.attention import (  # noqa: E402
+from tandem.ops import attention
+from tandem.ops import triton_attention as ta
+from tandem.ops.attention import (
     AttentionMetadata,
     PrefillSegment,
     _decode_attention,
@@ -275,9 +269,13 @@ def test_default_split_count_ignores_context_lengths() -> None:
 H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
 
 
+CASE_NAMES = ("llama8b-bf16", "llama1b-bf16", "group7-window-fp16", "fp32-dim48")
+
+
 def test_kernels_compile_for_sm90() -> None:
     """Triton's real compiler (not the interpreter) builds every kernel for an H200: bf16 and
-    fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit."""
+    fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
+    the fused norms, rotary and SiLU of ops/triton_elementwise.py in every case's dtype."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -287,7 +285,8 @@ def test_kernels_compile_for_sm90() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     kernels = {(r["case"], r["kernel"]) for r in records}
-    assert kernels == {
+    elementwise = {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+    assert kernels - {(r["case"], name) for r in records for name in elementwise} == {
         ("llama8b-bf16", "_decode_kernel"),
         ("llama8b-bf16", "_merge_splits_kernel"),
         ("llama8b-bf16", "_prefill_kernel"),
@@ -298,7 +297,10 @@ def test_kernels_compile_for_sm90() -> None:
         ("fp32-dim48", "_decode_kernel"),
         ("fp32-dim48", "_merge_splits_kernel"),
     }
+    assert {(case, name) for case in CASE_NAMES for name in elementwise} <= kernels
     for r in records:
         assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
-        if r["kernel"] != "_merge_splits_kernel" and not r["case"].startswith("fp32"):
+        if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel"):
+            assert not r["fma"], r  # PyTorch's two roundings, not a contracted a*b + c
+        if r["kernel"] in ("_decode_kernel", "_prefill_kernel") and r["case"][:4] != "fp32":
             assert r["mma"], r  # the dots run on tensor cores

@@ -3,8 +3,8 @@
 Run by tests/test_triton_attention.py in a fresh process (the interpreter, which the numeric
 tests use, is process-wide in Triton). Triton asks its driver only for the target, the device and
 the stream before compiling; a stand-in answers for an H200, and every launch is turned into
-`warmup` (compile, do not run). The wrappers of `tandem.ops.triton_attention` are called as the
-engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
+`warmup` (compile, do not run). The wrappers of `tandem.ops.triton_attention` and
+`triton_elementwise` are called as the engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
 line per compiled kernel: name, dtype case, shared memory, whether its PTX uses tensor cores.
 """
 
@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 from tandem.ops import triton_attention as ta  # noqa: E402
+from tandem.ops import triton_elementwise as te  # noqa: E402
 from tandem.ops.attention import PrefillSegment  # noqa: E402
 
 CASES = {
@@ -46,7 +47,9 @@ class CompileOnlyDriver:
 def main(names: list[str]) -> None:
     driver.set_active(CompileOnlyDriver())
     built = []
-    for kernel in (ta._decode_kernel, ta._merge_splits_kernel, ta._prefill_kernel):
+    kernels = (ta._decode_kernel, ta._merge_splits_kernel, ta._prefill_kernel,
+               te._rms_norm_kernel, te._rotary_kernel, te._silu_and_mul_kernel)  # fmt: skip
+    for kernel in kernels:
 
         def compile_only(*args, grid, warmup, _run=kernel.run, **kwargs):
             built.append(_run(*args, grid=grid, warmup=True, **kwargs))
@@ -70,6 +73,14 @@ def main(names: list[str]) -> None:
             ta.prefill_attention(
                 q, k_cache, v_cache, tables, seg, bs, 0.1, window, out=torch.empty_like(q)
             )
+        hidden = heads * dim
+        x = torch.zeros(r, hidden, dtype=dtype)
+        te.add_rms_norm(x, x.clone(), torch.ones(hidden, dtype=dtype), 1e-6)
+        qkv = torch.zeros(r, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        q, k = qkv[:, : heads * dim], qkv[:, heads * dim : (heads + kv_heads) * dim]
+        table = torch.zeros(64, dim)
+        te.rotary(q.view(r, heads, dim), k.view(r, kv_heads, dim), context[:r], table, table)
+        te.silu_and_mul(torch.zeros(r, 2 * 4 * hidden, dtype=dtype))
         for k in built:
             record = {
                 "case": name,
@@ -78,6 +89,7 @@ def main(names: list[str]) -> None:
                 "shared": k.metadata.shared,
                 "num_warps": k.metadata.num_warps,
                 "mma": "mma" in k.asm["ptx"],
+                "fma": "fma.rn.f32" in k.asm["ptx"],  # a contracted a*b + c (or libdevice's)
             }
             print(json.dumps(record), flush=True)
 

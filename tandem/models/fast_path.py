@@ -1,7 +1,8 @@
 """Choose how the model executes on this machine: fused kernels and packed GEMMs, or eager.
 
 The choice is automatic. On a CPU in float32 the fast path pre-packs every GEMM weight for MKL
-and runs the fused kernels (built once and cached on disk; the build time is reported). Where a
+and runs the fused kernels (built once and cached on disk; the build time is reported). On CUDA
+the norms, the rotary embedding and SiLU run as fused Triton kernels (`ops/triton_elementwise.py`). Where a
 piece is unavailable (no MKL, no compiler, another dtype or device) that piece falls back to
 portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
 Hugging Face's own.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -22,7 +24,7 @@ from tandem.ops.attention import AttentionMetadata
 
 @dataclass
 class ExecutionPlan:
-    ops: str  # "portable" or "fused-cpu"
+    ops: str  # "portable", "fused-cpu" or "fused-triton" (CUDA: norms, rotary, SiLU)
     packed_gemm: bool
     kernels: cpu_kernels.KernelBuild | None  # None: not attempted (eager, CUDA, not float32)
     cpu_threads: int | None = None  # compute threads, when Tandem chose them
@@ -65,11 +67,23 @@ class ExecutionPlan:
 def prepare(
     model: LlamaModel, device: torch.device, dtype: torch.dtype, enforce_eager: bool
 ) -> ExecutionPlan:
+    if not enforce_eager and device.type == "cuda" and (fused := _triton_elementwise()):
+        model.ops = fused
+        return ExecutionPlan("fused-triton", False, None)
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
         return ExecutionPlan("portable", False, None)
     build = cpu_kernels.load()
     packed = model.use_fast_path(fused=build.available)
     return ExecutionPlan("fused-cpu" if build.available else "portable", packed, build)
+
+
+def _triton_elementwise() -> ModuleType | None:
+    """The fused Triton norms, rotary and SiLU, if triton imports (CUDA runs only)."""
+    try:
+        from tandem.ops import triton_elementwise
+    except ImportError:
+        return None
+    return triton_elementwise
 
 
 def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dict[int, float]:

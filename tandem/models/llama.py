@@ -12,12 +12,13 @@ slice of the vocabulary for the embedding and the LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from tandem.distributed.parallel import SINGLE, Shard, TensorParallel, heads_to_rows
-from tandem.ops import elementwise as ops
+from tandem.ops import elementwise
 from tandem.ops.attention import AttentionMetadata, paged_attention
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
 
@@ -68,6 +69,7 @@ class ForwardContext:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     rotary: Rotary
+    ops: ModuleType  # the non-GEMM ops: ops/elementwise.py, or their fused Triton twins
 
 
 class Attention(nn.Module):
@@ -90,6 +92,7 @@ class Attention(nn.Module):
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
+        ops = ctx.ops
         if s.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -112,7 +115,7 @@ class MLP(nn.Module):
         self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
-    def forward(self, x):
+    def forward(self, x, ops: ModuleType):
         return self.tp.all_reduce(self.down(ops.silu_and_mul(self.gate_up(x))))
 
 
@@ -140,18 +143,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous sublayer's output (the embeddings for the first layer, where
         residual is None). Returns this layer's MLP output and the residual stream before it."""
+        ops, norm = ctx.ops, self.input_norm
         if residual is None:
-            residual, h = x, ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
         else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_norm.weight, self.input_norm.eps)
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         a = self.attn(h, kv_cache, ctx)
         norm = self.post_attn_norm
         h, residual = ops.add_rms_norm(a, residual, norm.weight, norm.eps)
-        return self.mlp(h), residual
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
     rotary: Rotary  # set by the loader on the real device (the module is built on "meta")
+    ops: ModuleType = elementwise  # fast_path.prepare may choose the fused Triton ops (CUDA)
 
     def __init__(self, spec: LlamaSpec, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -192,11 +197,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if self._fused_weights is not None:
             return self._fused_forward(input_ids, positions, kv_caches, meta)
-        ctx = ForwardContext(positions, meta, self.rotary)
+        ctx = ForwardContext(positions, meta, self.rotary, self.ops)
         x, residual = self._embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, kv_cache, ctx)
-        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

@@ -1,8 +1,9 @@
 """The forward's non-GEMM ops in portable PyTorch, with Hugging Face's exact arithmetic.
 
 With them greedy outputs equal transformers' token for token and logit for logit: the model runs
-them op by op when `enforce_eager` is set, for other dtypes and on CUDA. The CPU fast path runs
-their fused twins (`csrc/cpu_kernels.cpp`) inside its one-call forward instead.
+them op by op when `enforce_eager` is set and for other dtypes on a CPU. The CPU fast path runs
+their fused twins (`csrc/cpu_kernels.cpp`) inside its one-call forward instead, and CUDA their
+Triton twins (`triton_elementwise.py`).
 """
 
 from __future__ import annotations
