@@ -110,8 +110,19 @@ def test_paged_decode_attention_reads_the_cache_in_place(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=[2, 1])
+def torch_threads(request):
+    """2: the work spreads over torch's OpenMP team; 1: over helpers from the inter-op pool."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("num_requests", [3, 12])  # per kv head / per request, on every core
-def test_paged_decode_attention_on_long_contexts(num_requests, attention_kernel) -> None:
+def test_paged_decode_attention_on_long_contexts(
+    num_requests, attention_kernel, torch_threads
+) -> None:
     """Contexts long enough that the kernel spreads the work over all cores."""
     g = torch.Generator().manual_seed(num_requests)
     heads, kv_heads, dim, block_size, num_blocks = 8, 2, 32, 16, 1200

@@ -385,6 +385,9 @@ std::atomic<bool> portable_attention{false};
 
 bool set_generic_decode_attention(bool generic) { return portable_attention.exchange(generic); }
 
+// Measurements switch the OpenMP team off for attention, to compare with inter-op helpers.
+std::atomic<bool> inter_op_attention{getenv("TANDEM_ATTENTION_INTEROP") != nullptr};
+
 // The vector kernel for this head size and group, or null where only the generic loop fits.
 using AttendVec = void (*)(const DecodeProblem&, int64_t, int64_t, int64_t, std::vector<float>&,
                            std::vector<Vec16>&);
@@ -425,9 +428,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                   k_cache.size(1), q.stride(0), block_tables.stride(0), sliding_window,
                   (float)scale};
   // Every core reads, whatever torch's thread count (tuned for the GEMMs): attention is bound by
-  // memory bandwidth, which a second core nearly doubles. Helpers come from torch's inter-op
-  // pool, whose threads sleep when idle (OpenMP's spin and would take the core the host needs);
-  // tasks are claimed one by one, so a core the host takes for a moment only shifts work to
+  // memory bandwidth, which a second core nearly doubles. Where torch computes on one thread,
+  // helpers come from its inter-op pool, whose threads sleep when idle (an OpenMP team would
+  // spin on the core the host needs); where its OpenMP team computes, the team does (below).
+  // Tasks are claimed one by one, so a core the host takes for a moment only shifts work to
   // the others. Short contexts stay on this thread: waking others would cost more than it saves.
   // The bound, 2^18 floats of K (1 MiB), was measured in whole runs at 32 requests: on the
   // default model 2^16, 2^18 and 2^21 were tried (2^18 as fast as the best at contexts of 128
@@ -457,6 +461,17 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       }
     }
   };
+  if (threads > 1 && omp_get_max_threads() >= threads && !inter_op_attention) {
+    // torch's OpenMP team already runs this step's GEMMs, and after each parallel region its
+    // workers spin (libgomp: ~300k pause loops, milliseconds here) before they sleep. A helper
+    // from the inter-op pool would share a core with a spinning worker; the team itself is awake.
+    // Measured with the team just used (32 requests, 1600 tokens, 8 heads of 32 over 2 KV
+    // heads): 1.65-1.70 against 2.28-2.55 ms per layer from memory, 0.63 against 1.3-1.4 in
+    // cache. (A microbenchmark that runs an OpenMP op between calls sees the same contention.)
+#pragma omp parallel num_threads(threads)
+    work();
+    return;
+  }
   std::latch helpers_done(threads - 1);
   for (int64_t t = 1; t < threads; ++t) {
     at::launch([&] {
