@@ -2,9 +2,9 @@
 
 The choice is automatic. On a CPU in float32 the fast path pre-packs every GEMM weight for MKL
 and runs the fused kernels (built once and cached on disk; the build time is reported). On CUDA
-the norms, the rotary embedding and SiLU run as fused Triton kernels (`ops/triton_elementwise.py`). Where a
-piece is unavailable (no MKL, no compiler, another dtype or device) that piece falls back to
-portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
+the norms, the rotary embedding and SiLU run as fused Triton kernels
+(`ops/triton_elementwise.py`). Where a piece is unavailable (no MKL, no compiler, no triton,
+another dtype or device) that piece falls back to portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
 Hugging Face's own.
 """
 

@@ -7,9 +7,9 @@ two of them: 8% of the step. Fused, a layer is about 13 kernels.
 
 Each kernel keeps `ops/elementwise.py`'s arithmetic: every intermediate that PyTorch rounds to the
 model's dtype is rounded here too, products and sums are not contracted into FMAs
-(`enable_fp_fusion=False`), and exp, rsqrt and division are CUDA's accurate ones (libdevice,
-`div_rn`), so elementwise results are bit-identical; only the RMSNorm's sum of squares adds in
-another order. The CPU suite runs them under Triton's interpreter against the portable ops
+(`enable_fp_fusion=False`), exp and division are CUDA's accurate ones (libdevice, `div_rn`)
+and rsqrt its hardware approximation, as PyTorch's `rsqrtf`; only the RMSNorm's sum of squares
+adds in another order. The CPU suite runs them under Triton's interpreter against the portable ops
 (where exp is numpy's, and a cast to bf16 truncates instead of rounding).
 """
 

@@ -385,9 +385,6 @@ std::atomic<bool> portable_attention{false};
 
 bool set_generic_decode_attention(bool generic) { return portable_attention.exchange(generic); }
 
-// Measurements switch the OpenMP team off for attention, to compare with inter-op helpers.
-std::atomic<bool> inter_op_attention{getenv("TANDEM_ATTENTION_INTEROP") != nullptr};
-
 // The vector kernel for this head size and group, or null where only the generic loop fits.
 using AttendVec = void (*)(const DecodeProblem&, int64_t, int64_t, int64_t, std::vector<float>&,
                            std::vector<Vec16>&);
@@ -461,7 +458,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       }
     }
   };
-  if (threads > 1 && omp_get_max_threads() >= threads && !inter_op_attention) {
+  if (threads > 1 && omp_get_max_threads() >= threads) {
     // torch's OpenMP team already runs this step's GEMMs, and after each parallel region its
     // workers spin (libgomp: ~300k pause loops, milliseconds here) before they sleep. A helper
     // from the inter-op pool would share a core with a spinning worker; the team itself is awake.
