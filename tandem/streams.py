@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tandem.ops import cpu_kernels
+
 
 class StepHandle:
     """A launched step; `wait()` blocks until the device has finished it and returns its result."""
@@ -70,6 +72,9 @@ class CPUStream:
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any]) -> StepHandle:
+        # The work's OpenMP team is this stream's thread's; one the submitting thread kept would
+        # make libgomp's waiting threads sleep instead of spin (`release_openmp_threads`).
+        cpu_kernels.release_openmp_threads()
         handle = _CPUHandle()
         self._queue.put((fn, handle))
         return handle

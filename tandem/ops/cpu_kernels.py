@@ -67,6 +67,12 @@ def loaded() -> bool:
     return _loaded is not None and _loaded.available
 
 
+def release_openmp_threads() -> None:
+    """Free the calling thread's OpenMP team, if the kernels are loaded (csrc explains why)."""
+    if loaded():
+        torch.ops.tandem.release_openmp_threads()
+
+
 def load() -> KernelBuild:
     """Load the kernels, building them first if no cached build fits this machine."""
     global _loaded

@@ -297,7 +297,11 @@ inline Vec16 sum_lanes(Vec16 v[16]) {
 // Rows are taken 16 at a time, every kv head of a row together, so each block's rows are read as
 // one contiguous stretch. Blocks lie anywhere in the cache and the hardware prefetcher stops at
 // each block's end, so each row visited prefetches the same row of the request's next block:
-// 1.2-1.8x measured on the development VM (the whole next block at once gained nothing).
+// 1.2-1.8x measured on the development VM. Tried there and slower: the whole next block at once;
+// prefetching two blocks ahead; fewer lines (one per row, or only a block's first lines, leaving
+// the rest to the hardware's streamer). Into L2 (prefetcht2) ran 2-4% faster than into L1.
+// The kernel is bound by memory latency: about 16 GB/s on two cores, with its arithmetic alone
+// (K/V in L1) at 50 GB/s-equivalent and a plain sum streaming 27 GB/s.
 template <int64_t D, int64_t G>
 void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<Vec16>& acc) {
@@ -325,7 +329,7 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
       for (int64_t o = lo; o < hi; ++o) {
         if (has_next) {  // the same row of the next block, one cache line (16 floats) at a time
           const float* row = next + o * token_stride;
-          for (int64_t c = 0; c < heads * D; c += 16) __builtin_prefetch(row + c);
+          for (int64_t c = 0; c < heads * D; c += 16) __builtin_prefetch(row + c, 0, 1);
         }
         rows[count++] = base + o * token_stride;
         if (count == 16) {
@@ -379,6 +383,14 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
     for (int64_t c = 0; c < C; ++c)
       store16(p.out + (r * p.heads + h0 * G + j) * D + c * 16, acc[j * C + c] * inv_sums[j]);
 }
+
+// libgomp keeps a team of threads for every thread that opened a parallel region, and once
+// the teams' threads outnumber the cores its waiting threads stop spinning and sleep at once:
+// every later region then starts with futex wake-ups. The engine's steps run on its device
+// thread; a team the host thread kept (from loading the model, say) made that thread's
+// two-thread decode step 2.2x slower (3.4 against 1.5 ms on the default model). This frees
+// the calling thread's team (OpenMP 5's soft pause: a later region builds a new one).
+bool release_openmp_threads() { return omp_pause_resource_all(omp_pause_soft) == 0; }
 
 // Tests switch the vector kernels off to check the generic loop on a machine that has both.
 std::atomic<bool> portable_attention{false};
@@ -691,6 +703,7 @@ TORCH_LIBRARY(tandem, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
   m.def("set_generic_decode_attention(bool generic) -> bool", &set_generic_decode_attention);
+  m.def("release_openmp_threads() -> bool", &release_openmp_threads);
   m.def(
       "llama_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor[] weights, "
       "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
