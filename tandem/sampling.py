@@ -74,9 +74,18 @@ def portable_uniform_noise(
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a [S, V] matrix; on a CPU in float32 with the fused kernels loaded,
+    `tandem::argmax_rows` gives the same indices several times faster."""
+    fused = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    if fused and x.stride(-1) == 1 and cpu_kernels.loaded():
+        return torch.ops.tandem.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [S, V] float32 -> token ids [S] int64."""
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if t.all_greedy:
         return greedy
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
@@ -88,7 +97,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         threshold = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     exponential = -uniform_noise(t.seed_keys, t.output_index, logits.shape[-1]).log()
-    sampled = (probs / exponential).argmax(dim=-1)
+    sampled = argmax_rows(probs / exponential)
     return torch.where(t.temperature > 0, sampled, greedy)
 
 

@@ -55,6 +55,10 @@ class _CPUHandle(StepHandle):
 # lost. A fraction of a millisecond keeps its waits short at a negligible switching cost.
 GIL_SWITCH_INTERVAL_S = 2e-4
 
+# How long a CPU stream's worker waits for work before it frees its OpenMP team: far longer than
+# the host's turn between two steps, so a running engine keeps its team.
+IDLE_RELEASE_S = 0.05
+
 
 class CPUStream:
     """Runs submitted work in order on one worker thread.
@@ -81,9 +85,18 @@ class CPUStream:
 
     def _work(self) -> None:
         torch.set_grad_enabled(False)
-        while (job := self._queue.get()) is not None:
+        while (job := self._next_job()) is not None:
             self._run(*job)
             del job  # hold no reference to finished work (it pins the runner and its KV cache)
+
+    def _next_job(self) -> tuple | None:
+        """The next job; an idle worker first frees its OpenMP team, so that an engine at rest
+        does not slow another one's steps in this process (`release_openmp_threads`)."""
+        try:
+            return self._queue.get(timeout=IDLE_RELEASE_S)
+        except queue.Empty:
+            cpu_kernels.release_openmp_threads()
+            return self._queue.get()
 
     @staticmethod
     def _run(fn: Callable[[], Any], handle: _CPUHandle) -> None:

@@ -7,6 +7,7 @@ the default). `enforce_eager` keeps the portable arithmetic, which matches trans
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -71,6 +72,58 @@ def test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit() -> None:
         assert fused.dtype == torch.float32 and fused.shape == (rows, vocab)
         assert torch.equal(fused, portable_uniform_noise(keys, index, vocab))
         assert fused.min() > 0 and fused.max() < 1
+
+
+def test_argmax_kernel_is_torch_argmax() -> None:
+    """Greedy tokens come from this argmax: first index of the largest value, NaN the largest."""
+    from tandem.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(2)
+    for rows, cols in ((1, 1), (3, 7), (5, 16), (7, 17), (32, 2048), (4, 151936), (0, 9)):
+        x = torch.randn(rows, cols, generator=g)
+        cases = [x, torch.full((rows, cols), float("-inf"))]
+        if cols > 3:
+            tied = x.clone()
+            tied[:, 1] = tied[:, -1] = 6.0  # ties: the first index wins
+            nan = tied.clone()
+            nan[::2, 2] = nan[::2, -2] = float("nan")  # the first NaN wins, even over +inf
+            nan[:, 0] = float("inf")
+            cases += [tied, nan]
+        for case in cases:
+            fused = torch.ops.tandem.argmax_rows(case)
+            assert fused.dtype == torch.int64 and torch.equal(fused, case.argmax(dim=-1))
+    strided = torch.randn(6, 64, generator=g)[:, :40]  # a row stride wider than the row
+    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+    assert torch.equal(argmax_rows(strided.t()), strided.t().argmax(dim=-1))  # portable path
+
+
+def _thread_ids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_submitting_a_cpu_step_frees_the_submitting_threads_openmp_team() -> None:
+    """libgomp sleeps at once, instead of spinning, once its teams outnumber the cores: a team
+    the host kept would slow every parallel region of the device thread (streams.py)."""
+    from tandem.streams import CPUStream
+
+    stream = CPUStream()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu_kernels.release_openmp_threads()  # whatever an earlier test left on this thread
+        existing = _thread_ids()
+        torch.randn(1 << 22).add_(1.0)  # a parallel region: this thread now keeps a team
+        team = _thread_ids() - existing
+        assert len(team) == 1
+        stream.submit(lambda: None).wait()
+        assert not team & _thread_ids()  # the team's other thread has exited
+        torch.randn(1 << 22).add_(1.0)  # a later region builds a new team: nothing breaks
+        assert len(_thread_ids() - existing) == 1
+    finally:
+        cpu_kernels.release_openmp_threads()
+        torch.set_num_threads(before)
+        stream.close()
 
 
 @pytest.fixture(params=["vector", "generic"])

@@ -691,6 +691,44 @@ at::Tensor uniform_noise(const at::Tensor& seed_keys, const at::Tensor& output_i
   return out;
 }
 
+// Row-wise argmax of a float32 matrix, as torch.argmax(dim=-1): the first index of the largest
+// value, a NaN counting as the largest. Why: torch's CPU argmax compares one element at a time
+// (100 us for 32 x 2048 on one core here, 0.4 ms inside a step), and every greedy step takes one.
+// Here the max is taken in 16 independent lanes, then the row is scanned for its first match.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be a [rows, n > 0] matrix");
+  const int64_t rows = x.size(0), cols = x.size(1), stride = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * stride;
+      float lanes[16];
+      int32_t nan_lanes[16] = {};
+      std::fill(lanes, lanes + 16, -std::numeric_limits<float>::infinity());
+      int64_t i = 0;
+      for (; i + 16 <= cols; i += 16) {
+        for (int64_t l = 0; l < 16; ++l) {
+          lanes[l] = v[i + l] > lanes[l] ? v[i + l] : lanes[l];
+          nan_lanes[l] |= v[i + l] != v[i + l];
+        }
+      }
+      for (; i < cols; ++i) {
+        lanes[0] = v[i] > lanes[0] ? v[i] : lanes[0];
+        nan_lanes[0] |= v[i] != v[i];
+      }
+      const bool has_nan = std::any_of(nan_lanes, nan_lanes + 16, [](int32_t n) { return n; });
+      const float best = *std::max_element(lanes, lanes + 16);
+      int64_t at = 0;
+      while (has_nan ? v[at] == v[at] : v[at] != best) ++at;
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -699,6 +737,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
@@ -718,6 +757,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("uniform_noise", &uniform_noise);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);
 }
