@@ -81,7 +81,8 @@ def test_argmax_kernel_is_torch_argmax() -> None:
     g = torch.Generator().manual_seed(2)
     for rows, cols in ((1, 1), (3, 7), (5, 16), (7, 17), (32, 2048), (4, 151936), (0, 9)):
         x = torch.randn(rows, cols, generator=g)
-        cases = [x, torch.full((rows, cols), float("-inf"))]
+        few_values = torch.randint(0, 3, (rows, cols), generator=g).float()  # ties everywhere
+        cases = [x, torch.full((rows, cols), float("-inf")), few_values]
         if cols > 3:
             tied = x.clone()
             tied[:, 1] = tied[:, -1] = 6.0  # ties: the first index wins
@@ -95,6 +96,55 @@ def test_argmax_kernel_is_torch_argmax() -> None:
     strided = torch.randn(6, 64, generator=g)[:, :40]  # a row stride wider than the row
     assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
     assert torch.equal(argmax_rows(strided.t()), strided.t().argmax(dim=-1))  # portable path
+
+
+def _reference_scores(logits, temperature, min_p, keys, index) -> torch.Tensor:
+    """The reference sampler's scores, probs / exponential noise, in float64."""
+    from tandem.sampling import portable_uniform_noise
+
+    probs = (logits.double() / temperature.double()[:, None]).softmax(dim=-1)
+    probs = probs.masked_fill(probs < min_p.double()[:, None] * probs.max(-1, keepdim=True)[0], 0)
+    exponential = -portable_uniform_noise(keys, index, logits.shape[1]).double().log()
+    return probs / exponential
+
+
+def test_sampler_kernel_draws_the_reference_samplers_tokens() -> None:
+    """Temperature and min_p rows pick the reference's token (ties to float precision aside);
+    temperature 0 rows are greedy; nothing below min_p is ever drawn."""
+    g = torch.Generator().manual_seed(3)
+    differ = total = 0
+    for rows, vocab, spread in ((64, 7, 1.0), (64, 2048, 3.0), (8, 151936, 4.0), (40, 33, 0.2)):
+        for _ in range(4):
+            logits = torch.randn(rows, vocab, generator=g) * spread
+            logits[0, : vocab // 2] = float("-inf")  # masked tokens (min_tokens, logit_bias)
+            temperature = torch.rand(rows, generator=g) * 1.5 + 0.05
+            temperature[1::5] = 0.0
+            min_p = torch.where(torch.rand(rows, generator=g) < 0.5, 0.0, 0.3)
+            keys = torch.randint(0, 2**32, (rows,), generator=g)
+            index = torch.randint(0, 2**20, (rows,), generator=g)
+            ids = torch.ops.tandem.sample_rows(logits, temperature, min_p, keys, index)
+            greedy = temperature == 0
+            assert torch.equal(ids[greedy], logits[greedy].argmax(-1))
+            scores = _reference_scores(logits, temperature, min_p, keys, index)[~greedy]
+            picked, best = scores.gather(1, ids[~greedy, None])[:, 0], scores.max(-1)[0]
+            assert (picked > 0).all()  # never a masked or min_p-dropped token
+            assert torch.allclose(picked, best, rtol=1e-5, atol=0)  # the best, up to rounding
+            differ += int((ids[~greedy] != scores.argmax(-1)).sum())
+            total += int((~greedy).sum())
+    assert differ <= total // 200, (differ, total)  # a different pick is a float-precision tie
+
+
+def test_sampler_kernel_follows_the_softmax() -> None:
+    """Over many seeds the draws of one row follow softmax(logits / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).repeat(20000, 1)
+    temperature = torch.full((20000,), 0.7)
+    ids = torch.ops.tandem.sample_rows(
+        logits, temperature, torch.zeros(20000), torch.arange(20000), torch.zeros(20000).long()
+    )
+    observed = torch.bincount(ids, minlength=5).double() / 20000
+    expected = (logits[0].double() / 0.7).softmax(-1)
+    assert observed[4] == 0
+    assert (observed - expected).abs().max() < 0.012, (observed, expected)
 
 
 def _thread_ids() -> set[str]:

@@ -691,10 +691,44 @@ at::Tensor uniform_noise(const at::Tensor& seed_keys, const at::Tensor& output_i
   return out;
 }
 
-// Row-wise argmax of a float32 matrix, as torch.argmax(dim=-1): the first index of the largest
-// value, a NaN counting as the largest. Why: torch's CPU argmax compares one element at a time
-// (100 us for 32 x 2048 on one core here, 0.4 ms inside a step), and every greedy step takes one.
-// Here the max is taken in 16 independent lanes, then the row is scanned for its first match.
+// The first index of the largest of v[0 .. n), a NaN counting as the largest (torch.argmax's
+// rule). Why: torch's CPU argmax compares one element at a time (100 us for 32 x 2048 on one
+// core here, 8.8 ms for 32 x 128k), and every greedy step takes one.
+int64_t first_max(const float* v, int64_t cols) {
+  // Each lane keeps its largest value and where it first saw it (a later equal value does
+  // not replace it), so the row is read once; a NaN anywhere sends it to a plain scan.
+  const float low = -std::numeric_limits<float>::infinity();
+  Vec16 lanes = {low, low, low, low, low, low, low, low, low, low, low, low, low, low, low, low};
+  Lanes16 where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Lanes16 index = where, nan_lanes = {};
+  int64_t i = 0;
+  for (; i + 16 <= cols; i += 16, index += 16) {
+    const Vec16 chunk = load16(v + i);
+    const Lanes16 larger = chunk > lanes;
+    lanes = larger ? chunk : lanes;
+    where = larger ? index : where;
+    nan_lanes |= chunk != chunk;
+  }
+  float best = low;
+  int64_t at = cols;
+  bool has_nan = false;
+  for (int64_t l = 0; l < 16; ++l) {
+    has_nan |= nan_lanes[l] != 0;
+    if (i == 0) break;  // no whole group of 16: the tail below sees every value
+    if (lanes[l] > best || (lanes[l] == best && where[l] < at)) best = lanes[l], at = where[l];
+  }
+  for (; i < cols; ++i) {
+    has_nan |= v[i] != v[i];
+    if (v[i] > best || at == cols) best = v[i], at = i;
+  }
+  if (has_nan) {
+    at = 0;
+    while (v[at] == v[at]) ++at;
+  }
+  return at;
+}
+
+// Row-wise argmax of a float32 matrix, as torch.argmax(dim=-1).
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_float_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be a [rows, n > 0] matrix");
@@ -703,30 +737,90 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* v = xp + r * stride;
-      float lanes[16];
-      int32_t nan_lanes[16] = {};
-      std::fill(lanes, lanes + 16, -std::numeric_limits<float>::infinity());
-      int64_t i = 0;
-      for (; i + 16 <= cols; i += 16) {
-        for (int64_t l = 0; l < 16; ++l) {
-          lanes[l] = v[i + l] > lanes[l] ? v[i + l] : lanes[l];
-          nan_lanes[l] |= v[i + l] != v[i + l];
-        }
-      }
-      for (; i < cols; ++i) {
-        lanes[0] = v[i] > lanes[0] ? v[i] : lanes[0];
-        nan_lanes[0] |= v[i] != v[i];
-      }
-      const bool has_nan = std::any_of(nan_lanes, nan_lanes + 16, [](int32_t n) { return n; });
-      const float best = *std::max_element(lanes, lanes + 16);
-      int64_t at = 0;
-      while (has_nan ? v[at] == v[at] : v[at] != best) ++at;
-      op[r] = at;
-    }
+    for (int64_t r = begin; r < end; ++r) op[r] = first_max(xp + r * stride, cols);
   });
   return out;
+}
+
+// log(x) for normal x > 0 in a form the compiler vectorises (libm's logf is a scalar call):
+// x = m * 2^e with m in [sqrt(1/2), sqrt(2)), and Cephes' polynomial for log(m), within a few ulp.
+__attribute__((always_inline)) inline float fast_log(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  float e = static_cast<float>((bits >> 23) - 126);
+  bits = (bits & 0x007FFFFF) | 0x3F000000;  // the mantissa as a value in [0.5, 1)
+  float m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const bool low = m < 0.70710678f;
+  e = low ? e - 1.f : e;
+  const float f = low ? m + m - 1.f : m - 1.f;
+  const float z = f * f;
+  float p = 7.0376836292e-2f;
+  p = p * f - 1.1514610310e-1f;
+  p = p * f + 1.1676998740e-1f;
+  p = p * f - 1.2420140846e-1f;
+  p = p * f + 1.4249322787e-1f;
+  p = p * f - 1.6668057665e-1f;
+  p = p * f + 2.0000714765e-1f;
+  p = p * f - 2.4999993993e-1f;
+  p = p * f + 3.3333331174e-1f;
+  const float y = p * f * z - 2.12194440e-4f * e - 0.5f * z;
+  return f + y + 0.693359375f * e;
+}
+
+// The sampler's plain path in one pass per row (tandem/sampling.py `sample`, the reference, for
+// rows without top-k or top-p): temperature 0 is greedy; otherwise the token maximising
+// softmax(logits / T)_i / E_i, where E_i = -log(U_i) is exponential noise from the same hash as
+// `uniform_noise` (the exponential race: a draw from the softmax), and min_p drops tokens whose
+// probability is below min_p times the largest. Why: the reference makes six passes over a
+// [rows, vocab] matrix through torch (38 ms a step for 32 rows of a 128k vocabulary on two cores
+// here); this reads the logits twice and makes no noise matrix. The arithmetic differs only in
+// rounding (softmax's normaliser is left out: it scales every score alike), so a row picks
+// another token than the reference only where two scores tie to float precision.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                       const at::Tensor& min_p, const at::Tensor& seed_keys,
+                       const at::Tensor& output_index) {
+  check_float_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be a [rows, n > 0] matrix");
+  TORCH_CHECK(logits.size(1) < 0x61C88647, "vocab too large for the noise hash");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  auto temp = temperature.to(at::kFloat).contiguous(), floor = min_p.to(at::kFloat).contiguous();
+  auto keys = seed_keys.to(at::kLong).contiguous(), index = output_index.to(at::kLong).contiguous();
+  TORCH_CHECK(temp.numel() == rows && floor.numel() == rows && keys.numel() == rows &&
+                  index.numel() == rows,
+              "one temperature, min_p, seed key and output index per row");
+  auto greedy = argmax_rows(logits);
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temp.data_ptr<float>();
+  const float* mp = floor.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  int64_t* out = greedy.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* l = lp + r * stride;
+      const float t = tp[r], cut = mp[r];
+      const float top = l[out[r]] / t;  // the largest logit: division by t > 0 keeps the order
+      if (!(t > 0.f) || !std::isfinite(top)) continue;  // greedy (or no finite largest logit)
+      const uint32_t row =
+          mix32(static_cast<uint32_t>(kp[r]) ^ mix32(static_cast<uint32_t>(ip[r])));
+      float* score = scores.data();
+#pragma omp simd
+      for (int64_t v = 0; v < vocab; ++v) {
+        // Everything is computed and then selected: a branch would keep the loop scalar.
+        const float x = l[v] / t - top, e = fast_exp(x);
+        const float p = x < -87.f ? 0.f : e;  // probability times softmax's normaliser
+        const uint32_t bits =
+            mix32(mix32(row ^ mix32(static_cast<uint32_t>(v + 0x9E3779B9LL))) ^ row);
+        const float u = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+        const float race = p / -fast_log(u);
+        score[v] = p < cut ? 0.f : race;
+      }
+      out[r] = first_max(score, vocab);
+    }
+  });
+  return greedy;
 }
 
 }  // namespace
@@ -738,6 +832,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def(
+      "sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor seed_keys, "
+      "Tensor output_index) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
@@ -758,6 +855,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);
 }
