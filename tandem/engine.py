@@ -33,6 +33,7 @@ from tandem.logprobs import LogprobsArrays, unpack
 from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
 from tandem.models import fast_path
 from tandem.models.loader import build_model, find_tokenizer, read_config
+from tandem.ops import cpu_kernels
 from tandem.request import LogitsProcessing, Request, RequestOutput, SamplingParams
 from tandem.runner import ModelRunner, build_runner, cache_capacity
 from tandem.sampling import seed_key
@@ -125,6 +126,10 @@ class Engine:
                 self.execution.cpu_threads = config.cpu_threads
             elif device.type == "cpu" and self.execution.kernels:
                 self._tune_cpu_threads(model)
+            # Loading the model opened parallel regions on this thread; the steps may be
+            # submitted from another (a server's loop), and this thread's OpenMP team would
+            # throttle the device thread's (`CPUStream.submit`).
+            cpu_kernels.release_openmp_threads()
         logger.info("execution: %s", self.execution.describe())
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
