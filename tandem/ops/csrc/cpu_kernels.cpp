@@ -665,27 +665,42 @@ inline uint32_t mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
+// The hash's parts: a row's key from its seed key and output index, a vocabulary id's column
+// key, and the U(0, 1) value of one (row, column). `uniform_noise` and `sample_rows` both use
+// them, so the sampler's draws and the noise matrix stay the same bits.
+constexpr int64_t kMaxNoiseVocab = 0x61C88647;  // ids past it would wrap in the column key
+
+inline uint32_t noise_row(int64_t seed_key, int64_t output_index) {
+  return mix32(static_cast<uint32_t>(seed_key) ^ mix32(static_cast<uint32_t>(output_index)));
+}
+
+inline uint32_t noise_column(int64_t vocab_id) {
+  return mix32(static_cast<uint32_t>(vocab_id + 0x9E3779B9LL));
+}
+
+inline float noise_uniform(uint32_t row, uint32_t column) {
+  const uint32_t bits = mix32(mix32(row ^ column) ^ row);
+  return (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+}
+
 at::Tensor uniform_noise(const at::Tensor& seed_keys, const at::Tensor& output_index,
                          int64_t vocab) {
   TORCH_CHECK(seed_keys.scalar_type() == at::kLong && output_index.scalar_type() == at::kLong,
               "uniform_noise takes int64 seed keys and output indices");
-  TORCH_CHECK(vocab < 0x61C88647, "vocab too large for the noise hash");
+  TORCH_CHECK(vocab < kMaxNoiseVocab, "vocab too large for the noise hash");
   auto keys = seed_keys.contiguous(), index = output_index.contiguous();
   const int64_t rows = keys.numel();
   auto out = at::empty({rows, vocab}, keys.options().dtype(at::kFloat));
   std::vector<uint32_t> col(vocab);
-  for (int64_t v = 0; v < vocab; ++v) col[v] = mix32(static_cast<uint32_t>(v + 0x9E3779B9LL));
+  for (int64_t v = 0; v < vocab; ++v) col[v] = noise_column(v);
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* o = index.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint32_t row = mix32(static_cast<uint32_t>(k[r]) ^ mix32(static_cast<uint32_t>(o[r])));
+      const uint32_t row = noise_row(k[r], o[r]);
       float* d = dst + r * vocab;
-      for (int64_t v = 0; v < vocab; ++v) {
-        const uint32_t bits = mix32(mix32(row ^ col[v]) ^ row);
-        d[v] = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
-      }
+      for (int64_t v = 0; v < vocab; ++v) d[v] = noise_uniform(row, col[v]);
     }
   });
   return out;
@@ -782,7 +797,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
                        const at::Tensor& output_index) {
   check_float_rows(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be a [rows, n > 0] matrix");
-  TORCH_CHECK(logits.size(1) < 0x61C88647, "vocab too large for the noise hash");
+  TORCH_CHECK(logits.size(1) < kMaxNoiseVocab, "vocab too large for the noise hash");
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   auto temp = temperature.to(at::kFloat).contiguous(), floor = min_p.to(at::kFloat).contiguous();
   auto keys = seed_keys.to(at::kLong).contiguous(), index = output_index.to(at::kLong).contiguous();
@@ -803,18 +818,14 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
       const float t = tp[r], cut = mp[r];
       const float top = l[out[r]] / t;  // the largest logit: division by t > 0 keeps the order
       if (!(t > 0.f) || !std::isfinite(top)) continue;  // greedy (or no finite largest logit)
-      const uint32_t row =
-          mix32(static_cast<uint32_t>(kp[r]) ^ mix32(static_cast<uint32_t>(ip[r])));
+      const uint32_t row = noise_row(kp[r], ip[r]);
       float* score = scores.data();
 #pragma omp simd
       for (int64_t v = 0; v < vocab; ++v) {
         // Everything is computed and then selected: a branch would keep the loop scalar.
         const float x = l[v] / t - top, e = fast_exp(x);
         const float p = x < -87.f ? 0.f : e;  // probability times softmax's normaliser
-        const uint32_t bits =
-            mix32(mix32(row ^ mix32(static_cast<uint32_t>(v + 0x9E3779B9LL))) ^ row);
-        const float u = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
-        const float race = p / -fast_log(u);
+        const float race = p / -fast_log(noise_uniform(row, noise_column(v)));
         score[v] = p < cut ? 0.f : race;
       }
       out[r] = first_max(score, vocab);
