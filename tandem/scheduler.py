@@ -311,7 +311,8 @@ class Scheduler:
         need = self._blocks_needed(request, n)
         if need > 0:
             first = len(request.block_ids)
-            new = self.blocks.allocate(need, request.key)
+            last = request.block_ids[-1] if request.block_ids else None
+            new = self.blocks.allocate(need, request.key, after=last)
             request.block_ids.extend(new)
             self.block_table[request.slot, first : first + need] = new
 

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from tandem import SamplingParams
-from tandem.kv_cache import ROOT_HASH, BlockPool, chain_hash
+from tandem.kv_cache import ROOT_HASH, BlockAccounting, BlockPool, chain_hash
+from tandem.scheduler import Scheduler
 
 from conftest import hf_greedy_reference, random_prompts
 from helpers import assert_idle_and_balanced, greedy
@@ -202,6 +203,48 @@ def test_block_pool_refcounts_and_errors():
         pool.allocate(5, "x")
     pool.allocate(4, "x")  # evicts the cached block last
     assert pool.num_evictions == 1 and pool.lookup([b"h0"]) == []
+
+
+def test_block_pool_keeps_each_sequence_in_one_run():
+    """Sequences growing in lockstep do not interleave block by block: each grows into the block
+    after its last, and a new one is centred in the longest free run. Accounting stays exact."""
+    pool = BlockPool(64)
+    seqs = {name: pool.allocate(2, name) for name in "abc"}
+    assert seqs["a"] == [0, 1]  # block 0: nothing before it grows into the run
+    assert seqs["b"] == [32, 33]  # centred in [2, 64): 30 free blocks on either side
+    assert seqs["c"] == [16, 17]  # centred in the longest run left, [2, 32)
+    for _ in range(6):
+        for name, ids in seqs.items():
+            ids += pool.allocate(1, name, after=ids[-1])
+    for ids in seqs.values():
+        assert ids == list(range(ids[0], ids[0] + 8))
+    assert pool.check() == BlockAccounting(used=24, free_plain=40, free_cached=0, hashed=0)
+    # A sequence whose next block is taken continues in the longest free run.
+    taken = pool.allocate(1, "x", after=seqs["a"][-1])
+    assert taken == [8]
+    assert pool.allocate(1, "a", after=seqs["a"][-1]) == [51]  # centred in [40, 64)
+    pool.free(seqs["b"], "b")
+    assert pool.allocate(4, "d") == [35, 36, 37, 38]  # centred in [24, 51), b's run and its sides
+    assert pool.check() == BlockAccounting(used=22, free_plain=42, free_cached=0, hashed=0)
+
+
+def test_lockstep_requests_get_contiguous_blocks(tiny_llama, monkeypatch):
+    """In the engine: requests decoding together each keep their blocks in one run."""
+    finished = {}
+    finish = Scheduler.finish
+
+    def record(self, request, reason):
+        finished[request.key] = list(request.block_ids)
+        return finish(self, request, reason)
+
+    monkeypatch.setattr(Scheduler, "finish", record)
+    llm = make_llm(tiny_llama, block_size=4)
+    prompts = random_prompts(random.Random(5), 6, 1024, 5, 12)
+    llm.generate(prompts, greedy(40))
+    assert len(finished) == 6
+    for ids in finished.values():
+        assert len(ids) >= 11 and ids == list(range(ids[0], ids[0] + len(ids)))
+    assert_idle_and_balanced(llm.engine)
 
 
 def test_block_hashes_are_stable_across_processes():

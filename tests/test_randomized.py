@@ -44,8 +44,8 @@ class BlockChecker:
         pool.allocate, pool.register = self.allocate, self.register
         scheduler.schedule = self.schedule
 
-    def allocate(self, n, owner):
-        blocks = self._allocate(n, owner)
+    def allocate(self, n, owner, after=None):
+        blocks = self._allocate(n, owner, after)
         for b in blocks:  # handed out only once no in-flight step can still touch it
             assert self.last_use.get(b, -1) <= self.scheduler.last_retired_step, b
         return blocks
