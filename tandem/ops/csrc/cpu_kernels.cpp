@@ -340,10 +340,11 @@ constexpr int64_t kPrefetchLines = 256;
 // each query's scores and each V row, kPrefetchLines ahead: issued in a burst (the same row of
 // the next block, for every row gathered), they filled the buffers, stalled retirement and left
 // the arithmetic and the memory taking turns. Measured on the development VM (32 requests of
-// 3072 tokens, 4 layers): from blocks in runs 1.88 against 2.25-2.34 ms per layer (26.7 against
-// 21.5-22.3 GB/s, what a plain sum streams on these two cores), in random order 2.45-2.51
-// against 2.69-2.82. Into L2 (prefetcht2) ran 2-4% faster than into L1; as non-temporal, 2x
-// slower.
+// 3072 tokens, 4 layers): from blocks in runs 1.66-1.80 against 2.16-2.30 ms per layer (28-30
+// GB/s, about what a plain sum streams on these two cores), in random order 2.24-2.45 against
+// 2.56-2.77. The same lines issued a row at a time, back to back, lost the whole gain: the
+// spacing between prefetches matters. Into L2 (prefetcht2) ran 2-4% faster than into L1; as
+// non-temporal, 2x slower.
 template <int64_t D, int64_t G>
 void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<Vec16>& acc) {
