@@ -355,6 +355,9 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
   const int64_t stride = (n + 15) / 16 * 16;  // each head's scores, whole groups of 16
   scores.resize(nh * stride);
   acc.assign(nh * C, Vec16{});
+  // Each query head's softmax max and sum, 16 lanes each (reduced after their pass).
+  std::vector<Vec16> lane_max(nh, Vec16{} - std::numeric_limits<float>::infinity());
+  std::vector<Vec16> lane_sum(nh, Vec16{});
   const float* qr = p.q + r * p.q_stride + h0 * G * D;
   const int64_t* blocks = p.block_tables + r * p.bt_stride;
   const int64_t lines_per_row = heads * D / 16;
@@ -401,14 +404,29 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
           for (int64_t c = 1; c < C; ++c) a += q[c] * load16(k + c * 16);
           part[t] = a;
         }
-        store16(scores.data() + (h * G + j) * stride + index, sum_lanes(part) * p.scale);
+        const Vec16 s = sum_lanes(part) * p.scale;
+        store16(scores.data() + (h * G + j) * stride + index, s);
+        Vec16& m = lane_max[h * G + j];  // a short group's extra lanes repeat a real row
+        m = s > m ? s : m;
       }
     }
   });
-  std::vector<float> inv_sums(nh);
-  prefetch.start(p.v, first, kPrefetchLines);  // V's first lines arrive during the softmax
-  for (int64_t j = 0; j < nh; ++j) inv_sums[j] = exp_scores(scores.data() + j * stride, n);
+  std::vector<float> head_max(nh);
+  for (int64_t j = 0; j < nh; ++j) {
+    head_max[j] = lane_max[j][0];
+    for (int l = 1; l < 16; ++l) head_max[j] = std::max(head_max[j], lane_max[j][l]);
+  }
+  prefetch.start(p.v, first, kPrefetchLines);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
+    // The softmax's numerators of these 16 tokens, made here rather than in a pass of their own
+    // so that the arithmetic overlaps the V rows' arrival (2% of a step at 3000 tokens).
+    for (int64_t j = 0; j < nh; ++j) {
+      float* w = scores.data() + j * stride + index;
+#pragma omp simd
+      for (int64_t t = 0; t < 16; ++t) w[t] = fast_exp(w[t] - head_max[j]);
+      std::fill(w + count, w + 16, 0.f);
+      lane_sum[j] += load16(w);
+    }
     for (int64_t h = 0; h < heads; ++h) {
       Vec16 a[G][C];
       for (int64_t j = 0; j < G; ++j)
@@ -425,9 +443,13 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
         for (int64_t c = 0; c < C; ++c) acc[(h * G + j) * C + c] = a[j][c];
     }
   });
-  for (int64_t j = 0; j < nh; ++j)
+  for (int64_t j = 0; j < nh; ++j) {
+    float total = 0.f;
+    for (int l = 0; l < 16; ++l) total += lane_sum[j][l];
+    const Vec16 inv = Vec16{} + 1.f / total;
     for (int64_t c = 0; c < C; ++c)
-      store16(p.out + (r * p.heads + h0 * G + j) * D + c * 16, acc[j * C + c] * inv_sums[j]);
+      store16(p.out + (r * p.heads + h0 * G + j) * D + c * 16, acc[j * C + c] * inv);
+  }
 }
 
 // libgomp keeps a team of threads for every thread that opened a parallel region, and once
