@@ -38,7 +38,7 @@ def frozen_startup_heap() -> Iterator[None]:
     0.34 s over the test suite's 600k), while the engine loop, the device thread's Python and
     every request wait. They live as long as the server, so they are frozen (as vLLM does after
     start-up) and later objects are collected as before. Unfrozen on exit, so that a process
-    embedding the app gets them back.
+    embedding the app gets them back (the freeze is process-wide: one app per process).
     """
     gc.collect()
     gc.freeze()
