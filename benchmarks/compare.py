@@ -70,7 +70,7 @@ LABELS = {
     "vllm": "vLLM (CPU build)",
 }
 
-# Random-weight checkpoints built on first use (tandem.default_model.build_checkpoint).
+# Random-weight checkpoints built on first use (tandem.models.default_model.build_checkpoint).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # ~3.4M parameters: a step is a few small GEMMs, so host work (scheduling, batching, Python)
     # decides the throughput: host-bound.
@@ -295,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_model(name: str) -> Path:
     """A preset name, 'default' or a folder; presets are built once, atomically, into the cache."""
     if name == "default":
-        from tandem.default_model import default_model_path
+        from tandem.models.default_model import default_model_path
 
         return default_model_path()
     if name not in MODEL_PRESETS:
@@ -307,7 +307,7 @@ def resolve_model(name: str) -> Path:
     path = MODEL_CACHE / f"{name}-{PRESET_VERSION}"
     if (path / "config.json").exists():
         return path
-    from tandem.default_model import build_checkpoint
+    from tandem.models.default_model import build_checkpoint
 
     print(f"building the {name} benchmark checkpoint into {path} (once)", file=sys.stderr)
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
@@ -457,13 +457,13 @@ class TandemEngine(Engine):
 
     def _generate(self, prompts: list[list[int]], n: int) -> Run:
         llm = self.shared.llm
-        llm.engine.async_scheduling = self.async_mode
-        llm.engine.reset_metrics()
+        llm.engine.configure(async_scheduling=self.async_mode)
+        mark = llm.engine.history.mark()
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        summary = llm.engine.summary()
+        summary = llm.engine.history.summary(since=mark)
         return Run([list(o.token_ids) for o in outs], wall, summary.ttft_s, summary.itl_s)
 
     def warm(self, work: Workload) -> None:

@@ -1,4 +1,4 @@
-"""The CUDA path's checks and the seed's experiment, for a machine with a GPU (CI has none).
+"""The CUDA path's checks and the blog's experiment, for a machine with a GPU (CI has none).
 
 One prepared script, sized to finish within 8 minutes on one H200; it prints one table last.
 1. Greedy fp32 outputs on CUDA equal Hugging Face `generate` on CPU, sync and async, CUDA graphs
@@ -8,15 +8,15 @@ One prepared script, sized to finish within 8 minutes on one H200; it prints one
    greedy tokens equal up to the first position where transformers' own top two are closer than
    that tolerance (a bf16 near-tie, which either order of summation may break either way).
 3. Penalties, logit_bias, min_tokens and logprobs on CUDA under the same sync check.
-4. The seed's experiment (`tandem bench --workload seed`: 32 requests at once, short prompts,
-   long generations) on the 8B-shaped dummy model (`benchmarks/models/llama-3.1-8b`): sync and
+4. The blog's experiment (`tandem bench --workload llama8b-32x8k`: 32 requests at once, short prompts,
+   long generations) on the 8B-shaped dummy model (`tandem/bench/models/llama-3.1-8b`): sync and
    async, CUDA graphs on and off; tokens/s, step-level device idle, and kernel-level device idle
    over a profiled window (torch.profiler).
 5. transformers' `generate_batch` with async batching (and its CUDA graphs) on the same dummy
    8B model and prompts, if this transformers has it, with shorter outputs (`--hf-output-len`:
    on an H200 it had not finished 32 x 1024 tokens in 190 s), against Tandem async at that length.
 
-    python benchmarks/cuda_check.py [--seed-output-len 1024] [--hf-output-len 128] [--skip-hf]
+    python benchmarks/cuda_check.py [--blog-output-len 1024] [--hf-output-len 128] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ MODEL_8B = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"
 BF16_TOLERANCE = 0.1  # logprob difference allowed between two bf16 implementations
 TABLE: list[tuple[str, str, str]] = []  # (section, what, result): printed last
 DEVICE = "cuda"  # --cpu-dry-run: "cpu", tiny shapes, to catch a broken script before a GPU run
-SEED_MODEL = MODEL_8B  # --cpu-dry-run: a config-only copy of the tiny checkpoint
+BLOG_MODEL = MODEL_8B  # --cpu-dry-run: a config-only copy of the tiny checkpoint
 
 
 def sync_checked() -> str:
@@ -180,17 +180,17 @@ def check_features(path: Path) -> None:
     assert worst < 1e-3
 
 
-def seed_workload(output_len: int, vocab_size: int, max_model_len: int):
+def blog_workload(output_len: int, vocab_size: int, max_model_len: int):
     from tandem.bench import make_workload
 
     shape = SimpleNamespace(
-        workload="seed", num_requests=32, prompt_len=32, output_len=output_len, len_spread=0.5,
+        workload="llama8b-32x8k", num_requests=32, prompt_len=32, output_len=output_len, len_spread=0.5,
         arrivals="offline", rate=0.0, workload_seed=0, num_prefixes=1, prefix_len=0,
     )  # fmt: skip
     return make_workload(shape, vocab_size, max_model_len)
 
 
-def seed_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
+def blog_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
     """Sync and async, graphs on and off, on the 8B-shaped dummy model; returns tokens/s.
     With `hf_len`, async with graphs also runs the shorter workload transformers runs."""
     from tandem import Engine, EngineConfig
@@ -201,18 +201,18 @@ def seed_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
     for graphs in (True, False):
         start = time.perf_counter()
         engine = Engine(EngineConfig(
-            model=str(SEED_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
+            model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
             enforce_eager=not graphs, max_model_len=max_model_len, max_num_seqs=32,
             num_kv_blocks=32 * (max_model_len // 16 + 2),
         ))  # fmt: skip
         label = f"graphs {'on' if graphs else 'off'}"
-        record("seed", f"engine start ({label})", f"{time.perf_counter() - start:.1f} s; "
+        record("blog", f"engine start ({label})", f"{time.perf_counter() - start:.1f} s; "
                f"{engine.execution.describe()}")  # fmt: skip
-        work = seed_workload(output_len, engine.spec.vocab_size, engine.max_model_len)
-        short = seed_workload(min(256, output_len), engine.spec.vocab_size, engine.max_model_len)
+        work = blog_workload(output_len, engine.spec.vocab_size, engine.max_model_len)
+        short = blog_workload(min(256, output_len), engine.spec.vocab_size, engine.max_model_len)
         warm = type(work)(work.prompts[:4], [4] * 4, [0.0] * 4)
         for mode in ("sync", "async"):
-            engine.async_scheduling = mode == "async"
+            engine.configure(async_scheduling=mode == "async")
             run_workload(engine, warm, 0.0, None, "warmup")
             run = run_workload(engine, work, 0.0, None, f"{mode}-{label}")
             summary = run.summary
@@ -222,13 +222,13 @@ def seed_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
             name = f"{mode}, {label}"
             rates[name] = summary.tokens_per_s
             if graphs and mode == "async" and hf_len and hf_len != output_len:
-                same = seed_workload(hf_len, engine.spec.vocab_size, engine.max_model_len)
+                same = blog_workload(hf_len, engine.spec.vocab_size, engine.max_model_len)
                 rate = run_workload(engine, same, 0.0, None, "as-hf").summary.tokens_per_s
                 rates[f"{name}, {hf_len} tokens"] = rate
-                record("seed", f"{name}, {hf_len} tokens (transformers' workload)",
+                record("blog", f"{name}, {hf_len} tokens (transformers' workload)",
                        f"{rate:.0f} tok/s")  # fmt: skip
             kernel_idle = f"{kernels.idle_pct:.2f}%" if kernels else "n/a"
-            record("seed", name, f"{summary.tokens_per_s:.0f} tok/s; step-level idle "
+            record("blog", name, f"{summary.tokens_per_s:.0f} tok/s; step-level idle "
                    f"{100 * summary.device_idle_fraction:.2f}%; kernel-level idle {kernel_idle} "
                    f"({kernels.kernels if kernels else 0} kernels over "
                    f"{kernels.steps if kernels else 0} steps)")  # fmt: skip
@@ -241,7 +241,7 @@ def seed_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
     if base:
         for name in ("sync, graphs on", "async, graphs on", "async, graphs off"):
             if name in rates:
-                record("seed", f"{name} vs sync, graphs off", f"{rates[name] / base:.2f}x")
+                record("blog", f"{name} vs sync, graphs off", f"{rates[name] / base:.2f}x")
     return rates
 
 
@@ -255,11 +255,11 @@ def hf_async_batching(output_len: int) -> float | None:
     except ImportError:
         record("hf", "generate_batch", f"transformers {transformers.__version__} has none")
         return None
-    config = AutoConfig.from_pretrained(SEED_MODEL)
+    config = AutoConfig.from_pretrained(BLOG_MODEL)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None  # random weights: generate every token
-    work = seed_workload(output_len, config.vocab_size, 64 + output_len + 16)
+    work = blog_workload(output_len, config.vocab_size, 64 + output_len + 16)
     on_gpu = DEVICE == "cuda"  # transformers' async batching and graphs need a GPU
     wanted = {"use_async_batching": on_gpu, "use_cuda_graph": on_gpu, "page_size": 16,
               "num_blocks": 32 * ((64 + output_len) // 16 + 2), "max_requests_per_batch": 32,
@@ -301,8 +301,8 @@ def synchronize() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed-output-len", type=int, default=1024,
-                        help="tokens per request in the seed runs (the seed used 8192)")  # fmt: skip
+    parser.add_argument("--blog-output-len", type=int, default=1024,
+                        help="tokens per request in the blog runs (the blog used 8192)")  # fmt: skip
     parser.add_argument(
         "--hf-output-len",
         type=int,
@@ -312,19 +312,19 @@ def main() -> int:
     )
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' run")
     parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run every section on the CPU at tiny sizes (the seed runs on the "
+                        help="run every section on the CPU at tiny sizes (the blog runs on the "
                         "tiny model's config with dummy weights, no profiler): checks the "
                         "script itself before a GPU run")  # fmt: skip
     args = parser.parse_args()
-    global DEVICE, SEED_MODEL
+    global DEVICE, BLOG_MODEL
     if args.cpu_dry_run:
         DEVICE = "cpu"
-        args.seed_output_len = min(args.seed_output_len, 24)
+        args.blog_output_len = min(args.blog_output_len, 24)
         args.hf_output_len = min(args.hf_output_len, 16)
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check (--cpu-dry-run checks the script)", file=sys.stderr)
         return 2
-    from tandem.default_model import build_checkpoint
+    from tandem.models.default_model import build_checkpoint
 
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     record("machine", name, f"torch {torch.__version__}")
@@ -333,14 +333,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_checkpoint(Path(tmp) / "tiny")
         if args.cpu_dry_run:
-            SEED_MODEL = Path(tmp) / "config-only"
-            SEED_MODEL.mkdir()
-            (SEED_MODEL / "config.json").write_text((tiny / "config.json").read_text())
+            BLOG_MODEL = Path(tmp) / "config-only"
+            BLOG_MODEL.mkdir()
+            (BLOG_MODEL / "config.json").write_text((tiny / "config.json").read_text())
         sections = [
             ("equivalence", lambda: check_equivalence(tiny)),
             ("bf16", lambda: check_bf16(tiny)),
             ("features", lambda: check_features(tiny)),
-            ("seed", lambda: seed_experiment(args.seed_output_len, hf_len)),
+            ("blog", lambda: blog_experiment(args.blog_output_len, hf_len)),
         ]
         if not args.skip_hf:
             sections.append(("hf", lambda: hf_async_batching(args.hf_output_len)))
@@ -354,7 +354,7 @@ def main() -> int:
                 traceback.print_exc()
                 record(name, "FAILED", f"{type(exc).__name__}: {exc}"[:300])
             record(name, "section time", f"{time.perf_counter() - start:.0f} s")
-    rates, hf = results.get("seed") or {}, results.get("hf")
+    rates, hf = results.get("blog") or {}, results.get("hf")
     if rates and hf:
         same = rates.get(f"async, graphs on, {hf_len} tokens", rates.get("async, graphs on", 0))
         record("targets", f"async graphs on vs transformers async ({hf_len} tokens each)",

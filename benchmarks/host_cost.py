@@ -30,7 +30,7 @@ def measure(
     engine: Engine, n: int, prompt_len: int, steps: int, features: str = "plain"
 ) -> dict[str, float]:
     rng = random.Random(n)
-    engine.reset_metrics()
+    mark = engine.history.mark()
     params = SamplingParams(
         max_tokens=steps, temperature=0.0, ignore_eos=True, **FEATURES[features]
     )
@@ -40,7 +40,7 @@ def measure(
         )
     while engine.has_unfinished():
         engine.step()
-    decode = [r for r in engine.step_records if r.num_seqs == n and r.num_tokens == n]
+    decode = [r for r in engine.history.steps(since=mark) if r.num_seqs == n and r.num_tokens == n]
     phases = ("schedule", "build", "launch", "update")
     ms = {
         p: 1e3 * float(np.median([r.spans[p][1] - r.spans[p][0] for r in decode])) for p in phases

@@ -105,7 +105,7 @@ def measure(args: argparse.Namespace, model_path: Path, allowed: list[int], path
             params = SamplingParams(
                 max_tokens=extra_tokens(args, ctx), temperature=0, ignore_eos=True
             )
-            engine.reset_metrics()
+            mark = engine.history.mark()
             start = time.perf_counter()
             ids = [
                 engine.add_request([rng.choice(allowed) for _ in range(ctx)], params)
@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace, model_path: Path, allowed: list[int], path
                 engine.step()
                 decode = [
                     s.device[1] - s.device[0]
-                    for s in engine.step_records
+                    for s in engine.history.steps(since=mark)
                     if s.num_seqs == args.batch and s.num_tokens == args.batch
                 ]
             wall = time.perf_counter() - start

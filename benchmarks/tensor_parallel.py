@@ -56,7 +56,7 @@ def main() -> int:
     for _ in range(args.repeats):
         for name, engine in engines.items():
             for mode in modes:
-                engine.async_scheduling = mode == "async"
+                engine.configure(async_scheduling=mode == "async")
                 run_workload(engine, warmup, 0.0, None, "warmup")
                 run = run_workload(engine, workload, 0.0, None, f"{name}-{mode}")
                 walls[name, mode].append(run.summary.wall_s)

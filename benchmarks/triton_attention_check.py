@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 from tandem.ops import attention  # noqa: E402
 from tandem.ops import triton_attention as ta  # noqa: E402
-from tandem.ops.attention import AttentionMetadata, PrefillSegment, write_kv  # noqa: E402
+from tandem.ops.attention import write_kv  # noqa: E402
+from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment  # noqa: E402
 
 ROWS: list[tuple[str, str]] = []
 

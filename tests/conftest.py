@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tandem.default_model import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
+from tandem.models.default_model import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
 
 # Small models gain nothing from many threads, and parallel test workers would oversubscribe.
 torch.set_num_threads(2)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, Engine, RequestOutput, SamplingParams
-from tandem.ops.attention import AttentionMetadata, PrefillSegment
+from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

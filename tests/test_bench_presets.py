@@ -1,4 +1,4 @@
-"""`tandem bench --workload seed` and `--profile`: the preset's sizes and model, the kernel-busy
+"""`tandem bench --workload llama8b-32x8k` (the blog's experiment) and `--profile`: the preset's sizes and model, the kernel-busy
 arithmetic (on synthetic intervals: the profiler itself needs CUDA), and the CPU refusal."""
 
 from __future__ import annotations
@@ -7,34 +7,34 @@ import argparse
 
 import pytest
 
-from tandem.bench import (
-    SEED_OUTPUT_LEN,
+from tandem.bench.kernel_profile import EDGE_FRACTION, measure, union_busy
+from tandem.bench.workloads import (
+    BLOG_OUTPUT_LEN,
     make_workload,
     profile_window,
     resolve_workload,
     shipped_model,
 )
 from tandem.cli import build_parser, engine_config, main
-from tandem.kernel_profile import EDGE_FRACTION, measure, union_busy
 
 
 def _bench_args(*flags: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", *flags])
 
 
-# ---------------------------------------------------------------- the seed preset
-def test_seed_preset_sizes_and_model_by_device():
-    args = _bench_args("--workload", "seed")
+# ------------------------------------------------------- the blog's preset
+def test_blog_preset_sizes_and_model_by_device():
+    args = _bench_args("--workload", "llama8b-32x8k")
     config = resolve_workload(args, engine_config(args), "cpu")
-    assert (args.num_requests, args.prompt_len, args.output_len) == (32, 32, SEED_OUTPUT_LEN["cpu"])
+    assert (args.num_requests, args.prompt_len, args.output_len) == (32, 32, BLOG_OUTPUT_LEN["cpu"])
     assert config.model is None and config.load_format == "auto"  # the default model
 
-    args = _bench_args("--workload", "seed")
+    args = _bench_args("--workload", "llama8b-32x8k")
     config = resolve_workload(args, engine_config(args), "cuda")
-    assert args.output_len == 8192 == SEED_OUTPUT_LEN["cuda"]
+    assert args.output_len == 8192 == BLOG_OUTPUT_LEN["cuda"]
     assert config.model == str(shipped_model("llama-3.1-8b")) and config.load_format == "dummy"
 
-    args = _bench_args("--workload", "seed", "--model", "/my/model", "--output-len", "100")
+    args = _bench_args("--workload", "llama8b-32x8k", "--model", "/my/model", "--output-len", "100")
     config = resolve_workload(args, engine_config(args), "cuda")
     assert (config.model, config.load_format, args.output_len) == ("/my/model", "auto", 100)
 
@@ -43,8 +43,8 @@ def test_seed_preset_sizes_and_model_by_device():
     assert (args.num_requests, args.prompt_len, args.output_len) == (64, 128, 128)
 
 
-def test_seed_workload_generates_exact_lengths_all_at_once():
-    args = _bench_args("--workload", "seed", "--output-len", "300")
+def test_blog_workload_generates_exact_lengths_all_at_once():
+    args = _bench_args("--workload", "llama8b-32x8k", "--output-len", "300")
     resolve_workload(args, engine_config(args), "cpu")
     workload = make_workload(args, 2048, 4096)
     assert len(workload.prompts) == 32 and set(workload.output_lens) == {300}
@@ -53,12 +53,12 @@ def test_seed_workload_generates_exact_lengths_all_at_once():
     assert profile_window(workload) == (118, 182)  # 64 steps around the middle
 
 
-def test_seed_preset_runs_scaled_down_on_cpu(tiny_llama, capsys):
-    args = ["bench", "--workload", "seed", "--model", str(tiny_llama), "--num-requests", "4",
+def test_blog_preset_runs_scaled_down_on_cpu(tiny_llama, capsys):
+    args = ["bench", "--workload", "llama8b-32x8k", "--model", str(tiny_llama), "--num-requests", "4",
             "--output-len", "6"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "4 requests x 6 output tokens (seed preset)" in " ".join(out.split())
+    assert "4 requests x 6 output tokens (llama8b-32x8k)" in " ".join(out.split())
     assert "model: " in out and "4 heads (2 KV) of 16" in " ".join(out.split())
 
 
@@ -98,7 +98,7 @@ def test_help_names_the_preset_and_profile(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "seed" in text and "--profile" in text and "llama-3.1-8b" in text
+    assert "llama8b-32x8k" in text and "--profile" in text and "llama-3.1-8b" in text
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
     assert "--load-format" in capsys.readouterr().out
@@ -110,7 +110,7 @@ def test_kernel_intervals_keep_only_the_device_kernels():
 
     from torch.autograd import DeviceType
 
-    from tandem.kernel_profile import kernel_intervals
+    from tandem.bench.kernel_profile import kernel_intervals
 
     def event(name, kind, device=DeviceType.CUDA, start=0, duration=1000):
         return SimpleNamespace(

@@ -121,14 +121,14 @@ def test_bench_with_poisson_arrivals(tiny_llama, capsys):
 def test_summary_figures_are_consistent(tiny_llama):
     llm = make_llm(tiny_llama)
     prompts = random_prompts(random.Random(0), 5, 1024, 3, 30)
-    llm.engine.reset_metrics()
+    mark = llm.engine.history.mark()
     llm.generate(prompts, greedy(7))
-    summary = llm.engine.summary()
+    summary = llm.engine.history.summary(since=mark)
     assert summary.output_tokens == 35 and len(summary.ttft_s) == 5 and len(summary.itl_s) == 30
     assert 0 < summary.device_busy_s <= summary.wall_s
     assert 0 <= summary.device_idle_fraction < 1
     assert all(x > 0 for x in summary.ttft_s) and all(x >= 0 for x in summary.itl_s)
-    records = llm.engine.step_records
+    records = llm.engine.history.steps()
     assert all(r.device[0] <= r.device[1] for r in records)
     assert chrome_trace({"run": records})["traceEvents"]
 
@@ -136,13 +136,15 @@ def test_summary_figures_are_consistent(tiny_llama):
 def test_plot_handles_several_runs(tiny_llama, tmp_path):
     llm = make_llm(tiny_llama)
     llm.generate([[5, 6, 7]], greedy(3))
-    plot_timeline({"a": llm.engine.step_records, "b": llm.engine.step_records}, tmp_path / "p.png")
+    plot_timeline(
+        {"a": llm.engine.history.steps(), "b": llm.engine.history.steps()}, tmp_path / "p.png"
+    )
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
 def test_default_model_is_built_once_and_served(tmp_path, monkeypatch):
     from tandem import LLM
-    from tandem.default_model import default_model_path
+    from tandem.models.default_model import default_model_path
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     path = default_model_path()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tandem import SamplingParams
-from tandem.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode, graph_sizes
+from tandem.execution.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode, graph_sizes
 
 from conftest import random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -142,5 +142,5 @@ def test_cuda_check_script_runs_on_a_cpu():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout[done.stdout.rindex("-" * 100) :]
     assert "FAILED" not in table
-    for section in ("equivalence", "features", "seed", "hf", "targets"):
+    for section in ("equivalence", "features", "blog", "hf", "targets"):
         assert f"\n{section}" in table, table

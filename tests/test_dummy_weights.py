@@ -18,17 +18,17 @@ import pytest
 import torch
 
 from tandem import SamplingParams
+from tandem.bench.workloads import MODELS_DIR
 from tandem.cli import main
-from tandem.distributed.parallel import SINGLE, TensorParallel
 from tandem.models import SUPPORTED_ARCHITECTURES
 from tandem.models.dummy import dummy_tensors
-from tandem.models.llama import LlamaModel, checkpoint_shapes
+from tandem.models.llama import LlamaModel
 from tandem.models.loader import ModelLoadError, _inv_freq, build_model, read_config
+from tandem.models.parallel import SINGLE, TensorParallel
+from tandem.models.spec import checkpoint_shapes
 
 from conftest import random_prompts
 from helpers import greedy, make_llm, run_both_loops
-
-MODELS = Path(__file__).resolve().parents[1] / "benchmarks" / "models"
 
 
 def _config_only(source: Path, folder: Path, **changes) -> Path:
@@ -207,7 +207,7 @@ def test_shipped_configs_have_the_public_shapes(
     name, layers, hidden, inter, head_dim, tied, params, factor
 ):
     """Parsed, not built: the 1B alone is 5 GB in fp32. Parameter counts are Hugging Face's."""
-    path, spec, hf_config = read_config(MODELS / name)
+    path, spec, hf_config = read_config(MODELS_DIR / name)
     assert [p.name for p in path.iterdir()] == ["config.json"]
     assert (spec.num_layers, spec.hidden_size, spec.intermediate_size) == (layers, hidden, inter)
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (32, 8, head_dim)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tandem.detokenizer import IncrementalDetokenizer
+from tandem.engine.detokenizer import IncrementalDetokenizer
 
 from conftest import hf_greedy_reference, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -233,7 +233,7 @@ def test_launch_returns_while_the_device_is_busy_and_waits_once_per_step(tiny_ll
         runner.model.forward = forward
         runner.launch = launch
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 6
-    steps = [r.step_id for r in engine.step_records]
+    steps = [r.step_id for r in engine.history.steps()]
     assert waits == steps == sorted(set(steps))
 
 
@@ -252,9 +252,9 @@ def test_async_overlaps_host_and_device(tiny_llama):
 
         llm.engine.runner.model.forward = slow_forward
         prompts = random_prompts(random.Random(8), 4, 1024, 5, 10)
-        llm.engine.reset_metrics()
+        mark = llm.engine.history.mark()
         llm.generate(prompts, greedy(12))
-        results[mode] = llm.engine.summary()
+        results[mode] = llm.engine.history.summary(since=mark)
     sync, async_ = results[False], results[True]
     assert sync.num_steps == async_.num_steps
     assert 0 <= async_.device_idle_fraction < sync.device_idle_fraction

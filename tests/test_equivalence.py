@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tandem.default_model import build_checkpoint
+from tandem.models.default_model import build_checkpoint
 
 from conftest import hf_greedy_reference, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tandem.models import fast_path, load_model
+from tandem.execution import fast_path, load_model
 from tandem.ops import cpu_kernels
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import AttentionMetadata, _decode_attention
@@ -61,7 +61,7 @@ def test_elementwise_kernels_match_portable_ops() -> None:
 
 def test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit() -> None:
     """The sampler's noise decides every sampled token: the fused kernel must not move a bit."""
-    from tandem.sampling import portable_uniform_noise, seed_key, uniform_noise
+    from tandem.sampler.sampling import portable_uniform_noise, seed_key, uniform_noise
 
     g = torch.Generator().manual_seed(1)
     for rows, vocab in ((1, 1), (3, 7), (32, 8192), (2, 151936)):
@@ -76,7 +76,7 @@ def test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit() -> None:
 
 def test_argmax_kernel_is_torch_argmax() -> None:
     """Greedy tokens come from this argmax: first index of the largest value, NaN the largest."""
-    from tandem.sampling import argmax_rows
+    from tandem.sampler.sampling import argmax_rows
 
     g = torch.Generator().manual_seed(2)
     for rows, cols in ((1, 1), (3, 7), (5, 16), (7, 17), (32, 2048), (4, 151936), (0, 9)):
@@ -100,7 +100,7 @@ def test_argmax_kernel_is_torch_argmax() -> None:
 
 def _reference_scores(logits, temperature, min_p, keys, index) -> torch.Tensor:
     """The reference sampler's scores, probs / exponential noise, in float64."""
-    from tandem.sampling import portable_uniform_noise
+    from tandem.sampler.sampling import portable_uniform_noise
 
     probs = (logits.double() / temperature.double()[:, None]).softmax(dim=-1)
     probs = probs.masked_fill(probs < min_p.double()[:, None] * probs.max(-1, keepdim=True)[0], 0)
@@ -155,7 +155,7 @@ def _thread_ids() -> set[str]:
 def test_submitting_a_cpu_step_frees_the_submitting_threads_openmp_team() -> None:
     """libgomp sleeps at once, instead of spinning, once its teams outnumber the cores: a team
     the host kept would slow every parallel region of the device thread (streams.py)."""
-    from tandem.streams import CPUStream
+    from tandem.execution.streams import CPUStream
 
     stream = CPUStream()
     before = torch.get_num_threads()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tandem.logprobs import pack, score_tokens, unpack
+from tandem.sampler.logprobs import pack, score_tokens, unpack
 
 from conftest import _load_hf_model, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops

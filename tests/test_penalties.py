@@ -19,9 +19,9 @@ from transformers import (
 )
 
 from tandem import SamplingParams
-from tandem.batch import BatchBuilder
+from tandem.execution.batch import BatchBuilder
 from tandem.request import LogitsProcessing, Request
-from tandem.scheduler import ScheduledBatch, ScheduledRequest
+from tandem.scheduling.scheduler import ScheduledBatch, ScheduledRequest
 
 from conftest import _load_hf_model, hf_greedy_reference, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from tandem import SamplingParams
-from tandem.kv_cache import ROOT_HASH, BlockAccounting, BlockPool, chain_hash
-from tandem.scheduler import Scheduler
+from tandem.scheduling.block_pool import ROOT_HASH, BlockAccounting, BlockPool, chain_hash
+from tandem.scheduling.scheduler import Scheduler
 
 from conftest import hf_greedy_reference, random_prompts
 from helpers import assert_idle_and_balanced, greedy

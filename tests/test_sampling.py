@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.sampling import SamplingTensors, _top_k_top_p, sample
+from tandem.sampler.sampling import SamplingTensors, _top_k_top_p, sample
 
 
 def _tensors(top_p: list[float], use_top_p: bool) -> SamplingTensors:

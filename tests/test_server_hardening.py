@@ -42,7 +42,7 @@ from test_server import (
 from tokenizers import Regex, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tandem.default_model import SPECIAL_TOKENS, build_tokenizer
+from tandem.models.default_model import SPECIAL_TOKENS, build_tokenizer
 from tandem.server import prepare
 from tandem.server.json_count import Count, JSONCounter
 from tandem.server.token_bound import PromptBound, prompt_bound
@@ -224,13 +224,13 @@ def test_huge_prompt_refused_without_holding_up_others(guarded: LiveServer) -> N
     from another client keep their latency; the huge prompts are never tokenized."""
     live = guarded
     tokenized: list[int] = []
-    real_tokenize = live.engine._tokenize
+    real_tokenize = live.engine.intake.tokenize
 
     def recording_tokenize(prompt):
         tokenized.append(len(prompt))
         return real_tokenize(prompt)
 
-    live.engine._tokenize = recording_tokenize
+    live.engine.intake.tokenize = recording_tokenize
     small_latencies(live, 3)  # warm-up
     baseline = statistics.median(small_latencies(live, 9))
 
@@ -492,7 +492,7 @@ def test_client_timeouts_abort_on_the_server(tiny_llama: Path) -> None:
             with pytest.raises((openai.APITimeoutError, httpx.ReadTimeout)):
                 list(quick.completions.create(model=model, prompt="queued", stream=True))
             wait_until(lambda: _aborted(live) == 2, 5, "the queued request's abort")
-            assert live.engine.num_running == 1 and live.engine.num_waiting == 0
+            assert live.engine.stats().num_running == 1 and live.engine.stats().num_waiting == 0
         assert_idle(live)
         wait_until(lambda: _aborted(live) == 3, 5, "the running stream's abort")
     finally:
@@ -531,7 +531,7 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path) -> None:
                     preparing = asyncio.ensure_future(
                         client.post(url, json=completion_body(live, "stuck", 5))
                     )
-                    while live.engine.num_waiting != 1 or live.service._admitting != 1:
+                    while live.engine.stats().num_waiting != 1 or live.service._admitting != 1:
                         await asyncio.sleep(0.01)
 
                     def broken_step() -> list:
@@ -670,13 +670,13 @@ def test_prompt_list_with_n_through_the_intake_lanes(guarded: LiveServer) -> Non
     live = guarded
     intake = live.service.intake
     tokenized: list[tuple[str, object]] = []
-    real_tokenize = live.engine._tokenize
+    real_tokenize = live.engine.intake.tokenize
 
     def recording_tokenize(prompt):
         tokenized.append((threading.current_thread().name, prompt))
         return real_tokenize(prompt)
 
-    live.engine._tokenize = recording_tokenize
+    live.engine.intake.tokenize = recording_tokenize
     client = live.client()
     prompts = ["Once upon a time", "The quick brown fox", "Hello"]
     kwargs = {"model": live.engine.model_path.name, "prompt": prompts, "n": 2, "max_tokens": 6,
@@ -746,7 +746,7 @@ def test_engine_fault_ends_every_choice(tiny_llama: Path) -> None:
                             url, json={**completion_body(live, "", 5), "prompt": ["a", "b"]}
                         )
                     )
-                    while live.engine.num_waiting != 2:
+                    while live.engine.stats().num_waiting != 2:
                         await asyncio.sleep(0.01)
 
                     def broken_step() -> list:
@@ -794,7 +794,7 @@ def test_client_timeouts_abort_every_sample(tiny_llama: Path) -> None:
         with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as r:
             events = sse_events(r.iter_lines())
             next(events)
-            wait_until(lambda: live.engine.num_running == 2, 5, "both samples running")
+            wait_until(lambda: live.engine.stats().num_running == 2, 5, "both samples running")
             with pytest.raises((openai.APITimeoutError, httpx.ReadTimeout)):
                 list(
                     quick.completions.create(
@@ -802,7 +802,7 @@ def test_client_timeouts_abort_every_sample(tiny_llama: Path) -> None:
                     )
                 )
             wait_until(lambda: _aborted(live) == 6, 5, "the queued samples' aborts")
-            assert live.engine.num_running == 2 and live.engine.num_waiting == 0
+            assert live.engine.stats().num_running == 2 and live.engine.stats().num_waiting == 0
         assert_idle(live)
         assert blocks.num_used == 0
         wait_until(lambda: _aborted(live) == 8, 5, "the running stream's aborts")

@@ -35,11 +35,11 @@ from test_server import (
 )
 
 from tandem import SamplingParams
-from tandem.default_model import build_checkpoint
-from tandem.distributed.executor import WorkerFailure
-from tandem.distributed.parallel import SINGLE, Shard, TensorParallel, check_shardable
+from tandem.execution.executor import WorkerFailure
 from tandem.models import SUPPORTED_ARCHITECTURES
+from tandem.models.default_model import build_checkpoint
 from tandem.models.loader import build_model, read_config
+from tandem.models.parallel import SINGLE, Shard, TensorParallel, check_shardable
 
 from conftest import hf_greedy_reference_allowing_ties, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -135,7 +135,7 @@ def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture
     try:
         outputs = {}
         for mode in (False, True):
-            llm.engine.async_scheduling = mode
+            llm.engine.configure(async_scheduling=mode)
             outputs[mode] = [o.token_ids for o in llm.generate(prompts, greedy(12))]
             assert_idle_and_balanced(llm.engine)
         assert outputs[True] == outputs[False]
@@ -197,7 +197,7 @@ def test_async_equals_sync_with_chunks_preemption_and_aborts(tiny_llama):
     finals = {}
     try:
         for mode in (False, True):
-            engine.async_scheduling = mode
+            engine.configure(async_scheduling=mode)
             preemptions = engine.scheduler.num_preemptions
             ids = [engine.add_request(p, greedy(16)) for p in prompts]
             to_abort = {3: ids[0], 5: ids[6], 9: ids[2]}
@@ -359,7 +359,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 def test_rendezvous_uses_master_addr_and_port_when_given(monkeypatch):
-    from tandem.distributed.executor import _rendezvous
+    from tandem.execution.executor import _rendezvous
 
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     monkeypatch.setenv("MASTER_PORT", "29555")

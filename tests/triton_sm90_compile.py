@@ -22,7 +22,7 @@ from triton.runtime.driver import driver  # noqa: E402
 
 from tandem.ops import triton_attention as ta  # noqa: E402
 from tandem.ops import triton_elementwise as te  # noqa: E402
-from tandem.ops.attention import PrefillSegment  # noqa: E402
+from tandem.ops.attention_metadata import PrefillSegment  # noqa: E402
 
 CASES = {
     # dtype, head_dim, heads, kv_heads, window, decode splits, compile a prefill

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from tandem.models.llama import LlamaModel
-from tandem.sampling import mix32
+from tandem.ops.hashing import MASK32, mix32
 
 # Elements hashed at once: bounds the int64 temporaries. A GPU wants few, large launches (128 MB
 # temporaries); a CPU wants them in its cache (512 KB: 5x faster than 128 MB on the dev VM).
 _CHUNK = {"cuda": 1 << 24, "cpu": 1 << 16}
-_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,8 @@ class DummyTensor:
 def dummy_values(key: int, rows: torch.Tensor, cols: torch.Tensor, std: float) -> torch.Tensor:
     """float32 [len(rows), len(cols)]: uniform in [-std * sqrt(3), std * sqrt(3)], a pure
     function of (key, row, column), the scheme of the sampler's noise (`sampling.uniform_noise`)."""
-    r = mix32(mix32((rows + 0x9E3779B9) & _MASK32) ^ key)
-    c = mix32((cols + 0x85EBCA6B) & _MASK32)
+    r = mix32(mix32((rows + 0x9E3779B9) & MASK32) ^ key)
+    c = mix32((cols + 0x85EBCA6B) & MASK32)
     bits = mix32(mix32(r[:, None] ^ c[None, :]) ^ r[:, None])
     unit = ((bits >> 8).to(torch.float32) + 0.5) * (2.0 / (1 << 24)) - 1.0  # (-1, 1), exact
     return unit * (std * math.sqrt(3.0))

@@ -4,7 +4,7 @@ One module serves the family; the differences are flags read from the Hugging Fa
 qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding window (Mistral), tied embeddings, rope
 scaling. Q/K/V and gate/up projections are fused into one matmul each.
 
-Under tensor parallelism (`distributed/parallel.py`) each rank builds the layers with its share of
+Under tensor parallelism (`parallel.py`) each rank builds the layers with its share of
 the heads and of the intermediate size, adds an all-reduce after O and after down, and holds a
 slice of the vocabulary for the embedding and the LM head.
 """
@@ -17,30 +17,11 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tandem.distributed.parallel import SINGLE, Shard, TensorParallel, heads_to_rows
+from tandem.models.parallel import SINGLE, Shard, TensorParallel, heads_to_rows
+from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention import AttentionMetadata, paged_attention
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
-
-
-@dataclass
-class LlamaSpec:
-    """The few numbers of a HF config that the forward needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
-    o_bias: bool = False  # Llama / Qwen3 with attention_bias: o_proj has a bias too
 
 
 class RMSNorm(nn.Module):
@@ -306,39 +287,6 @@ class LlamaModel(nn.Module):
             replicated["self_attn.q_norm.weight"] = "attn.q_norm.weight"
             replicated["self_attn.k_norm.weight"] = "attn.k_norm.weight"
         return _Placement(f"{p}.{replicated[rest]}") if rest in replicated else None
-
-
-def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
-    """The HF checkpoint tensors of a model of this spec, by name, with their shapes."""
-    s = spec
-    hidden, inter = s.hidden_size, s.intermediate_size
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (s.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not s.tie_word_embeddings:
-        shapes["lm_head.weight"] = (s.vocab_size, hidden)
-    parts: dict[str, tuple[int, ...]] = {
-        "self_attn.q_proj.weight": (q, hidden),
-        "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden),
-        "self_attn.o_proj.weight": (hidden, q),
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    if s.qkv_bias:
-        parts |= {f"self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))}
-    if s.o_bias:
-        parts["self_attn.o_proj.bias"] = (hidden,)
-    if s.qk_norm:
-        parts["self_attn.q_norm.weight"] = parts["self_attn.k_norm.weight"] = (s.head_dim,)
-    for i in range(s.num_layers):
-        shapes |= {f"model.layers.{i}.{part}": shape for part, shape in parts.items()}
-    return shapes
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tandem.distributed.parallel import SINGLE, TensorParallel
 from tandem.models.dummy import load_dummy_weights
-from tandem.models.llama import LlamaModel, LlamaSpec, Rotary
+from tandem.models.llama import LlamaModel, Rotary
+from tandem.models.parallel import SINGLE, TensorParallel
+from tandem.models.spec import LlamaSpec
 
 # Any of these makes a folder's tokenizer loadable (fast tokenizer, its config, sentencepiece, BPE).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

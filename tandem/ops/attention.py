@@ -13,32 +13,12 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillSegment:
-    """One prefill chunk: host ints, so the per-chunk loop never reads the device."""
-
-    token_start: int  # offset of the chunk in the packed batch
-    num_tokens: int
-    context_len: int  # KV length after this chunk (cached prefix + chunk)
-    row: int  # row of the chunk's request in block_tables
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] flat KV-cache slot of every token
-    block_tables: torch.Tensor  # [R, max_blocks] of the batch's requests, decodes first
-    context_lens: torch.Tensor  # [R] KV length after this step
-    num_decodes: int
-    decode_max_blocks: int  # columns of block_tables that decodes need
-    prefills: list[PrefillSegment]
-    block_size: int
+from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 
 def write_kv(

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from tandem.ops.attention import AttentionMetadata, PrefillSegment
+    from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16

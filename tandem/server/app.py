@@ -34,11 +34,11 @@ def frozen_startup_heap() -> Iterator[None]:
     """While the server runs, the garbage collector's full passes skip what start-up built.
 
     The modules, the model and the engine are some 400k tracked objects, and a full collection
-    walks them all holding the GIL (about 180 ms in a server process on the development VM,
-    0.34 s over the test suite's 600k), while the engine loop, the device thread's Python and
-    every request wait. They live as long as the server, so they are frozen (as vLLM does after
-    start-up) and later objects are collected as before. Unfrozen on exit, so that a process
-    embedding the app gets them back (the freeze is process-wide: one app per process).
+    walks them all holding the GIL (a stall of a tenth of a second or more), while the engine
+    loop, the device thread's Python and every request wait. They live as long as the server, so
+    they are frozen (as vLLM does after start-up) and later objects are collected as before.
+    Unfrozen on exit, so that a process embedding the app gets them back (the freeze is
+    process-wide: one app per process).
     """
     gc.collect()
     gc.freeze()

@@ -75,6 +75,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.device_idle_fraction = 0.0
+        self._window_start = engine.history.mark()
         self.crashed: BaseException | None = None
 
     def start(self) -> None:
@@ -109,10 +110,11 @@ class EngineLoop:
             self._on_crash(exc)
 
     def _refresh_stats(self) -> None:
-        """Summarise the steps since the last refresh, then drop them, so the gauge describes
-        the latest window rather than the whole (bounded) history. Only this thread touches
-        the records, so nothing races with the engine appending to them."""
-        if not self.engine.step_records:
+        """Summarise the steps since the last refresh, so the gauge describes the latest window
+        rather than the whole (bounded) history. Only this thread appends to the history, so
+        nothing races with the engine."""
+        history = self.engine.history
+        if history.mark().steps == self._window_start.steps:
             return
-        self.device_idle_fraction = self.engine.summary().device_idle_fraction
-        self.engine.reset_metrics()
+        self.device_idle_fraction = history.summary(since=self._window_start).device_idle_fraction
+        self._window_start = history.mark()

@@ -37,27 +37,34 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
 
-        blocks = engine.scheduler.blocks
         for name, doc, read in (
-            ("tandem_requests_running", "Requests running.", lambda: engine.num_running),
-            ("tandem_requests_waiting", "Requests queued.", lambda: engine.num_waiting),
+            ("tandem_requests_running", "Requests running.", lambda: engine.stats().num_running),
+            ("tandem_requests_waiting", "Requests queued.", lambda: engine.stats().num_waiting),
             (
                 "tandem_requests_in_flight",
                 "Sequences (prompts x n) accepted, not yet finished.",
                 in_flight,
             ),
-            ("tandem_kv_blocks_used", "KV-cache blocks in use.", lambda: blocks.num_used),
+            (
+                "tandem_kv_blocks_used",
+                "KV-cache blocks in use.",
+                lambda: engine.stats().kv_blocks_used,
+            ),
             (
                 "tandem_kv_blocks_cached",
                 "Free KV-cache blocks still holding a cached prefix (reusable until evicted).",
-                lambda: blocks.num_free_cached,
+                lambda: engine.stats().kv_blocks_cached,
             ),
             (
                 "tandem_prefix_cache_hit_rate",
                 "Prompt tokens served from the prefix cache over prompt tokens admitted, since start.",
-                lambda: engine.scheduler.stats.hit_rate,
+                lambda: engine.stats().prefix_cache.hit_rate,
             ),
-            ("tandem_kv_blocks_total", "KV-cache blocks in all.", lambda: engine.num_kv_blocks),
+            (
+                "tandem_kv_blocks_total",
+                "KV-cache blocks in all.",
+                lambda: engine.stats().kv_blocks_total,
+            ),
             (
                 "tandem_device_idle_fraction",
                 "Device idle time over the engine's busy time (first to last step) in the latest "
@@ -67,7 +74,7 @@ class ServerMetrics:
         ):
             Gauge(name, doc, registry=reg).set_function(read)
 
-        reg.register(_SchedulerCounters(engine))
+        reg.register(_EngineCounters(engine))
         self.finished = Counter(
             "tandem_requests_finished",
             "Finished sequences (one per sample of each prompt).",
@@ -102,18 +109,18 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _SchedulerCounters:
-    """The scheduler's own counters, read at scrape time (plain integers the loop thread bumps)."""
+class _EngineCounters:
+    """The engine's own counters, read at scrape time (plain integers the loop thread bumps)."""
 
     def __init__(self, engine: Engine):
-        self.scheduler = engine.scheduler
+        self.engine = engine
 
     def describe(self) -> list:
         return []  # collected only at scrape time: no read while the collector is registered
 
     def collect(self):
-        s = self.scheduler
-        stats = s.stats
+        s = self.engine.stats()
+        stats = s.prefix_cache
         for name, doc, value in (
             ("tandem_preemptions", "Requests preempted (their KV dropped, recomputed later).",
              s.num_preemptions),

@@ -139,10 +139,8 @@ def serve(
         server.run()
     finally:
         service.close(wait=True)
-        if server.engine_error is None:
-            engine.close()
-        else:  # its state is suspect: free the device without retiring the in-flight steps
-            engine.runner.close()
+        # After a failure the engine's state is suspect: free the device, retire nothing.
+        engine.close(retire=server.engine_error is None)
     if server.engine_error is not None:
         error = server.engine_error
         raise EngineFailure(f"the engine failed: {type(error).__name__}: {error}") from error

@@ -169,7 +169,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // Softmax's numerators in place: s[i] = exp(s[i] - max(s)); returns 1 / their sum.
 inline float exp_scores(float* s, int64_t n) {
   // The max in 16 independent lanes: a single running max is a chain of dependent scalar
-  // compares (GCC does not vectorise that reduction), which took 3/4 of this function's time.
+  // compares (GCC does not vectorise that reduction), which dominated this function's profile.
   float lanes[16];
   std::fill(lanes, lanes + 16, -std::numeric_limits<float>::infinity());
   int64_t i = 0;
@@ -260,8 +260,7 @@ void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t d
 // product across its lanes on its own and keeps its sums in memory. Here a kv head's G queries
 // stay in registers, scores are made 16 tokens at a time (16 lane-vectors reduced together by a
 // shuffle tree, 30 shuffles instead of 16 full reductions) and the weighted sum of V accumulates
-// in registers. Measured on the development VM (32 requests, 8 heads of 32, 2 KV heads): 1.85x
-// the generic loop's speed with the cache in CPU caches, 1.05-1.2x from memory.
+// in registers (nearly twice the generic loop's speed with the cache in CPU caches).
 using Vec16 = float __attribute__((vector_size(64)));
 using Lanes16 = int32_t __attribute__((vector_size(64)));
 using Vec16Unaligned = float __attribute__((vector_size(64), aligned(4), may_alias));
@@ -326,10 +325,8 @@ struct LinePrefetcher {
   }
 };
 
-// How far the prefetch runs ahead: 256 lines (16 KiB). On the development VM, lines ahead
-// against GB/s read (4 layers, 32 requests, blocks in runs): 8 head-dims of 32 over 2 KV heads,
-// 32: 23.5, 64: 25-27, 128: 25-27.5, 256: 27.2-27.7; 16 heads of 64 over 4 KV heads, 64: 19.2,
-// 128: 23.0, 256: 26.2, 512: 26.1.
+// How far the prefetch runs ahead: 256 lines (16 KiB), the shortest distance that reached full
+// bandwidth for both head shapes measured (docs/experiments.md).
 constexpr int64_t kPrefetchLines = 256;
 
 // Request r's query heads of kv heads [h0, h1); D is a multiple of 16, G query heads per kv head.
@@ -339,12 +336,9 @@ constexpr int64_t kPrefetchLines = 256;
 // before it retires. So the prefetches are spread through the arithmetic, a few lines before
 // each query's scores and each V row, kPrefetchLines ahead: issued in a burst (the same row of
 // the next block, for every row gathered), they filled the buffers, stalled retirement and left
-// the arithmetic and the memory taking turns. Measured on the development VM (32 requests of
-// 3072 tokens, 4 layers): from blocks in runs 1.66-1.80 against 2.16-2.30 ms per layer (28-30
-// GB/s, about what a plain sum streams on these two cores), in random order 2.24-2.45 against
-// 2.56-2.77. The same lines issued a row at a time, back to back, lost the whole gain: the
-// spacing between prefetches matters. Into L2 (prefetcht2) ran 2-4% faster than into L1; as
-// non-temporal, 2x slower.
+// the arithmetic and the memory taking turns. The spacing matters: the same lines issued a row
+// at a time, back to back, lost the whole gain. Into L2 (prefetcht2), which was faster than into
+// L1; non-temporal prefetches were slower.
 template <int64_t D, int64_t G>
 void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<Vec16>& acc) {
@@ -419,7 +413,7 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
   prefetch.start(p.v, first, kPrefetchLines);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
     // The softmax's numerators of these 16 tokens, made here rather than in a pass of their own
-    // so that the arithmetic overlaps the V rows' arrival (2% of a step at 3000 tokens).
+    // so that the arithmetic overlaps the V rows' arrival.
     for (int64_t j = 0; j < nh; ++j) {
       float* w = scores.data() + j * stride + index;
 #pragma omp simd
@@ -456,8 +450,8 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
 // the teams' threads outnumber the cores its waiting threads stop spinning and sleep at once:
 // every later region then starts with futex wake-ups. The engine's steps run on its device
 // thread; a team the host thread kept (from loading the model, say) made that thread's
-// two-thread decode step 2.2x slower (3.4 against 1.5 ms on the default model). This frees
-// the calling thread's team (OpenMP 5's soft pause: a later region builds a new one).
+// multi-threaded decode steps about twice as slow. This frees the calling thread's team
+// (OpenMP 5's soft pause: a later region builds a new one).
 bool release_openmp_threads() { return omp_pause_resource_all(omp_pause_soft) == 0; }
 
 // Tests switch the vector kernels off to check the generic loop on a machine that has both.
@@ -510,9 +504,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   // spin on the core the host needs); where its OpenMP team computes, the team does (below).
   // Tasks are claimed one by one, so a core the host takes for a moment only shifts work to
   // the others. Short contexts stay on this thread: waking others would cost more than it saves.
-  // The bound, 2^18 floats of K (1 MiB), was measured in whole runs at 32 requests: on the
-  // default model 2^16, 2^18 and 2^21 were tried (2^18 as fast as the best at contexts of 128
-  // and 3072); on the 107M model 2^18 ran the offline batch 8% faster than one thread.
+  // The bound, 2^18 floats of K (1 MiB), was as fast as the best bound tried at short and long
+  // contexts alike.
   int64_t total_rows = 0;
   for (int64_t r = 0; r < reqs; ++r) total_rows += p.context_lens[r];
   const int64_t threads = total_rows * kv_heads * dim < (1 << 18) ? 1 : omp_get_num_procs();
@@ -540,11 +533,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   };
   if (threads > 1 && omp_get_max_threads() >= threads) {
     // torch's OpenMP team already runs this step's GEMMs, and after each parallel region its
-    // workers spin (libgomp: ~300k pause loops, milliseconds here) before they sleep. A helper
-    // from the inter-op pool would share a core with a spinning worker; the team itself is awake.
-    // Measured with the team just used (32 requests, 1600 tokens, 8 heads of 32 over 2 KV
-    // heads): 1.65-1.70 against 2.28-2.55 ms per layer from memory, 0.63 against 1.3-1.4 in
-    // cache. (A microbenchmark that runs an OpenMP op between calls sees the same contention.)
+    // workers spin (libgomp: ~300k pause loops, milliseconds) before they sleep. A helper from
+    // the inter-op pool would share a core with a spinning worker; the team itself is awake.
+    // (A microbenchmark that runs an OpenMP op between calls sees the same contention.)
 #pragma omp parallel num_threads(threads)
     work();
     return;
@@ -724,7 +715,7 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
 // The sampler's noise (tandem/sampling.py `uniform_noise`, the reference) in native 32-bit
 // arithmetic: the same hash of (seed key, output index, vocab id), bit for bit. PyTorch has no
 // wrapping 32-bit multiply, so the portable version emulates each one with several int64 ops
-// over the whole [rows, vocab] tensor: about a hundred passes a step, 9 ms at 32 x 8192 here.
+// over the whole [rows, vocab] tensor: about a hundred passes a step.
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -775,8 +766,8 @@ at::Tensor uniform_noise(const at::Tensor& seed_keys, const at::Tensor& output_i
 }
 
 // The first index of the largest of v[0 .. n), a NaN counting as the largest (torch.argmax's
-// rule). Why: torch's CPU argmax compares one element at a time (100 us for 32 x 2048 on one
-// core here, 8.8 ms for 32 x 128k), and every greedy step takes one.
+// rule). Why: torch's CPU argmax compares one element at a time, and every greedy step takes
+// one.
 int64_t first_max(const float* v, int64_t cols) {
   // Each lane keeps its largest value and where it first saw it (a later equal value does
   // not replace it), so the row is read once; a NaN anywhere sends it to a plain scan.
@@ -856,10 +847,10 @@ __attribute__((always_inline)) inline float fast_log(float x) {
 // softmax(logits / T)_i / E_i, where E_i = -log(U_i) is exponential noise from the same hash as
 // `uniform_noise` (the exponential race: a draw from the softmax), and min_p drops tokens whose
 // probability is below min_p times the largest. Why: the reference makes six passes over a
-// [rows, vocab] matrix through torch (38 ms a step for 32 rows of a 128k vocabulary on two cores
-// here); this reads the logits twice and makes no noise matrix. The arithmetic differs only in
-// rounding (softmax's normaliser is left out: it scales every score alike), so a row picks
-// another token than the reference only where two scores tie to float precision.
+// [rows, vocab] matrix through torch; this reads the logits twice and makes no noise matrix.
+// The arithmetic differs only in rounding (softmax's normaliser is left out: it scales every
+// score alike), so a row picks another token than the reference only where two scores tie to
+// float precision.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
                        const at::Tensor& min_p, const at::Tensor& seed_keys,
                        const at::Tensor& output_index) {

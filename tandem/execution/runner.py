@@ -14,16 +14,16 @@ from dataclasses import fields
 import numpy as np
 import torch
 
-from tandem.batch import StepExtras, StepInputs
 from tandem.config import EngineConfig
-from tandem.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
-from tandem.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
-from tandem.logprobs import TokenLogprobsTensors, pack, score_tokens
+from tandem.execution.batch import StepExtras, StepInputs
+from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
+from tandem.execution.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from tandem.execution.streams import StepHandle, make_stream
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention import AttentionMetadata
-from tandem.penalties import ProcessingTensors, TokenCounts, apply_bias_and_mask
-from tandem.sampling import SamplingTensors, sample
-from tandem.streams import StepHandle, make_stream
+from tandem.sampler.logprobs import TokenLogprobsTensors, pack, score_tokens
+from tandem.sampler.penalties import ProcessingTensors, TokenCounts, apply_bias_and_mask
+from tandem.sampler.sampling import SamplingTensors, sample
 
 _INT_FIELDS = (
     "token_index", "positions", "slot_mapping", "known_index", "known_tokens", "logits_index",

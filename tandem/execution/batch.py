@@ -13,9 +13,9 @@ from itertools import chain
 
 import numpy as np
 
-from tandem.ops.attention import PrefillSegment
+from tandem.ops.attention_metadata import PrefillSegment
 from tandem.request import Request
-from tandem.scheduler import ScheduledBatch, ScheduledRequest
+from tandem.scheduling.scheduler import ScheduledBatch, ScheduledRequest
 
 
 @dataclass

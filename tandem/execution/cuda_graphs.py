@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.batch import StepInputs
+from tandem.execution.batch import StepInputs
 from tandem.ops.attention import triton_kernels
-from tandem.sampling import SamplingTensors
+from tandem.sampler.sampling import SamplingTensors
 
 MAX_CAPTURE_BATCH = 256
 MODES = ("greedy", "sample", "sample-filtered")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.distributed.parallel import TensorParallel
+from tandem.models.parallel import TensorParallel
 
 STOP = b""  # on the input pipe: finish the steps in flight and exit
 
@@ -63,9 +63,9 @@ class _Worker:
         self.outputs = outputs
 
     def serve(self) -> None:
-        from tandem.models import fast_path
+        from tandem.execution import fast_path
+        from tandem.execution.runner import build_runner, cache_capacity
         from tandem.models.loader import build_model, read_config
-        from tandem.runner import build_runner, cache_capacity
 
         a, config = self.args, self.args.config
         if a.threads is not None:

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.ops import cpu_kernels
-
-_MASK32 = 0xFFFFFFFF
+from tandem.ops.hashing import MASK32, mix32
 
 
 @dataclass
@@ -33,25 +32,10 @@ class SamplingTensors:
     use_min_p: bool
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x < 2**32, without overflowing int64."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xorshift-multiply), for well-spread hash bits."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def seed_key(seed: int) -> int:
     """Fold a Python int seed (any size, any sign) into the 32-bit key the device hash uses."""
     seed %= 2**64
-    x = torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64)
+    x = torch.tensor([seed & MASK32, seed >> 32], dtype=torch.int64)
     return int(mix32(mix32(x[:1]) ^ x[1:])[0])
 
 
@@ -68,7 +52,7 @@ def uniform_noise(seed_keys: torch.Tensor, output_index: torch.Tensor, vocab: in
 def portable_uniform_noise(
     seed_keys: torch.Tensor, output_index: torch.Tensor, vocab: int
 ) -> torch.Tensor:
-    row = mix32(seed_keys ^ mix32(output_index & _MASK32))
+    row = mix32(seed_keys ^ mix32(output_index & MASK32))
     col = mix32(torch.arange(vocab, device=seed_keys.device, dtype=torch.int64) + 0x9E3779B9)
     bits = mix32(mix32(row[:, None] ^ col[None, :]) ^ row[:, None])
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))

@@ -9,13 +9,11 @@ replicated on the ranks whose query heads use it (as vLLM does).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from tandem.models.llama import LlamaSpec
+from tandem.models.spec import LlamaSpec
 
 
 @dataclass(frozen=True)

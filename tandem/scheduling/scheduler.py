@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.kv_cache import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
 from tandem.request import Request, RequestStatus
+from tandem.scheduling.block_pool import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
 
 
 @dataclass

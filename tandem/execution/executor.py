@@ -27,10 +27,10 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 import torch
 
-from tandem.batch import StepInputs
 from tandem.config import EngineConfig, usable_cores
-from tandem.distributed.worker import STOP, WorkerArgs, run_worker
-from tandem.streams import StepHandle
+from tandem.execution.batch import StepInputs
+from tandem.execution.streams import StepHandle
+from tandem.execution.worker import STOP, WorkerArgs, run_worker
 
 logger = logging.getLogger("tandem")
 

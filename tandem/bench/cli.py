@@ -2,67 +2,67 @@
 
 `--workload shared-prefix` gives many requests over a few long system prompts and runs each loop
 with prefix caching off and on: prefill tokens computed and saved, and throughput, side by side.
-Every run starts with a cold prefix cache. `--workload seed` is the seed's experiment (32 requests
-at once, short prompts, long generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled
-down. `--profile` (CUDA) adds the kernel-level idle figure of a window of each run
-(`kernel_profile.py`).
+Every run starts with a cold prefix cache. `--workload llama8b-32x8k` is the experiment of
+transformers' blog on asynchronous batching (32 requests at once, short prompts, long
+generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled down. `--profile` (CUDA)
+adds the kernel-level idle figure of a window of each run (`kernel_profile.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import random
-import time
-from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
+from tandem.bench.run import Run, run_workload
+from tandem.bench.workloads import (
+    BLOG_CUDA_MODEL,
+    BLOG_NUM_REQUESTS,
+    BLOG_OUTPUT_LEN,
+    BLOG_PRESET,
+    BLOG_PROMPT_LEN,
+    DEFAULT_SIZES,
+    PROFILE_STEPS,
+    Workload,
+    make_workload,
+    profile_window,
+    resolve_workload,
+)
 from tandem.config import EngineConfig, usable_cores
 from tandem.engine import Engine
-from tandem.kernel_profile import KernelProfiler, KernelWindow
-from tandem.metrics import RunSummary, StepRecord, plot_timeline, write_chrome_trace
-from tandem.models.llama import checkpoint_shapes
-from tandem.request import SamplingParams
-
-# The seed's experiment (transformers on an H200: an 8B model, batch 32, 8K generated tokens):
-# every request at once, short prompts, each request generating exactly --output-len tokens.
-SEED_NUM_REQUESTS = 32
-SEED_PROMPT_LEN = 32
-SEED_OUTPUT_LEN = {"cuda": 8192, "cpu": 1536}  # CPU: the default model, about a minute on 2 cores
-SEED_CUDA_MODEL = "llama-3.1-8b"  # under benchmarks/models/, with load_format="dummy"
-DEFAULT_SIZES = {"num_requests": 64, "prompt_len": 128, "output_len": 128}
-MODELS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "models"
-PROFILE_STEPS = 64  # steps per profiled window: a few tens of thousands of kernels on an 8B
+from tandem.metrics import plot_timeline, write_chrome_trace
+from tandem.models.spec import checkpoint_shapes
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "shared-prefix", "seed"), default="random",
+    g.add_argument("--workload", choices=("random", "shared-prefix", BLOG_PRESET), default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
-                   "--num-prefixes system prompts, run with prefix caching off and on; seed: the "
-                   f"seed's experiment, {SEED_NUM_REQUESTS} requests at once with short prompts "
-                   f"(mean {SEED_PROMPT_LEN} tokens) each generating exactly --output-len tokens: "
-                   f"on CUDA {SEED_OUTPUT_LEN['cuda']} tokens on benchmarks/models/"
-                   f"{SEED_CUDA_MODEL} with dummy weights (unless --model is given), on a CPU "
-                   f"{SEED_OUTPUT_LEN['cpu']} tokens on the default model (about a minute on 2 "
+                   "--num-prefixes system prompts, run with prefix caching off and on; "
+                   f"{BLOG_PRESET}: the experiment of transformers' blog on asynchronous batching, "
+                   f"{BLOG_NUM_REQUESTS} requests at once with short prompts "
+                   f"(mean {BLOG_PROMPT_LEN} tokens) each generating exactly --output-len tokens: "
+                   f"on CUDA {BLOG_OUTPUT_LEN['cuda']} tokens on the shipped config "
+                   f"{BLOG_CUDA_MODEL} with dummy weights (unless --model is given), on a CPU "
+                   f"{BLOG_OUTPUT_LEN['cpu']} tokens on the default model (about a minute on 2 "
                    "cores); the size flags still override")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
-                   help=f"default {DEFAULT_SIZES['num_requests']} (seed: {SEED_NUM_REQUESTS})")  # fmt: skip
+                   help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: {BLOG_NUM_REQUESTS})")  # fmt: skip
     g.add_argument("--prompt-len", type=int, default=None,
                    help="mean prompt length (tokens; shared-prefix: after the system prompt); "
-                   f"default {DEFAULT_SIZES['prompt_len']} (seed: {SEED_PROMPT_LEN})")  # fmt: skip
+                   f"default {DEFAULT_SIZES['prompt_len']} ({BLOG_PRESET}: {BLOG_PROMPT_LEN})")  # fmt: skip
     g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts")
     g.add_argument("--prefix-len", type=int, default=512,
                    help="shared-prefix: tokens per system prompt")  # fmt: skip
     g.add_argument("--output-len", type=int, default=None,
                    help=f"mean output length (tokens); default {DEFAULT_SIZES['output_len']} "
-                   f"(seed: exact, {SEED_OUTPUT_LEN['cuda']} on CUDA, "
-                   f"{SEED_OUTPUT_LEN['cpu']} on a CPU)")  # fmt: skip
+                   f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
+                   f"{BLOG_OUTPUT_LEN['cpu']} on a CPU)")  # fmt: skip
     g.add_argument("--len-spread", type=float, default=0.5,
                    help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
     g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",
@@ -83,36 +83,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    "over wall time beside the step-level idle figure")  # fmt: skip
 
 
-def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str) -> EngineConfig:
-    """Fill in the sizes left unset; the seed preset on CUDA (`device`) also picks the 8B-shaped
-    dummy model (unless --model was given). Returns the engine config to use."""
-    if args.workload == "seed":
-        sizes = {
-            "num_requests": SEED_NUM_REQUESTS,
-            "prompt_len": SEED_PROMPT_LEN,
-            "output_len": SEED_OUTPUT_LEN["cuda" if device == "cuda" else "cpu"],
-        }
-        if device == "cuda" and config.model is None:
-            config = replace(config, model=str(shipped_model(SEED_CUDA_MODEL)), load_format="dummy")
-    else:
-        sizes = DEFAULT_SIZES
-    for name, value in sizes.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return config
-
-
-def shipped_model(name: str) -> Path:
-    """A config-only model folder under benchmarks/models/ (part of the source tree)."""
-    path = MODELS_DIR / name
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"{path / 'config.json'} is missing (it ships with Tandem's source tree); give "
-            "--model <a folder with config.json> --load-format dummy"
-        )
-    return path
-
-
 def describe_model(engine: Engine) -> str:
     """Which model ran, and its shape: the figures mean little without it."""
     s, config = engine.spec, engine.config
@@ -126,120 +96,6 @@ def describe_model(engine: Engine) -> str:
         f"model: {engine.model_path.name} ({weights}): {s.num_layers} layers, hidden "
         f"{s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV) of {s.head_dim}, "
         f"intermediate {s.intermediate_size}, vocab {s.vocab_size}, {count} parameters, {dtype}"
-    )
-
-
-def profile_window(workload: Workload) -> tuple[int, int]:
-    """Steps [first, stop) of a run to profile: PROFILE_STEPS around its middle (decode steps
-    dominate a run: about as many as the longest output)."""
-    steps = max(workload.output_lens, default=1)
-    width = max(1, min(PROFILE_STEPS, steps // 2))
-    first = max(1, steps // 2 - width // 2)
-    return first, first + width
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    arrival_times: list[float]  # seconds after start
-
-
-def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
-    rng = random.Random(args.workload_seed)
-
-    def length(mean: int) -> int:
-        lo, hi = (
-            max(1, round(mean * (1 - args.len_spread))),
-            max(1, round(mean * (1 + args.len_spread))),
-        )
-        return rng.randint(lo, hi)
-
-    shared = args.workload == "shared-prefix"
-    if shared and (args.num_prefixes < 1 or args.prefix_len < 1):
-        raise ValueError("--num-prefixes and --prefix-len must be >= 1")
-    prefixes = [
-        [rng.randrange(3, vocab_size) for _ in range(args.prefix_len if shared else 0)]
-        for _ in range(args.num_prefixes if shared else 1)
-    ]
-    prompts, outputs, arrivals, t = [], [], [], 0.0
-    exact_outputs = args.workload == "seed"  # as the seed's experiment: every request alike
-    for i in range(args.num_requests):
-        prefix = prefixes[i % len(prefixes)]
-        n_out = args.output_len if exact_outputs else length(args.output_len)
-        n_out = min(n_out, max_model_len - 1)
-        n_in = min(len(prefix) + length(args.prompt_len), max_model_len - n_out)
-        suffix = [rng.randrange(3, vocab_size) for _ in range(max(0, n_in - len(prefix)))]
-        prompts.append((prefix + suffix)[:n_in])
-        outputs.append(n_out)
-        if args.arrivals == "poisson":
-            t += rng.expovariate(args.rate)
-        arrivals.append(t)
-    return Workload(prompts, outputs, arrivals)
-
-
-@dataclass
-class Run:
-    summary: RunSummary
-    records: list[StepRecord]
-    outputs: list[list[int]]
-    prefill_computed: int  # prompt tokens computed (recomputation after preemption included)
-    prefill_saved: int  # prompt tokens served from the prefix cache
-    kernels: KernelWindow | None = None  # --profile: the profiled window's kernel busy time
-
-
-def run_workload(
-    engine: Engine,
-    workload: Workload,
-    temperature: float,
-    progress: Progress | None,
-    label: str,
-    profile: tuple[int, int] | None = None,
-) -> Run:
-    """Feed the workload by its arrival times, from a cold prefix cache. `profile`: steps
-    [first, stop) whose kernels are timed (CUDA)."""
-    engine.reset_metrics()
-    engine.reset_prefix_cache()
-    stats = engine.scheduler.stats
-    queried, hit = stats.query_tokens, stats.hit_tokens
-    params = [
-        SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
-        for i, n in enumerate(workload.output_lens)
-    ]
-    task = progress.add_task(label, total=len(params)) if progress else None
-    outputs: dict[str, list[int]] = {}
-    order = [f"{label}-{i}" for i in range(len(params))]
-    start, next_i = time.perf_counter(), 0
-    steps, profiler, kernels = 0, None, None
-    while next_i < len(params) or engine.has_unfinished():
-        now = time.perf_counter() - start
-        while next_i < len(params) and workload.arrival_times[next_i] <= now:
-            engine.add_request(workload.prompts[next_i], params[next_i], order[next_i])
-            next_i += 1
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, workload.arrival_times[next_i] - now))
-            continue
-        if profile is not None and steps == profile[0]:
-            profiler = KernelProfiler()
-            profiler.start()
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-                if progress:
-                    progress.advance(task)
-        steps += 1
-        if profiler is not None and profiler.running and steps == profile[1]:
-            kernels = profiler.stop(steps - profile[0])
-    if profiler is not None and profiler.running:  # the run ended inside the window
-        kernels = profiler.stop(steps - profile[0])
-    saved = stats.hit_tokens - hit
-    return Run(
-        engine.summary(),
-        list(engine.step_records),
-        [outputs[r] for r in order],
-        stats.query_tokens - queried - saved,
-        saved,
-        kernels,
     )
 
 
@@ -351,8 +207,9 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         for repeat in range(args.repeats):
             for mode in modes:
                 for caching in cachings:
-                    engine.async_scheduling = mode == "async"
-                    engine.enable_prefix_caching = caching
+                    engine.configure(
+                        async_scheduling=mode == "async", enable_prefix_caching=caching
+                    )
                     run_workload(engine, warmup, args.temperature, None, f"warmup-{mode}")
                     column = label(mode, caching)
                     name = column if args.repeats == 1 else f"{column} #{repeat + 1}"
@@ -371,8 +228,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     kind = ""
     if args.workload == "shared-prefix":
         kind = f", {args.num_prefixes} shared prefixes of {args.prefix_len} tokens"
-    elif args.workload == "seed":
-        kind = f" x {args.output_len} output tokens (seed preset)"
+    elif args.workload == BLOG_PRESET:
+        kind = f" x {args.output_len} output tokens ({BLOG_PRESET})"
     table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")

@@ -1,4 +1,5 @@
-"""KV-cache memory: the allocators (exact accounting), the prefix cache's block pool, the tensors."""
+"""KV-cache accounting: the allocators of blocks and table rows (exact ownership), the prefix
+cache's block pool and its hash chain. The tensors themselves are the execution layer's."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-
-from tandem import huge_pages
 
 
 class FreeList:
@@ -265,35 +263,3 @@ class BlockPool:
         if problems:
             raise RuntimeError("KV block pool: " + "; ".join(problems))
         return BlockAccounting(len(used), len(plain), len(cached), len(self._hash_of))
-
-
-def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-
-def num_blocks_for_budget(
-    bytes_per_block: int, device: torch.device, gib: float, fraction: float
-) -> int:
-    """CPU: a fixed size in GiB. CUDA: a fraction of the memory still free after loading weights."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * fraction)
-    else:
-        budget = int(gib * 1024**3)
-    return max(1, budget // bytes_per_block)
-
-
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """One tensor per layer, [2 (k, v), blocks, block_size, kv_heads, head_dim]."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]

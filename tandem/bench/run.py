@@ -1,0 +1,79 @@
+"""One benchmark run: feed a workload to the engine by its arrival times and keep its records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.progress import Progress
+
+from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
+from tandem.bench.workloads import Workload
+from tandem.engine import Engine
+from tandem.metrics import RunSummary, StepRecord
+from tandem.request import SamplingParams
+
+
+@dataclass
+class Run:
+    summary: RunSummary
+    records: list[StepRecord]
+    outputs: list[list[int]]
+    prefill_computed: int  # prompt tokens computed (recomputation after preemption included)
+    prefill_saved: int  # prompt tokens served from the prefix cache
+    kernels: KernelWindow | None = None  # --profile: the profiled window's kernel busy time
+
+
+def run_workload(
+    engine: Engine,
+    workload: Workload,
+    temperature: float,
+    progress: Progress | None,
+    label: str,
+    profile: tuple[int, int] | None = None,
+) -> Run:
+    """Feed the workload by its arrival times, from a cold prefix cache. `profile`: steps
+    [first, stop) whose kernels are timed (CUDA)."""
+    mark = engine.history.mark()
+    engine.reset_prefix_cache()
+    before = engine.stats().prefix_cache
+    params = [
+        SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
+        for i, n in enumerate(workload.output_lens)
+    ]
+    task = progress.add_task(label, total=len(params)) if progress else None
+    outputs: dict[str, list[int]] = {}
+    order = [f"{label}-{i}" for i in range(len(params))]
+    start, next_i = time.perf_counter(), 0
+    steps, profiler, kernels = 0, None, None
+    while next_i < len(params) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while next_i < len(params) and workload.arrival_times[next_i] <= now:
+            engine.add_request(workload.prompts[next_i], params[next_i], order[next_i])
+            next_i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, workload.arrival_times[next_i] - now))
+            continue
+        if profile is not None and steps == profile[0]:
+            profiler = KernelProfiler()
+            profiler.start()
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+                if progress:
+                    progress.advance(task)
+        steps += 1
+        if profiler is not None and profiler.running and steps == profile[1]:
+            kernels = profiler.stop(steps - profile[0])
+    if profiler is not None and profiler.running:  # the run ended inside the window
+        kernels = profiler.stop(steps - profile[0])
+    after = engine.stats().prefix_cache
+    saved = after.hit_tokens - before.hit_tokens
+    return Run(
+        engine.history.summary(since=mark),
+        engine.history.steps(since=mark),
+        [outputs[r] for r in order],
+        after.query_tokens - before.query_tokens - saved,
+        saved,
+        kernels,
+    )

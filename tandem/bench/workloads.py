@@ -1,0 +1,102 @@
+"""Benchmark workloads: the sizes of each preset, and the prompts, lengths and arrival times they
+make (random token ids: nothing is tokenized, so any model with a vocabulary runs them)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tandem.config import EngineConfig
+
+# The experiment of transformers' blog on asynchronous batching (an 8B model on an H200, batch 32,
+# 8K generated tokens): every request at once, short prompts, each generating exactly
+# --output-len tokens.
+BLOG_PRESET = "llama8b-32x8k"
+BLOG_NUM_REQUESTS = 32
+BLOG_PROMPT_LEN = 32
+BLOG_OUTPUT_LEN = {"cuda": 8192, "cpu": 1536}  # CPU: the default model, about a minute on 2 cores
+BLOG_CUDA_MODEL = "llama-3.1-8b"  # a config shipped in models/, with load_format="dummy"
+DEFAULT_SIZES = {"num_requests": 64, "prompt_len": 128, "output_len": 128}
+MODELS_DIR = Path(__file__).with_name("models")  # package data: config.json files only
+PROFILE_STEPS = 64  # steps per profiled window: a few tens of thousands of kernels on an 8B
+
+
+def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str) -> EngineConfig:
+    """Fill in the sizes left unset; the blog's preset on CUDA (`device`) also picks the
+    8B-shaped dummy model (unless --model was given). Returns the engine config to use."""
+    if args.workload == BLOG_PRESET:
+        sizes = {
+            "num_requests": BLOG_NUM_REQUESTS,
+            "prompt_len": BLOG_PROMPT_LEN,
+            "output_len": BLOG_OUTPUT_LEN["cuda" if device == "cuda" else "cpu"],
+        }
+        if device == "cuda" and config.model is None:
+            config = replace(config, model=str(shipped_model(BLOG_CUDA_MODEL)), load_format="dummy")
+    else:
+        sizes = DEFAULT_SIZES
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return config
+
+
+def shipped_model(name: str) -> Path:
+    """A config-only model folder shipped with the package (`tandem/bench/models/`)."""
+    path = MODELS_DIR / name
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path / 'config.json'} is missing (it ships with the tandem package); give "
+            "--model <a folder with config.json> --load-format dummy"
+        )
+    return path
+
+
+def profile_window(workload: Workload) -> tuple[int, int]:
+    """Steps [first, stop) of a run to profile: PROFILE_STEPS around its middle (decode steps
+    dominate a run: about as many as the longest output)."""
+    steps = max(workload.output_lens, default=1)
+    width = max(1, min(PROFILE_STEPS, steps // 2))
+    first = max(1, steps // 2 - width // 2)
+    return first, first + width
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrival_times: list[float]  # seconds after start
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
+    rng = random.Random(args.workload_seed)
+
+    def length(mean: int) -> int:
+        lo, hi = (
+            max(1, round(mean * (1 - args.len_spread))),
+            max(1, round(mean * (1 + args.len_spread))),
+        )
+        return rng.randint(lo, hi)
+
+    shared = args.workload == "shared-prefix"
+    if shared and (args.num_prefixes < 1 or args.prefix_len < 1):
+        raise ValueError("--num-prefixes and --prefix-len must be >= 1")
+    prefixes = [
+        [rng.randrange(3, vocab_size) for _ in range(args.prefix_len if shared else 0)]
+        for _ in range(args.num_prefixes if shared else 1)
+    ]
+    prompts, outputs, arrivals, t = [], [], [], 0.0
+    exact_outputs = args.workload == BLOG_PRESET  # as the blog's experiment: every request alike
+    for i in range(args.num_requests):
+        prefix = prefixes[i % len(prefixes)]
+        n_out = args.output_len if exact_outputs else length(args.output_len)
+        n_out = min(n_out, max_model_len - 1)
+        n_in = min(len(prefix) + length(args.prompt_len), max_model_len - n_out)
+        suffix = [rng.randrange(3, vocab_size) for _ in range(max(0, n_in - len(prefix)))]
+        prompts.append((prefix + suffix)[:n_in])
+        outputs.append(n_out)
+        if args.arrivals == "poisson":
+            t += rng.expovariate(args.rate)
+        arrivals.append(t)
+    return Workload(prompts, outputs, arrivals)

@@ -1,0 +1,144 @@
+"""What the user sees of a retired step: sampled ids and logprobs read from the step's packed
+output, tokens appended with their stop checks, text detokenized, `RequestOutput`s assembled."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from tandem.execution.batch import StepExtras
+from tandem.request import Request, RequestOutput, TokenLogprobs
+from tandem.sampler.logprobs import LogprobsArrays, unpack
+from tandem.scheduling.scheduler import ScheduledRequest
+
+
+class OutputProcessor:
+    """Per live sample: its detokenizer (incremental text, stop strings with hold-back)."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int]):
+        self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
+        self.eos_token_ids = eos_token_ids
+        self._detok: dict[tuple[str, int], IncrementalDetokenizer | NoDetokenizer] = {}
+        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
+
+    def track(self, request: Request) -> None:
+        self._detok[request.key] = (
+            NoDetokenizer()
+            if self._backend is None
+            else IncrementalDetokenizer(
+                self._backend,
+                request.prompt_token_ids,
+                request.params.stop,
+                request.params.skip_special_tokens,
+            )
+        )
+
+    def read_step(
+        self, result, sampled: list[ScheduledRequest], extras: StepExtras | None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled ids and each sampled row's logprobs (None where not asked); prompt
+        logprobs are appended to their requests here."""
+        logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
+        if extras is None:
+            return result.tolist(), logprobs
+        ids, groups = unpack(np.asarray(result), len(sampled), extras.output_groups)
+        sampled_ids = ids.tolist()
+        if len(extras.logprob_rows):
+            rows = extras.logprob_rows.tolist()
+            entries = groups.pop(0).to_dicts(
+                [sampled_ids[s] for s in rows],
+                [sampled[s].request.params.logprobs for s in rows],
+                self.decode_token,
+            )
+            for s, entry in zip(rows, entries, strict=True):
+                logprobs[s] = entry
+        if groups:
+            self._add_prompt_logprobs(extras, groups[0])
+        return sampled_ids, logprobs
+
+    def _add_prompt_logprobs(self, extras: StepExtras, arrays: LogprobsArrays) -> None:
+        """Append each prompt position's result; positions recomputed after a preemption that
+        were already retired are skipped (steps retire in order, so the list grows in order)."""
+        spans = extras.prompt_logprob_spans
+        entries = arrays.to_dicts(
+            [r.prompt_token_ids[p + 1] for r, first, n in spans for p in range(first, first + n)],
+            [r.params.prompt_logprobs for r, _, n in spans for _ in range(n)],
+            self.decode_token,
+        )
+        j = 0
+        for request, first, count in spans:
+            done = request.prompt_logprobs
+            for p in range(first, first + count):
+                if p + 1 == len(done):
+                    done.append(entries[j])
+                j += 1
+
+    def decode_token(self, token: int) -> str | None:
+        """A token's text for logprobs; None without a tokenizer."""
+        if self._backend is None:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._backend.decode([token], skip_special_tokens=False)
+            self._token_text[token] = text
+        return text
+
+    def append_token(
+        self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None
+    ) -> str | None:
+        """Record a retired token; returns the finish reason it causes ("stop", "length")."""
+        request.output_token_ids.append(token)
+        request.token_times.append(now)
+        if request.logprobs is not None:
+            request.logprobs.append(logprobs)
+        params = request.params
+        if (
+            token in params.stop_token_ids
+            or (token in self.eos_token_ids and not params.ignore_eos)
+            # Stop strings count only from min_tokens on (as in vLLM); stop ids are masked before.
+            or self._detok[request.key].add(
+                token, check_stop=len(request.output_token_ids) >= params.min_tokens
+            )
+        ):
+            return "stop"
+        if len(request.output_token_ids) >= request.max_tokens:
+            return "length"
+        return None
+
+    def running_output(self, request: Request, new_ids: list[int]) -> RequestOutput:
+        detok = self._detok[request.key]
+        return _output(request, detok, detok.delta(finished=False), new_ids, finished=False)
+
+    def finished_output(self, request: Request) -> RequestOutput:
+        """The last output of a finished (or aborted) sample; forgets its detokenizer."""
+        detok = self._detok.pop(request.key)
+        new_ids = request.output_token_ids[-1:] if request.finish_reason != "abort" else []
+        return _output(request, detok, detok.delta(finished=True), new_ids, finished=True)
+
+
+def _output(
+    request: Request,
+    detok: IncrementalDetokenizer | NoDetokenizer,
+    delta_text: str,
+    delta_ids: list[int],
+    finished: bool,
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        text=detok.emitted_text,
+        # Cumulative ids: a copy when finished, else the live list (copying every step is O(n^2)).
+        token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
+        delta_text=delta_text,
+        delta_token_ids=delta_ids,
+        finished=finished,
+        finish_reason=request.finish_reason if finished else None,
+        index=request.index,
+        logprobs=_snapshot(request.logprobs, finished),
+        prompt_logprobs=_snapshot(request.prompt_logprobs, finished),
+    )
+
+
+def _snapshot(values: list | None, finished: bool) -> list | None:
+    """Like token_ids: a running request's live list, a finished one's own copy."""
+    return list(values) if finished and values is not None else values

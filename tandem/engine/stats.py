@@ -1,0 +1,87 @@
+"""The engine's public figures: a snapshot of its state and counters, and the recent step and
+request records, which readers take in windows (by mark) without clearing anything."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
+from tandem.scheduling.scheduler import CacheStats, Scheduler
+
+HISTORY_LENGTH = 100_000  # step and request records kept: bounded, so a server can run for days
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Plain numbers, read at one moment: cheap, and safe to hand to any thread."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int  # free blocks still holding a cached prefix (reusable until evicted)
+    num_preemptions: int
+    prefix_cache: CacheStats  # admissions and cache hits since the engine started
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> EngineStats:
+        blocks = scheduler.blocks
+        return cls(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_total=blocks.size,
+            kv_blocks_used=blocks.num_used,
+            kv_blocks_cached=blocks.num_free_cached,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache=dataclasses.replace(scheduler.stats),
+        )
+
+
+@dataclass(frozen=True)
+class HistoryMark:
+    """A point in the history: records appended after it form a window."""
+
+    steps: int
+    requests: int
+
+
+class StepHistory:
+    """The last HISTORY_LENGTH step records and finished requests' timings.
+
+    Appended by the loop's thread; read a window from that thread (or while the loop is idle)."""
+
+    def __init__(self, length: int = HISTORY_LENGTH):
+        self._steps: deque[StepRecord] = deque(maxlen=length)
+        self._requests: deque[RequestTiming] = deque(maxlen=length)
+        self._num_steps = 0  # ever appended
+        self._num_requests = 0
+
+    def add_step(self, record: StepRecord) -> None:
+        self._steps.append(record)
+        self._num_steps += 1
+
+    def add_request(self, timing: RequestTiming) -> None:
+        self._requests.append(timing)
+        self._num_requests += 1
+
+    def mark(self) -> HistoryMark:
+        return HistoryMark(self._num_steps, self._num_requests)
+
+    def steps(self, since: HistoryMark | None = None) -> list[StepRecord]:
+        """The step records kept, those after `since` if given, oldest first."""
+        return _tail(self._steps, self._num_steps - since.steps if since else len(self._steps))
+
+    def requests(self, since: HistoryMark | None = None) -> list[RequestTiming]:
+        n = self._num_requests - since.requests if since else len(self._requests)
+        return _tail(self._requests, n)
+
+    def summary(self, since: HistoryMark | None = None) -> RunSummary:
+        """Device idle, throughput and latencies over the window (or everything kept)."""
+        return summarize(self.steps(since), self.requests(since))
+
+
+def _tail(records: deque, n: int) -> list:
+    n = min(n, len(records))
+    return list(records)[len(records) - n :] if n else []

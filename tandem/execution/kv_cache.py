@@ -1,0 +1,39 @@
+"""KV-cache tensors: how many blocks a memory budget holds, and their allocation (huge pages)."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.execution import huge_pages
+
+
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(
+    bytes_per_block: int, device: torch.device, gib: float, fraction: float
+) -> int:
+    """CPU: a fixed size in GiB. CUDA: a fraction of the memory still free after loading weights."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * fraction)
+    else:
+        budget = int(gib * 1024**3)
+    return max(1, budget // bytes_per_block)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One tensor per layer, [2 (k, v), blocks, block_size, kv_heads, head_dim]."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]

@@ -1,0 +1,68 @@
+"""An engine's device side, built in two phases: load the weights and size the KV cache (here or
+in every tensor-parallel rank), then, once the scheduler exists, allocate the cache and start the
+runner. The engine never sees which of the two kinds of executor it got."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.execution import fast_path
+from tandem.execution.cpu_threads import apply_cpu_threads
+from tandem.execution.executor import MultiprocExecutor
+from tandem.execution.fast_path import ExecutionPlan
+from tandem.execution.runner import ModelRunner, build_runner, cache_capacity
+from tandem.models.llama import LlamaModel
+from tandem.models.loader import build_model
+from tandem.models.parallel import check_shardable
+from tandem.models.spec import LlamaSpec
+from tandem.ops import cpu_kernels
+
+Executor = ModelRunner | MultiprocExecutor  # launch(inputs) -> handle; handle.wait() -> ids
+
+
+@dataclass
+class LoadedExecution:
+    """Weights loaded, KV capacity known; `start` builds the runner."""
+
+    config: EngineConfig
+    num_kv_blocks: int
+    model: LlamaModel | None  # in this process; None under tensor parallelism
+    executor: MultiprocExecutor | None  # the ranks; None in one process
+    plan: ExecutionPlan | None  # one process: known once loaded; TP: once started
+
+    def start(self, table_rows: int, max_model_len: int) -> tuple[Executor, ExecutionPlan]:
+        config = self.config
+        if self.executor is not None:
+            self.executor.start(self.num_kv_blocks, table_rows, max_model_len)
+            return self.executor, self.executor.plan
+        model, plan, device = self.model, self.plan, config.torch_device
+        runner = build_runner(model, config, device, self.num_kv_blocks, table_rows, max_model_len)
+        plan.cuda_graph_sizes = runner.graph_sizes
+        if device.type == "cpu" and (config.cpu_threads is not None or plan.kernels):
+            batch = min(config.max_num_seqs, 32)
+            apply_cpu_threads(runner, model, plan, config.cpu_threads, batch)
+        # Loading the model opened parallel regions on this thread; the steps may be submitted
+        # from another (a server's loop), and this thread's OpenMP team would throttle the
+        # device thread's (`CPUStream.submit`).
+        cpu_kernels.release_openmp_threads()
+        return runner, plan
+
+
+def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config) -> LoadedExecution:
+    device, dtype = config.torch_device, config.torch_dtype
+    if config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches
+        check_shardable(spec, config.tensor_parallel_size)
+        executor = MultiprocExecutor(config, str(path))
+        return LoadedExecution(config, executor.num_kv_blocks, None, executor, None)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    model = build_model(
+        path, spec, hf_config, dtype, device, config.max_model_len,
+        load_format=config.load_format, seed=config.seed,
+    )  # fmt: skip
+    plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
+    return LoadedExecution(config, cache_capacity(model, config, device), model, None, plan)

@@ -1,0 +1,29 @@
+"""What a step tells the attention kernels: KV slots, block tables, context lengths, and the
+prefill chunks as host ints (portable and Triton kernels alike read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    """One prefill chunk: host ints, so the per-chunk loop never reads the device."""
+
+    token_start: int  # offset of the chunk in the packed batch
+    num_tokens: int
+    context_len: int  # KV length after this chunk (cached prefix + chunk)
+    row: int  # row of the chunk's request in block_tables
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat KV-cache slot of every token
+    block_tables: torch.Tensor  # [R, max_blocks] of the batch's requests, decodes first
+    context_lens: torch.Tensor  # [R] KV length after this step
+    num_decodes: int
+    decode_max_blocks: int  # columns of block_tables that decodes need
+    prefills: list[PrefillSegment]
+    block_size: int
