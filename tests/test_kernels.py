@@ -13,10 +13,12 @@ import random
 import pytest
 import torch
 
-from tandem.execution import fast_path, load_model
+from tandem.execution import fast_path
+from tandem.models import load_model
 from tandem.ops import cpu_kernels
 from tandem.ops import elementwise as ops
-from tandem.ops.attention import AttentionMetadata, _decode_attention
+from tandem.ops.attention import _decode_attention
+from tandem.ops.attention_metadata import AttentionMetadata
 
 from conftest import _load_hf_model, hf_greedy_reference, random_prompts
 from helpers import greedy, make_llm, prefill_then_decode_logits

@@ -180,10 +180,10 @@ def test_plain_requests_take_the_plain_path(tiny_llama):
     launch = runner.launch
     runner.launch = lambda inputs: launched.append(inputs) or launch(inputs)
     llm.generate([[5, 6, 7], [8, 9]], greedy(4))
-    assert launched and all(x.extras is None for x in launched)
+    assert launched and all(x.sampler.plain for x in launched)
     llm.generate([[5, 6, 7], [8, 9]], [greedy(4), greedy(4, logprobs=0)])
-    assert launched[-1].extras is not None
-    assert runner.token_counts.output_counts is None  # never allocated without penalties
+    assert not launched[-1].sampler.plain
+    assert runner.sampler.token_counts.output_counts is None  # never allocated without penalties
 
 
 def test_pack_round_trips_exactly():

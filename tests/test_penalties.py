@@ -272,12 +272,12 @@ def test_counts_start_from_position_zero_on_admission():
     builder = BatchBuilder(np.zeros((4, 8), dtype=np.int64), block_size=4, max_model_len=32)
     item = ScheduledRequest(req, 1, start=3, num_tokens=2, sample=True, output_index=0)
     later = builder.build(ScheduledBatch(0, [item], 0))
-    assert later.extras.prompt_tokens.tolist() == [32 + 3, 32 + 4]
-    assert later.extras.reset_rows.tolist() == []
+    assert later.sampler.processing.prompt_tokens.tolist() == [32 + 3, 32 + 4]
+    assert later.sampler.processing.reset_rows.tolist() == []
     item.admitted = True
     first = builder.build(ScheduledBatch(0, [item], 0))
-    assert first.extras.reset_rows.tolist() == [1]
-    assert first.extras.prompt_tokens.tolist() == [32 + p for p in range(5)]
+    assert first.sampler.processing.reset_rows.tolist() == [1]
+    assert first.sampler.processing.prompt_tokens.tolist() == [32 + p for p in range(5)]
     assert first.known_index.tolist() == [32 + p for p in range(5)]
     assert first.known_tokens.tolist() == [11, 12, 13, 14, 15]
     assert first.token_index.tolist() == [32 + 3, 32 + 4]  # computed: only the two

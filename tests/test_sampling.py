@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from tandem.sampler.sampling import SamplingTensors, _top_k_top_p, sample
+from tandem.sampler.inputs import SamplingFlags, SamplingRows
+from tandem.sampler.sampling import _top_k_top_p, sample
 
 
-def _tensors(top_p: list[float], use_top_p: bool) -> SamplingTensors:
+def _tensors(top_p: list[float], use_top_p: bool) -> SamplingRows:
     n = len(top_p)
-    return SamplingTensors(
+    return SamplingRows(
         temperature=torch.ones(n),
         top_k=torch.zeros(n, dtype=torch.int64),
         top_p=torch.tensor(top_p),
         min_p=torch.zeros(n),
         seed_keys=torch.arange(n, dtype=torch.int64) + 11,
         output_index=torch.zeros(n, dtype=torch.int64),
-        all_greedy=False,
-        use_top_k=False,
-        use_top_p=use_top_p,
-        use_min_p=False,
+        flags=SamplingFlags(
+            all_greedy=False, use_top_k=False, use_top_p=use_top_p, use_min_p=False
+        ),
     )
 
 

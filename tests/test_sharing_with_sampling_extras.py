@@ -20,7 +20,7 @@ from test_penalties import hf_processed_greedy
 from test_prefix_cache import prefill_of, record_items, shared_prefix_prompts
 
 from tandem import SamplingParams
-from tandem.engine import sample_seed
+from tandem.engine.fan_out import sample_seed
 
 from conftest import hf_greedy_reference, random_prompts
 from helpers import assert_idle_and_balanced, greedy

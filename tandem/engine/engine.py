@@ -21,13 +21,14 @@ from tandem.engine.fan_out import fan_out
 from tandem.engine.intake import RequestIntake, eos_token_ids
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.stats import EngineStats, StepHistory
-from tandem.execution.batch import BatchBuilder, StepExtras
+from tandem.execution.batch import BatchBuilder
 from tandem.execution.executor import WorkerFailure
 from tandem.execution.setup import load_execution
 from tandem.execution.streams import StepHandle
 from tandem.metrics import RequestTiming, RunSummary, StepRecord
 from tandem.models.loader import find_tokenizer, read_config
 from tandem.request import Request, RequestOutput, SamplingParams
+from tandem.sampler.inputs import LogprobRows
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tandem")
@@ -38,7 +39,7 @@ class _InFlight:
     batch: ScheduledBatch
     handle: StepHandle
     record: StepRecord
-    extras: StepExtras | None  # how to read logprobs out of the step's packed output
+    logprobs: LogprobRows | None  # how to read logprobs out of the step's packed output
 
 
 class Engine:
@@ -192,7 +193,7 @@ class Engine:
             t3 = time.perf_counter()
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
-            self._inflight.append(_InFlight(batch, handle, record, inputs.extras))
+            self._inflight.append(_InFlight(batch, handle, record, inputs.sampler.logprobs))
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
             outputs.extend(self._retire(self._inflight.popleft()))
         return outputs
@@ -238,7 +239,7 @@ class Engine:
         result = inflight.handle.wait()  # the step's one deliberate sync
         t1 = time.perf_counter()
         sampled = inflight.batch.sampled
-        sampled_ids, logprobs = self.outputs.read_step(result, sampled, inflight.extras)
+        sampled_ids, logprobs = self.outputs.read_step(result, sampled, inflight.logprobs)
         # Before the tokens: a request that finishes on one of them still caches its full blocks.
         self.scheduler.retire_step(inflight.batch)
         outputs = []

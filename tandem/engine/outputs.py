@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
-from tandem.execution.batch import StepExtras
 from tandem.request import Request, RequestOutput, TokenLogprobs
+from tandem.sampler.inputs import LogprobRows
 from tandem.sampler.logprobs import LogprobsArrays, unpack
 from tandem.scheduling.scheduler import ScheduledRequest
 
@@ -34,17 +34,17 @@ class OutputProcessor:
         )
 
     def read_step(
-        self, result, sampled: list[ScheduledRequest], extras: StepExtras | None
+        self, result, sampled: list[ScheduledRequest], lp: LogprobRows | None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The sampled ids and each sampled row's logprobs (None where not asked); prompt
         logprobs are appended to their requests here."""
         logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
-        if extras is None:
+        if lp is None:
             return result.tolist(), logprobs
-        ids, groups = unpack(np.asarray(result), len(sampled), extras.output_groups)
+        ids, groups = unpack(np.asarray(result), len(sampled), lp.output_groups)
         sampled_ids = ids.tolist()
-        if len(extras.logprob_rows):
-            rows = extras.logprob_rows.tolist()
+        if len(lp.rows):
+            rows = lp.rows.tolist()
             entries = groups.pop(0).to_dicts(
                 [sampled_ids[s] for s in rows],
                 [sampled[s].request.params.logprobs for s in rows],
@@ -53,13 +53,13 @@ class OutputProcessor:
             for s, entry in zip(rows, entries, strict=True):
                 logprobs[s] = entry
         if groups:
-            self._add_prompt_logprobs(extras, groups[0])
+            self._add_prompt_logprobs(lp, groups[0])
         return sampled_ids, logprobs
 
-    def _add_prompt_logprobs(self, extras: StepExtras, arrays: LogprobsArrays) -> None:
+    def _add_prompt_logprobs(self, lp: LogprobRows, arrays: LogprobsArrays) -> None:
         """Append each prompt position's result; positions recomputed after a preemption that
         were already retired are skipped (steps retire in order, so the list grows in order)."""
-        spans = extras.prompt_logprob_spans
+        spans = lp.prompt_spans
         entries = arrays.to_dicts(
             [r.prompt_token_ids[p + 1] for r, first, n in spans for p in range(first, first + n)],
             [r.params.prompt_logprobs for r, _, n in spans for _ in range(n)],

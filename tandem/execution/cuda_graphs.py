@@ -26,7 +26,7 @@ import torch
 
 from tandem.execution.batch import StepInputs
 from tandem.ops.attention import triton_kernels
-from tandem.sampler.sampling import SamplingTensors
+from tandem.sampler.inputs import SamplingFlags, SamplingRows
 
 MAX_CAPTURE_BATCH = 256
 MODES = ("greedy", "sample", "sample-filtered")
@@ -52,13 +52,14 @@ def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) ->
 def graph_mode(x: StepInputs) -> str | None:
     """The captured variant that runs step `x` exactly as the eager path would, or None."""
     plain_decode = (
-        x.extras is None and not x.prefills and x.num_tokens == x.num_decodes == x.num_sampled
+        x.sampler.plain and not x.prefills and x.num_tokens == x.num_decodes == x.num_sampled
     )
     if not plain_decode or x.num_tokens == 0:
         return None
-    if (x.temperature == 0).all():
+    flags = x.sampler.sampling.flags
+    if flags.all_greedy:
         return "greedy"
-    if (x.top_k > 0).any() or (x.top_p < 1).any():
+    if flags.use_top_k or flags.use_top_p:
         return "sample-filtered"
     return "sample"
 
@@ -71,19 +72,21 @@ class GraphInputs:
     floats: dict[str, torch.Tensor]
     block_tables: torch.Tensor  # [size, width]
 
-    def sampling(self, mode: str) -> SamplingTensors:
+    def sampling(self, mode: str) -> SamplingRows[torch.Tensor]:
         filtered = mode == "sample-filtered"
-        return SamplingTensors(
+        return SamplingRows(
             temperature=self.floats["temperature"],
             top_k=self.ints["top_k"],
             top_p=self.floats["top_p"],
             min_p=self.floats["min_p"],
             seed_keys=self.ints["seed_keys"],
             output_index=self.ints["output_index"],
-            all_greedy=mode == "greedy",
-            use_top_k=filtered,
-            use_top_p=filtered,
-            use_min_p=mode != "greedy",  # min_p = 0 leaves a row exactly as it is
+            flags=SamplingFlags(
+                all_greedy=mode == "greedy",
+                use_top_k=filtered,
+                use_top_p=filtered,
+                use_min_p=mode != "greedy",  # min_p = 0 leaves a row exactly as it is
+            ),
         )
 
 
@@ -131,18 +134,22 @@ class DecodeGraphs:
         its host-known tokens (index, then value: the sync loop's last samples), which the
         runner writes into the token table before the replay."""
         n, k = x.num_tokens, len(x.known_index)
+        rows = x.sampler.sampling
+        arrays = {
+            name: getattr(rows if hasattr(rows, name) else x, name) for name in _INTS + _FLOATS
+        }
         ints = np.empty(self._num_ints(size) + 2 * k, dtype=np.int64)
         ints[self._num_ints(size) :] = np.concatenate([x.known_index, x.known_tokens])
         for i, name in enumerate(_INTS):
             part = ints[i * size : (i + 1) * size]
-            part[:n] = getattr(x, name)
+            part[:n] = arrays[name]
             part[n:] = self.pad[name]
         tables = ints[len(_INTS) * size : self._num_ints(size)].reshape(size, self.width)
         tables[:] = self.pad_block
         tables[:n, : x.block_tables.shape[1]] = x.block_tables[:n]
         floats = np.empty(len(_FLOATS) * size, dtype=np.float32)
         for i, name in enumerate(_FLOATS):
-            floats[i * size : i * size + n] = getattr(x, name)
+            floats[i * size : i * size + n] = arrays[name]
             floats[i * size + n : (i + 1) * size] = self.pad[name]
         return ints, floats
 

@@ -9,29 +9,22 @@ table, gather input ids from the table, forward, sample, scatter the sampled ids
 from __future__ import annotations
 
 import weakref
-from dataclasses import fields
 
 import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.execution.batch import StepExtras, StepInputs
+from tandem.execution.batch import StepInputs
 from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
 from tandem.execution.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.execution.streams import StepHandle, make_stream
+from tandem.execution.transfer import to_device
 from tandem.models.llama import LlamaModel
-from tandem.ops.attention import AttentionMetadata
-from tandem.sampler.logprobs import TokenLogprobsTensors, pack, score_tokens
-from tandem.sampler.penalties import ProcessingTensors, TokenCounts, apply_bias_and_mask
-from tandem.sampler.sampling import SamplingTensors, sample
+from tandem.ops.attention_metadata import AttentionMetadata
+from tandem.sampler.logprobs import pack
+from tandem.sampler.sampler import Sampler
 
-_INT_FIELDS = (
-    "token_index", "positions", "slot_mapping", "known_index", "known_tokens", "logits_index",
-    "sample_index", "context_lens", "top_k", "seed_keys", "output_index",
-)  # fmt: skip
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
-PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per log_softmax: bounds its [rows, vocab] memory
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
 
 
@@ -70,14 +63,6 @@ class _PinnedStaging:
         out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
         self._events[i] = event
         return out
-
-
-def _split(
-    staging: _PinnedStaging, arrays: dict[str, np.ndarray], dtype: type
-) -> dict[str, torch.Tensor]:
-    """Upload several arrays in one copy; returns device views of each."""
-    packed = staging.upload(np.concatenate(list(arrays.values())).astype(dtype, copy=False))
-    return dict(zip(arrays, packed.split([len(a) for a in arrays.values()]), strict=True))
 
 
 def _torch_dtype(array: np.ndarray) -> torch.dtype:
@@ -142,8 +127,8 @@ class ModelRunner:
         # needs; one entry more, where padded graph rows put their samples.
         sink = table_rows * max_model_len
         self.token_table = torch.zeros(sink + 1, dtype=torch.int64, device=device)
-        # Penalties' token counts per table row, kept on the device (allocated on first use).
-        self.token_counts = TokenCounts(table_rows, model.spec.vocab_size, device)
+        # Everything that happens to the logits; owns penalties' per-row token counts.
+        self.sampler = Sampler(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
         self._cpu_threads: tuple[int, int] | None = None
         weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
@@ -195,29 +180,27 @@ class ModelRunner:
                 torch.set_num_threads(wanted)
         if self.graphs is not None and (ids := self._replay(x)) is not None:
             return self._to_host(ids)
-        t = self._to_device(x)
+        t = to_device(x, self._upload if self._cuda else None)
         table = self.token_table
         if len(x.known_index):
-            table.index_copy_(0, t["known_index"], t["known_tokens"])
-        input_ids = table[t["token_index"]]
+            table.index_copy_(0, t.known_index, t.known_tokens)
+        input_ids = table[t.token_index]
         meta = AttentionMetadata(
-            slot_mapping=t["slot_mapping"],
-            block_tables=t["block_tables"],
-            context_lens=t["context_lens"],
+            slot_mapping=t.slot_mapping,
+            block_tables=t.block_tables,
+            context_lens=t.context_lens,
             num_decodes=x.num_decodes,
             decode_max_blocks=x.decode_max_blocks,
             prefills=x.prefills,
             block_size=self.block_size,
         )
-        hidden = self.model(input_ids, t["positions"], self.kv_caches, meta)
-        if x.extras is not None:
-            return self._to_host(self._sample_with_extras(x, x.extras, t, hidden))
-        if not x.num_sampled:
-            return self._to_host(torch.empty(0, dtype=torch.int64, device=self.device))
-        logits = self.model.compute_logits(hidden[t["logits_index"]])
-        ids = sample(logits, self._sampling_tensors(x, t))
-        table.index_copy_(0, t["sample_index"], ids)
-        return self._to_host(ids)
+        hidden = self.model(input_ids, t.positions, self.kv_caches, meta)
+        ids, logprobs = self.sampler(
+            hidden, t.logits_index, self.model.compute_logits, t.sampler, table
+        )
+        if x.num_sampled:
+            table.index_copy_(0, t.sample_index, ids)
+        return self._to_host(pack(ids, logprobs) if logprobs else ids)
 
     def _replay(self, x: StepInputs) -> torch.Tensor | None:
         """A plain decode step through its captured graph; None if it has none."""
@@ -249,109 +232,14 @@ class ModelRunner:
             block_size=self.block_size,
         )
         hidden = self.model(input_ids, i["positions"], self.kv_caches, meta)
-        ids = sample(self.model.compute_logits(hidden), inputs.sampling(mode))
+        ids = self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling(mode))
         self.token_table.index_copy_(0, i["sample_index"], ids)
         return ids
 
-    def _sample_with_extras(
-        self, x: StepInputs, e: StepExtras, t: dict[str, torch.Tensor], hidden: torch.Tensor
-    ) -> torch.Tensor:
-        """Sampling with penalties, logit_bias, min_tokens and logprobs; returns the packed output.
-
-        Logprobs are of the raw logits (vLLM's default "raw_logprobs"), taken before processing.
-        """
-        p = self._processing_tensors(e, t)
-        if p.count_tokens:  # before sampling: this step's inputs count for its own sample
-            self.token_counts.record(self.token_table, p)
-        groups = []
-        ids = torch.empty(0, dtype=torch.int64, device=self.device)
-        if x.num_sampled:
-            logits = self.model.compute_logits(hidden[t["logits_index"]])
-            rows = t["logprob_rows"]
-            raw = logits[rows].log_softmax(dim=-1) if len(e.logprob_rows) else None
-            apply_bias_and_mask(logits, p)
-            if p.use_penalties:
-                self.token_counts.apply_penalties(logits, p)
-            ids = sample(logits, self._sampling_tensors(x, t))
-            self.token_table.index_copy_(0, t["sample_index"], ids)
-            if raw is not None:
-                groups.append(score_tokens(raw, ids[rows], e.num_top_logprobs))
-        if len(e.prompt_logprob_index):
-            groups.append(self._prompt_logprobs(e, t, hidden))
-        return pack(ids, groups)
-
-    def _prompt_logprobs(
-        self, e: StepExtras, t: dict[str, torch.Tensor], hidden: torch.Tensor
-    ) -> TokenLogprobsTensors:
-        """Each prompt position's logits score the next prompt token, a bounded chunk at a time."""
-        index, targets = t["prompt_logprob_index"], t["prompt_logprob_targets"]
-        parts = []
-        for lo in range(0, len(e.prompt_logprob_index), PROMPT_LOGPROBS_CHUNK):
-            hi = lo + PROMPT_LOGPROBS_CHUNK
-            logprobs = self.model.compute_logits(hidden[index[lo:hi]]).log_softmax(dim=-1)
-            parts.append(score_tokens(logprobs, targets[lo:hi], e.num_top_prompt_logprobs))
-        if len(parts) == 1:
-            return parts[0]
-        return TokenLogprobsTensors(
-            *(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(TokenLogprobsTensors))
-        )
-
-    @staticmethod
-    def _processing_tensors(e: StepExtras, t: dict[str, torch.Tensor]) -> ProcessingTensors:
-        return ProcessingTensors(
-            reset_rows=t["reset_rows"],
-            prompt_tokens=t["prompt_tokens"],
-            prompt_rows=t["prompt_rows"],
-            output_tokens=t["output_tokens"],
-            output_rows=t["output_rows"],
-            penalty_rows=t["penalty_rows"],
-            penalty_table_rows=t["penalty_table_rows"],
-            presence=t["presence"],
-            frequency=t["frequency"],
-            repetition=t["repetition"],
-            bias_rows=t["bias_rows"],
-            bias_ids=t["bias_ids"],
-            bias_values=t["bias_values"],
-            mask_rows=t["mask_rows"],
-            mask_ids=t["mask_ids"],
-            count_tokens=bool(len(e.reset_rows) + len(e.prompt_tokens) + len(e.output_tokens)),
-            use_penalties=bool(len(e.penalty_rows)),
-            use_repetition=bool((e.repetition != 1).any()),
-            use_frequency=bool(e.frequency.any()),
-            use_presence=bool(e.presence.any()),
-            use_bias=bool(len(e.bias_rows)),
-            use_mask=bool(len(e.mask_rows)),
-        )
-
-    def _sampling_tensors(self, x: StepInputs, t: dict[str, torch.Tensor]) -> SamplingTensors:
-        return SamplingTensors(
-            temperature=t["temperature"],
-            top_k=t["top_k"],
-            top_p=t["top_p"],
-            min_p=t["min_p"],
-            seed_keys=t["seed_keys"],
-            output_index=t["output_index"],
-            all_greedy=bool((x.temperature == 0).all()),
-            use_top_k=bool((x.top_k > 0).any()),
-            use_top_p=bool((x.top_p < 1).any()),
-            use_min_p=bool((x.min_p > 0).any()),
-        )
-
-    def _to_device(self, x: StepInputs) -> dict[str, torch.Tensor]:
-        """CPU: zero-copy views. CUDA: one packed copy for the ints, one for the floats."""
-        ints = {name: getattr(x, name) for name in _INT_FIELDS}
-        ints["block_tables"] = x.block_tables.reshape(-1)
-        floats = {name: getattr(x, name) for name in _FLOAT_FIELDS}
-        if x.extras is not None:
-            ints.update((name, getattr(x.extras, name)) for name in StepExtras.INT_FIELDS)
-            floats.update((name, getattr(x.extras, name)) for name in StepExtras.FLOAT_FIELDS)
-        if not self._cuda:
-            out = {name: torch.from_numpy(a) for name, a in (ints | floats).items()}
-        else:
-            out = _split(self._int_staging, ints, np.int64)
-            out.update(_split(self._float_staging, floats, np.float32))
-        out["block_tables"] = out["block_tables"].view(x.block_tables.shape)
-        return out
+    def _upload(self, packed: np.ndarray) -> torch.Tensor:
+        """CUDA: one pinned, double-buffered copy per dtype of the step's arrays."""
+        staging = self._float_staging if packed.dtype == np.float32 else self._int_staging
+        return staging.upload(packed)
 
     def _to_host(self, packed: torch.Tensor):
         """CPU: the tensor itself. CUDA: a non-blocking copy into pinned memory (double buffered:

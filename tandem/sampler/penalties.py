@@ -19,42 +19,9 @@ A speculative token sampled after a request finished is never an input, so it is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class ProcessingTensors:
-    """One step's logits processing, on the device; empty index tensors mean "not this step"."""
-
-    # Token counts: clear these rows, then count these flat token-table indices into them.
-    reset_rows: torch.Tensor  # [Z] table rows
-    prompt_tokens: torch.Tensor  # [A] flat token-table index of prompt tokens entering a row
-    prompt_rows: torch.Tensor  # [A] their table row
-    output_tokens: torch.Tensor  # [B] the same for output tokens
-    output_rows: torch.Tensor  # [B]
-    # Penalties, for these sampling rows (indices into the step's logits) and their table rows.
-    penalty_rows: torch.Tensor  # [P]
-    penalty_table_rows: torch.Tensor  # [P]
-    presence: torch.Tensor  # [P] float32
-    frequency: torch.Tensor  # [P]
-    repetition: torch.Tensor  # [P]
-    # logit_bias: logits[bias_rows, bias_ids] += bias_values
-    bias_rows: torch.Tensor
-    bias_ids: torch.Tensor
-    bias_values: torch.Tensor
-    # min_tokens: logits[mask_rows, mask_ids] = -inf
-    mask_rows: torch.Tensor
-    mask_ids: torch.Tensor
-    # Host facts (sizes of the arrays above), so unused work is skipped without a sync.
-    count_tokens: bool
-    use_penalties: bool
-    use_repetition: bool
-    use_frequency: bool
-    use_presence: bool
-    use_bias: bool
-    use_mask: bool
+from tandem.sampler.inputs import ProcessingRows
 
 
 class TokenCounts:
@@ -76,7 +43,7 @@ class TokenCounts:
         self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
         self.output_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
 
-    def record(self, table: torch.Tensor, p: ProcessingTensors) -> None:
+    def record(self, table: torch.Tensor, p: ProcessingRows) -> None:
         """Clear admitted rows, then count the tokens entering the KV cache in this step."""
         if self.prompt_seen is None:
             self._allocate()
@@ -89,7 +56,7 @@ class TokenCounts:
         flat = p.output_rows * v + table[p.output_tokens]
         counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
 
-    def apply_penalties(self, logits: torch.Tensor, p: ProcessingTensors) -> None:
+    def apply_penalties(self, logits: torch.Tensor, p: ProcessingRows) -> None:
         """In place: repetition (transformers: divide positive logits, multiply negative ones, of
         every token seen in the prompt or output), then frequency and presence (OpenAI: subtract
         frequency * count, then presence * [count > 0], over output tokens only). Each is skipped
@@ -98,25 +65,25 @@ class TokenCounts:
         rows, table_rows = p.penalty_rows, p.penalty_table_rows
         sub = logits[rows]
         counts = self.output_counts[table_rows]
-        if p.use_repetition:
+        if p.flags.use_repetition:
             seen = self.prompt_seen[table_rows]
             seen |= counts > 0
             repetition = p.repetition[:, None]
             sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        if p.use_frequency:
+        if p.flags.use_frequency:
             sub -= counts * p.frequency[:, None]
-        if p.use_presence:
+        if p.flags.use_presence:
             sub -= (counts > 0) * p.presence[:, None]
         logits.index_copy_(0, rows, sub)
 
 
-def apply_bias_and_mask(logits: torch.Tensor, p: ProcessingTensors) -> None:
+def apply_bias_and_mask(logits: torch.Tensor, p: ProcessingRows) -> None:
     """In place: add logit_bias, then forbid stop tokens of requests still short of min_tokens.
 
     Flat index_add_ / index_fill_ rather than index_put_: no sort, no host sync on any device.
     """
     flat, v = logits.view(-1), logits.shape[-1]
-    if p.use_bias:
+    if p.flags.use_bias:
         flat.index_add_(0, p.bias_rows * v + p.bias_ids, p.bias_values)
-    if p.use_mask:
+    if p.flags.use_mask:
         flat.index_fill_(0, p.mask_rows * v + p.mask_ids, float("-inf"))

@@ -8,28 +8,11 @@ batch, in whatever order requests arrived, sync or async. Sampling uses the expo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tandem.ops import cpu_kernels
 from tandem.ops.hashing import MASK32, mix32
-
-
-@dataclass
-class SamplingTensors:
-    """Per sampled row, on the device; the flags are host facts that let us skip unused work."""
-
-    temperature: torch.Tensor  # [S] float32, 0 = greedy
-    top_k: torch.Tensor  # [S] int64, 0 = off
-    top_p: torch.Tensor  # [S] float32
-    min_p: torch.Tensor  # [S] float32
-    seed_keys: torch.Tensor  # [S] int64, a 32-bit hash of the request's seed
-    output_index: torch.Tensor  # [S] int64
-    all_greedy: bool
-    use_top_k: bool
-    use_top_p: bool
-    use_min_p: bool
+from tandem.sampler.inputs import SamplingRows
 
 
 def seed_key(seed: int) -> int:
@@ -72,25 +55,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.tandem.argmax_rows(x) if _fused_rows(x) else x.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def sample(logits: torch.Tensor, t: SamplingRows) -> torch.Tensor:
     """logits [S, V] float32 -> token ids [S] int64.
 
     This is the reference. On a CPU with the fused kernels loaded, a step without top-k or
     top-p runs as `tandem::sample_rows`: the same draws in one pass per row, equal to this up
     to rounding (tests/test_kernels.py)."""
-    if not (t.all_greedy or t.use_top_k or t.use_top_p) and _fused_rows(logits):
+    if not (t.flags.all_greedy or t.flags.use_top_k or t.flags.use_top_p) and _fused_rows(logits):
         return torch.ops.tandem.sample_rows(
             logits, t.temperature, t.min_p, t.seed_keys, t.output_index
         )
     greedy = argmax_rows(logits)
-    if t.all_greedy:
+    if t.flags.all_greedy:
         return greedy
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
     logits = logits / temperature[:, None]
-    if t.use_top_k or t.use_top_p:
+    if t.flags.use_top_k or t.flags.use_top_p:
         logits = _top_k_top_p(logits, t)
     probs = logits.softmax(dim=-1)
-    if t.use_min_p:
+    if t.flags.use_min_p:
         threshold = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     exponential = -uniform_noise(t.seed_keys, t.output_index, logits.shape[-1]).log()
@@ -98,17 +81,17 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.temperature > 0, sampled, greedy)
 
 
-def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, t: SamplingRows) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus (the best token always stays)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if t.use_top_k:
+    if t.flags.use_top_k:
         k = torch.where(t.top_k > 0, t.top_k, vocab)
         drop |= ranks >= k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if t.use_top_p:
+    if t.flags.use_top_p:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         # Rows with top_p = 1 keep everything exactly: their cumulative sum may round past 1.

@@ -1,0 +1,286 @@
+"""The sampler's inputs for one step, typed: built on the host as numpy arrays, moved to the
+device as tensors of the same dataclasses (`execution/transfer.py` walks their fields).
+
+Each group is built only when some request of the step uses it, so a plain step carries the
+sampling rows alone. Flags are host facts about the arrays (computed before the upload), so the
+device skips unused work without a sync. A new stage (a grammar's bitmask, draft tokens to
+verify) is one more optional group here and one more stage in `Sampler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
+
+from tandem.request import Request
+from tandem.scheduling.scheduler import ScheduledRequest
+
+A = TypeVar("A", np.ndarray, torch.Tensor)  # host arrays, or their device tensors
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+
+
+@dataclass
+class SamplingRows(Generic[A]):
+    """Per sampled row: the request's settings and where its noise comes from."""
+
+    temperature: A  # [S] float32, 0 = greedy
+    top_k: A  # [S] int64, 0 = off
+    top_p: A  # [S] float32
+    min_p: A  # [S] float32
+    seed_keys: A  # [S] int64, a 32-bit hash of the request's seed
+    output_index: A  # [S] int64
+    flags: SamplingFlags
+
+
+@dataclass(frozen=True)
+class ProcessingFlags:
+    count_tokens: bool
+    use_penalties: bool
+    use_repetition: bool
+    use_frequency: bool
+    use_presence: bool
+    use_bias: bool
+    use_mask: bool
+
+
+@dataclass
+class ProcessingRows(Generic[A]):
+    """Penalties, logit_bias and min_tokens (see penalties.py); empty arrays: not this step."""
+
+    # Token counts: clear these table rows, then count these flat token-table indices into them.
+    reset_rows: A  # [Z] table rows
+    prompt_tokens: A  # [A] flat token-table index of prompt tokens entering a row
+    prompt_rows: A  # [A] their table row
+    output_tokens: A  # [B] the same for output tokens
+    output_rows: A  # [B]
+    # Penalties, for these sampling rows (indices into the step's logits) and their table rows.
+    penalty_rows: A  # [P]
+    penalty_table_rows: A  # [P]
+    presence: A  # [P] float32
+    frequency: A  # [P]
+    repetition: A  # [P]
+    # logit_bias: logits[bias_rows, bias_ids] += bias_values
+    bias_rows: A
+    bias_ids: A
+    bias_values: A  # float32
+    # min_tokens: logits[mask_rows, mask_ids] = -inf
+    mask_rows: A
+    mask_ids: A
+    flags: ProcessingFlags
+
+
+@dataclass
+class LogprobRows(Generic[A]):
+    """Which sampling rows want logprobs, and prompt positions (batch offsets) with the prompt
+    token each one predicts."""
+
+    rows: A  # [L] sampling rows
+    prompt_index: A  # [Q] batch offsets of prompt positions
+    prompt_targets: A  # [Q] the next prompt token of each
+    num_top: int
+    num_top_prompt: int
+    # Host only: whose prompt logprobs these are, in order: (request, first position, count).
+    prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def output_groups(self) -> list[tuple[int, int]]:
+        """(rows, top k) of each logprobs group packed after the sampled ids (logprobs.pack)."""
+        groups = []
+        if len(self.rows):
+            groups.append((len(self.rows), self.num_top))
+        if len(self.prompt_index):
+            groups.append((len(self.prompt_index), self.num_top_prompt))
+        return groups
+
+
+@dataclass
+class SamplerInputs(Generic[A]):
+    sampling: SamplingRows[A]
+    processing: ProcessingRows[A] | None = None  # None unless a request uses it
+    logprobs: LogprobRows[A] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Sampling alone: no penalties, bias, min_tokens or logprobs in this step."""
+        return self.processing is None and self.logprobs is None
+
+
+def build_sampler_inputs(
+    items: list[ScheduledRequest], offsets: np.ndarray, max_len: int, extras: bool
+) -> SamplerInputs[np.ndarray]:
+    """The step's sampler inputs; `offsets`: each item's first token in the batch; `extras`:
+    whether some request of the step needs processing or logprobs."""
+    sampled = [it for it in items if it.sample]
+    params = np.array([it.request.sampling_row for it in sampled], dtype=np.float64).reshape(-1, 5)
+    temperature = params[:, 0].astype(np.float32)
+    top_k = params[:, 1].astype(np.int64)
+    top_p = params[:, 2].astype(np.float32)
+    min_p = params[:, 3].astype(np.float32)
+    rows = SamplingRows(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed_keys=params[:, 4].astype(np.int64),
+        output_index=np.fromiter((it.output_index for it in sampled), np.int64, len(sampled)),
+        flags=SamplingFlags(
+            all_greedy=bool((temperature == 0).all()),
+            use_top_k=bool((top_k > 0).any()),
+            use_top_p=bool((top_p < 1).any()),
+            use_min_p=bool((min_p > 0).any()),
+        ),
+    )
+    if not extras:
+        return SamplerInputs(rows)
+    processing, logprobs = _build_extras(items, offsets, max_len)
+    return SamplerInputs(rows, processing, logprobs)
+
+
+def uses_penalties(request: Request) -> bool:
+    return request.processing is not None and request.processing.uses_penalties
+
+
+def first_counted(item: ScheduledRequest) -> int:
+    """First position whose token a step counts for penalties (and so must find in the table).
+
+    On admission the row's counts start afresh, from position 0, even if the request skips
+    computing a prefix; afterwards each step counts the positions it computes.
+    """
+    return 0 if item.admitted and uses_penalties(item.request) else item.start
+
+
+def _build_extras(
+    items: list[ScheduledRequest], offsets: np.ndarray, max_len: int
+) -> tuple[ProcessingRows[np.ndarray] | None, LogprobRows[np.ndarray] | None]:
+    """Penalties, logit_bias, min_tokens and logprobs arrays; None for a group nobody uses.
+
+    One pass over the items collects scalars into columns; numpy builds the per-token arrays.
+    """
+    # Token counts, per item of a penalized request: table row, first counted position, end,
+    # prompt length, admitted now.
+    c_row, c_first, c_end, c_prompt, c_admitted = [], [], [], [], []
+    # Penalties per sampling row: row, table row, presence, frequency, repetition.
+    p_row, p_table_row, p_presence, p_frequency, p_repetition = [], [], [], [], []
+    bias, mask = [], []  # (sampling row, ids[, values])
+    logprob_rows: list[int] = []
+    prompt_lp: list[tuple[Request, int, int, int]] = []  # request, first, end, batch offset shift
+    top_k = 0
+    any_processing = any_logprobs = False
+    s = 0  # index among sampling rows
+    for it, offset in zip(items, offsets.tolist(), strict=True):
+        request, end = it.request, it.start + it.num_tokens
+        proc = request.processing
+        any_processing |= proc is not None
+        any_logprobs |= request.logprobs is not None or request.prompt_logprobs is not None
+        if proc is not None and proc.uses_penalties:
+            c_row.append(it.slot)
+            c_first.append(first_counted(it))
+            c_end.append(end)
+            c_prompt.append(len(request.prompt_token_ids))
+            c_admitted.append(it.admitted)
+        if request.prompt_logprobs is not None:
+            lo = max(it.start, len(request.prompt_logprobs) - 1)  # retired ones are not redone
+            hi = min(end, len(request.prompt_token_ids) - 1)
+            if hi > lo:
+                prompt_lp.append((request, lo, hi, offset - it.start))
+        if not it.sample:
+            continue
+        if proc is not None:
+            if proc.uses_penalties:
+                p_row.append(s)
+                p_table_row.append(it.slot)
+                p_presence.append(proc.presence)
+                p_frequency.append(proc.frequency)
+                p_repetition.append(proc.repetition)
+            if len(proc.bias_ids):
+                bias.append((s, proc.bias_ids, proc.bias_values))
+            if it.output_index < proc.min_tokens and len(proc.min_tokens_ids):
+                mask.append((s, proc.min_tokens_ids))
+        if request.logprobs is not None:
+            logprob_rows.append(s)
+            top_k = max(top_k, request.params.logprobs)
+        s += 1
+
+    processing = logprobs = None
+    if any_processing:
+        rows, first, end = _ints(c_row), _ints(c_first), _ints(c_end)
+        split = np.minimum(np.maximum(first, _ints(c_prompt)), end)
+        repetition = np.array(p_repetition, dtype=np.float32)
+        frequency = np.array(p_frequency, dtype=np.float32)
+        presence = np.array(p_presence, dtype=np.float32)
+        reset_rows = rows[np.array(c_admitted, dtype=bool)]
+        prompt_tokens = ragged_arange(rows * max_len + first, split - first)
+        output_tokens = ragged_arange(rows * max_len + split, end - split)
+        processing = ProcessingRows(
+            reset_rows=reset_rows,
+            prompt_tokens=prompt_tokens,
+            prompt_rows=np.repeat(rows, split - first),
+            output_tokens=output_tokens,
+            output_rows=np.repeat(rows, end - split),
+            penalty_rows=_ints(p_row),
+            penalty_table_rows=_ints(p_table_row),
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            bias_rows=_repeat_rows(bias),
+            bias_ids=_concat([b[1] for b in bias], np.int64),
+            bias_values=_concat([b[2] for b in bias], np.float32),
+            mask_rows=_repeat_rows(mask),
+            mask_ids=_concat([m[1] for m in mask], np.int64),
+            flags=ProcessingFlags(
+                count_tokens=bool(len(reset_rows) + len(prompt_tokens) + len(output_tokens)),
+                use_penalties=bool(p_row),
+                use_repetition=bool((repetition != 1).any()),
+                use_frequency=bool(frequency.any()),
+                use_presence=bool(presence.any()),
+                use_bias=bool(bias),
+                use_mask=bool(mask),
+            ),
+        )
+    if any_logprobs:
+        lp_first = _ints([x[1] for x in prompt_lp])
+        logprobs = LogprobRows(
+            rows=_ints(logprob_rows),
+            prompt_index=ragged_arange(
+                lp_first + _ints([x[3] for x in prompt_lp]),
+                _ints([x[2] for x in prompt_lp]) - lp_first,
+            ),
+            prompt_targets=_concat(
+                [np.asarray(r.prompt_token_ids[lo + 1 : hi + 1]) for r, lo, hi, _ in prompt_lp],
+                np.int64,
+            ),
+            num_top=top_k,
+            num_top_prompt=max((r.params.prompt_logprobs for r, *_ in prompt_lp), default=0),
+            prompt_spans=[(r, lo, hi - lo) for r, lo, hi, _ in prompt_lp],
+        )
+    return processing, logprobs
+
+
+def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """concat(arange(s, s + c) for s, c in zip(starts, counts)), without a Python loop."""
+    total = int(counts.sum())
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + offsets
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def _repeat_rows(pairs: list[tuple]) -> np.ndarray:
+    """Each pair's sampling row, once per id it lists."""
+    return np.repeat(_ints([x[0] for x in pairs]), _ints([len(x[1]) for x in pairs]))
