@@ -84,8 +84,8 @@ def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dic
 def pick_cpu_threads(timings_ms: dict[int, float], batch: int) -> int:
     """The count with the shortest step once the host's share is charged where it lands.
 
-    With every core computing, the host's scheduling of the next step (about 0.2 ms plus 15 us
-    per request, measured by benchmarks/host_cost.py) takes a core from the compute team, which
+    With every core computing, the host's scheduling of the next step (its cost per request is
+    measured by benchmarks/host_cost.py) takes a core from the compute team, which
     then waits for it at its next barrier; with a core left free the host runs beside the step.
     """
     cores = max(timings_ms)

@@ -18,6 +18,7 @@ filter is left exactly as it is (see `sampling._top_k_top_p`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +89,17 @@ class GraphInputs:
                 use_min_p=mode != "greedy",  # min_p = 0 leaves a row exactly as it is
             ),
         )
+
+
+def _row_arrays(x: StepInputs) -> dict[str, np.ndarray]:
+    """The step's host arrays by field name: its own and its sampling rows'."""
+    parts = (x, x.sampler.sampling)
+    return {
+        f.name: getattr(part, f.name)
+        for part in parts
+        for f in dataclasses.fields(part)
+        if isinstance(getattr(part, f.name), np.ndarray)
+    }
 
 
 class DecodeGraphs:

@@ -1,9 +1,8 @@
 """Back the large CPU buffers (weights, the KV cache) with 2 MiB transparent huge pages.
 
 Why: a decode step reads every weight and every running request's K/V. With 4 KiB pages each
-4 KiB is a TLB miss, and inside a virtual machine each miss is a two-level page walk. Measured on
-the development VM (2 cores): packed GEMMs of the 107M model at 32 rows 20-25% faster, paged
-decode attention 1.3-1.6x faster with huge pages.
+4 KiB is a TLB miss, and inside a virtual machine each miss is a two-level page walk
+(docs/experiments.md has the measured gain).
 
 Two ways in. PyTorch's CPU allocator advises huge pages for every allocation of 2 MiB or more
 when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation: ``import tandem`` sets it

@@ -29,7 +29,7 @@ from tandem.models.llama import LlamaModel
 from tandem.ops.hashing import MASK32, mix32
 
 # Elements hashed at once: bounds the int64 temporaries. A GPU wants few, large launches (128 MB
-# temporaries); a CPU wants them in its cache (512 KB: 5x faster than 128 MB on the dev VM).
+# temporaries); a CPU wants them in its cache (512 KB of temporaries).
 _CHUNK = {"cuda": 1 << 24, "cpu": 1 << 16}
 
 

@@ -20,7 +20,8 @@ from torch import nn
 from tandem.models.parallel import SINGLE, Shard, TensorParallel, heads_to_rows
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
-from tandem.ops.attention import AttentionMetadata, paged_attention
+from tandem.ops.attention import paged_attention
+from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
 
 

@@ -51,7 +51,7 @@ def _fused_rows(x: torch.Tensor) -> bool:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a [S, V] matrix; on a CPU in float32 with the fused kernels loaded,
-    `tandem::argmax_rows` gives the same indices 8-13x faster."""
+    `tandem::argmax_rows` gives the same indices in one vectorized pass per row."""
     return torch.ops.tandem.argmax_rows(x) if _fused_rows(x) else x.argmax(dim=-1)
 
 
