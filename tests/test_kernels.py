@@ -1,8 +1,9 @@
 """The fast CPU path: fused kernels against the portable ops, and the model against transformers.
 
 The fused kernels sum in another order than PyTorch, so they are held to a tolerance; the test
-models' greedy tokens stay equal to transformers' (tests/test_equivalence.py runs the fast path,
-the default). `enforce_eager` keeps the portable arithmetic, which matches transformers exactly.
+models' greedy tokens stay equal to transformers' where transformers' top two logits are further
+apart than FAST_PATH_LOGITS_ATOL (tests/test_equivalence.py runs the fast path, the default).
+`enforce_eager` keeps the portable arithmetic, transformers' own up to float32 noise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata
 
-from conftest import _load_hf_model, hf_greedy_reference, random_prompts
+from conftest import (
+    FAST_PATH_LOGITS_ATOL,
+    _load_hf_model,
+    hf_greedy_reference_allowing_near_ties,
+    random_prompts,
+)
 from helpers import greedy, make_llm, prefill_then_decode_logits
 
 
@@ -248,7 +254,8 @@ def test_paged_decode_attention_on_long_contexts(
     "arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 )
 def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> None:
-    """Fast path: within 1e-4 of transformers' logits; eager path: within float32 noise."""
+    """Fast path: within FAST_PATH_LOGITS_ATOL of transformers' logits; eager path: within float32
+    noise. Either may take another argmax only where transformers' top two are that close."""
     path = tiny_checkpoints[arch]
     prompt = random_prompts(random.Random(3), 1, 1024, 60, 60)[0]
     with torch.no_grad():
@@ -261,18 +268,37 @@ def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> 
         assert plan.packed_gemm == (not eager)
         logits = prefill_then_decode_logits(loaded.model, prompt)
         diffs[eager] = (logits - reference).abs().max().item()
-        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+        ids = logits.argmax(-1)
+        gaps = reference.max(-1).values - reference.gather(1, ids[:, None])[:, 0]
+        assert (gaps[ids != reference.argmax(-1)] < FAST_PATH_LOGITS_ATOL).all(), gaps.min()
     assert diffs[True] < 2e-5, diffs  # the portable path is transformers' arithmetic
-    assert diffs[False] < 1e-4, diffs
+    assert diffs[False] < FAST_PATH_LOGITS_ATOL, diffs
 
 
-def test_enforce_eager_matches_transformers_exactly(tiny_llama) -> None:
+def test_enforce_eager_keeps_the_portable_path_and_matches_transformers(tiny_llama) -> None:
     rng = random.Random(11)
     prompts = random_prompts(rng, 6, 1024, 5, 80)
     llm = make_llm(tiny_llama, enforce_eager=True)
     assert llm.engine.execution.ops == "portable" and not llm.engine.execution.packed_gemm
     for prompt, out in zip(prompts, llm.generate(prompts, greedy(12)), strict=True):
-        assert out.token_ids == hf_greedy_reference(tiny_llama, prompt, 12)
+        assert out.token_ids == hf_greedy_reference_allowing_near_ties(
+            tiny_llama, prompt, out.token_ids, 12
+        )
+
+
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+)
+def test_fast_path_greedy_tokens_match_transformers(tiny_checkpoints, arch) -> None:
+    """A short greedy run per architecture (test_cpu_isa.py reruns it under the AVX2 build)."""
+    path = tiny_checkpoints[arch]
+    prompts = random_prompts(random.Random(4), 3, 1024, 2, 200)
+    llm = make_llm(path)
+    assert llm.engine.execution.ops == "fused-cpu"
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(12)), strict=True):
+        assert out.token_ids == hf_greedy_reference_allowing_near_ties(
+            path, prompt, out.token_ids, 12
+        )
 
 
 def test_without_a_compiler_the_engine_falls_back_to_portable_ops(tiny_llama, monkeypatch) -> None:
@@ -282,9 +308,8 @@ def test_without_a_compiler_the_engine_falls_back_to_portable_ops(tiny_llama, mo
     assert llm.engine.execution.ops == "portable" and llm.engine.execution.packed_gemm
     assert "unavailable" in llm.engine.execution.describe()
     prompt = random_prompts(random.Random(5), 1, 1024, 30, 30)[0]
-    assert llm.generate([prompt], greedy(8))[0].token_ids == hf_greedy_reference(
-        tiny_llama, prompt, 8
-    )
+    tokens = llm.generate([prompt], greedy(8))[0].token_ids
+    assert tokens == hf_greedy_reference_allowing_near_ties(tiny_llama, prompt, tokens, 8)
 
 
 def test_kernel_build_is_cached_on_disk(kernels, monkeypatch) -> None:

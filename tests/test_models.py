@@ -88,12 +88,12 @@ def test_llama_attention_bias_reaches_o_proj(llama_with_biases, enforce_eager):
     """attention_bias=True gives o_proj a bias in Llama (and Qwen3): loaded, and used."""
     import random
 
-    from conftest import hf_greedy_reference_allowing_ties, random_prompts
+    from conftest import hf_greedy_reference_allowing_near_ties, random_prompts
     from helpers import greedy, make_llm
 
     llm = make_llm(llama_with_biases, enforce_eager=enforce_eager, num_kv_blocks=64)
     assert llm.engine.spec.o_bias and llm.engine.runner.model.layers[0].attn.o.bias.any()
     prompts = random_prompts(random.Random(3), 4, 1024, 3, 30)
     for prompt, out in zip(prompts, llm.generate(prompts, greedy(10)), strict=True):
-        ref = hf_greedy_reference_allowing_ties(llama_with_biases, prompt, out.token_ids)
+        ref = hf_greedy_reference_allowing_near_ties(llama_with_biases, prompt, out.token_ids, 10)
         assert out.token_ids == ref

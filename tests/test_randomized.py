@@ -15,7 +15,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference_allowing_ties
+from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference_allowing_near_ties
 from helpers import assert_idle_and_balanced, greedy, make_llm
 
 tokens = st.integers(NUM_SPECIAL_TOKENS, 1023)
@@ -135,8 +135,10 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
     max_num_seqs=st.integers(1, 8),
     enable_prefix_caching=st.sampled_from([True, True, True, False]),
 )
-# transformers' fp32 logits tie exactly between ids 49 and 381 at the 9th output of the third
-# prompt; in this schedule the fused CPU forward picks 381, transformers' argmax 49.
+# At the 9th output of the third prompt transformers' fp32 logits for ids 49 and 381 are 2.4e-7
+# apart, and which is larger depends on the CPU's instruction set and thread count; in this
+# schedule the fused CPU forward picks 381, transformers' generate may pick 49. Either passes, as
+# the gap is within FAST_PATH_LOGITS_ATOL; a token further than that from the top would fail.
 @example(
     prefixes=[[], [], []],
     requests=[
@@ -171,8 +173,8 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     samples = [(p, r) for p, r in zip(prompts, requests, strict=True) for _ in range(r["n"])]
     for (prompt, r), out_sync, out_async in zip(samples, sync, async_, strict=True):
         for out in (out_sync, out_async):
-            # Exact ties in transformers' logits occur (see the explicit example): either id.
-            reference = hf_greedy_reference_allowing_ties(tiny_llama, prompt, out.token_ids)
+            # Near ties in transformers' logits occur (see the explicit example): either id.
+            reference = hf_greedy_reference_allowing_near_ties(tiny_llama, prompt, out.token_ids)
             assert out.token_ids == reference
             if out.finish_reason == "abort":
                 assert r["abort_step"] is not None

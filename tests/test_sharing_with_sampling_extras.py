@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from test_logprobs import check_against_hf as check_logprobs_against_hf
 from test_logprobs import mixed_params
-from test_penalties import hf_processed_greedy
+from test_penalties import hf_processed_greedy_allowing_near_ties
 from test_prefix_cache import prefill_of, record_items, shared_prefix_prompts
 
 from tandem import SamplingParams
@@ -80,7 +80,8 @@ def test_penalties_over_a_cached_prefix_match_hf(tiny_checkpoints, async_schedul
         outs = llm.generate(prompts, params)
         changed = 0
         for i, (prompt, p, out) in enumerate(zip(prompts, params, outs, strict=True)):
-            assert out.token_ids == hf_processed_greedy(path, prompt, p), f"request {i}: {p}"
+            reference = hf_processed_greedy_allowing_near_ties(path, prompt, p, out.token_ids)
+            assert out.token_ids == reference, f"request {i}: {p}"
             changed += out.token_ids != hf_greedy_reference(path, prompt, p.max_tokens)
         assert changed >= len(prompts) // 2, "the penalties should change most outputs"
         skipped = admitted_past_zero(items)
@@ -108,7 +109,8 @@ def test_readmission_over_its_own_cached_outputs_keeps_exact_counts(
     items = record_items(llm.engine)
     outs = llm.generate(prompts, params)
     for i, (prompt, p, out) in enumerate(zip(prompts, params, outs, strict=True)):
-        assert out.token_ids == hf_processed_greedy(path, prompt, p), f"request {i}"
+        reference = hf_processed_greedy_allowing_near_ties(path, prompt, p, out.token_ids)
+        assert out.token_ids == reference, f"request {i}"
     assert llm.engine.scheduler.num_preemptions > 0
     # Some re-admission skipped cached blocks that hold generated tokens.
     assert any(it.start > it.request.num_prompt_tokens for it in admitted_past_zero(items))
@@ -200,9 +202,10 @@ def test_greedy_samples_with_repetition_penalty_match_hf(tiny_checkpoints, async
     outs = llm.generate(prompts, p)
     assert len(admitted_past_zero(items)) == 6
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = hf_processed_greedy(path, prompt, p)
+        samples = [s.token_ids for s in out.outputs]
+        ref = hf_processed_greedy_allowing_near_ties(path, prompt, p, samples[0])
         assert ref != hf_greedy_reference(path, prompt, 16)
-        assert [s.token_ids for s in out.outputs] == [ref] * 3
+        assert samples == [ref] * 3
     assert_idle_and_balanced(llm.engine)
 
 

@@ -41,7 +41,7 @@ from tandem.models.default_model import build_checkpoint
 from tandem.models.loader import build_model, read_config
 from tandem.models.parallel import SINGLE, Shard, TensorParallel, check_shardable
 
-from conftest import hf_greedy_reference_allowing_ties, random_prompts
+from conftest import hf_greedy_reference_allowing_near_ties, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
 
 TP2 = {"tensor_parallel_size": 2, "cpu_threads": 1}
@@ -140,7 +140,7 @@ def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture
             assert_idle_and_balanced(llm.engine)
         assert outputs[True] == outputs[False]
         for prompt, tokens in zip(prompts, outputs[True], strict=True):
-            assert tokens == hf_greedy_reference_allowing_ties(path, prompt, tokens)
+            assert tokens == hf_greedy_reference_allowing_near_ties(path, prompt, tokens, 12)
     finally:
         llm.close()
 
@@ -154,7 +154,7 @@ def test_row_parallel_bias_is_added_once(llama_with_biases):
     finally:
         llm.close()
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = hf_greedy_reference_allowing_ties(llama_with_biases, prompt, out.token_ids)
+        ref = hf_greedy_reference_allowing_near_ties(llama_with_biases, prompt, out.token_ids, 10)
         assert out.token_ids == ref
 
 
@@ -216,7 +216,7 @@ def test_async_equals_sync_with_chunks_preemption_and_aborts(tiny_llama):
         for i, prompt in enumerate(prompts):
             for mode in (False, True):
                 out = finals[mode][i]
-                ref = hf_greedy_reference_allowing_ties(tiny_llama, prompt, out.token_ids)
+                ref = hf_greedy_reference_allowing_near_ties(tiny_llama, prompt, out.token_ids)
                 assert out.token_ids == ref
                 assert (out.finish_reason == "abort") == (i in aborted and len(ref) < 16)
             if i not in aborted:

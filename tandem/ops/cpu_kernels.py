@@ -5,6 +5,9 @@ kept under the Tandem cache folder, named by a hash of the source, the compiler 
 version and the CPU's instruction sets, so a later start (or another process) loads it at once
 and a different machine never loads a library built for another CPU. `load()` reports how long it
 took; a build that fails (no compiler) is logged and the engine keeps the portable path.
+
+`TANDEM_CPU_ISA=avx2` builds the AVX2 code (no AVX-512) on a machine that has AVX-512, so one
+machine can check both paths (tests/test_cpu_isa.py); unset, or `native`, builds for this CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 logger = logging.getLogger("tandem")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The vector code (GCC's 64-byte vectors) compiles to AVX-512, or to pairs of AVX2 registers.
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
 
 
 @dataclass
@@ -54,9 +58,27 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_name() -> str:
+def cflags() -> list[str]:
+    """The compiler flags for the instruction sets `TANDEM_CPU_ISA` asks for.
+
+    Where this CPU has no AVX-512, `-march=native` already is an AVX2 build: `avx2` then takes the
+    native flags, so it shares the native build (and its cache) instead of building again.
+    """
+    isa = os.environ.get("TANDEM_CPU_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"TANDEM_CPU_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    cpu = set(_cpu_flags().split())
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu:
+        raise ValueError("TANDEM_CPU_ISA=avx2: this CPU has no AVX2 and FMA")
+    if isa == "avx2" and "avx512f" not in cpu:
+        isa = "native"
+    return ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
+
+
+def build_name() -> str:
+    """The build's name: a hash of everything that changes the library, the flags included."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(cflags()).encode(), torch.__version__.encode()):
         key.update(part)
     key.update(_cpu_flags().encode())
     return f"tandem_cpu_kernels_{key.hexdigest()[:16]}"
@@ -80,7 +102,8 @@ def load() -> KernelBuild:
         return _loaded
     from torch.utils import cpp_extension
 
-    name = _build_name()
+    flags = cflags()  # a ValueError here is a wrong TANDEM_CPU_ISA: said, not worked around
+    name = build_name()
     build_dir = cache_root() / "kernels" / name
     cached = (build_dir / f"{name}.so").is_file()
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +119,7 @@ def load() -> KernelBuild:
         cpp_extension.load(
             name=name,
             sources=[str(source)],
-            extra_cflags=CFLAGS,
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,

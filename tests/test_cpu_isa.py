@@ -1,0 +1,122 @@
+"""Both x86 builds of the fused CPU kernels, checked on whichever kind of machine CI has.
+
+`-march=native` compiles the kernels' 64-byte vectors to AVX-512 on an AVX-512 machine (Intel
+Sapphire Rapids) and to pairs of AVX2 registers elsewhere (AMD Zen 3), and MKL and ATen pick
+their code by CPU too. So one CI machine would prove only its own path: here the AVX2 build
+runs the kernel and greedy checks under `TANDEM_CPU_ISA=avx2` on any machine, and the AVX-512
+build is compiled (not run) on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tandem.ops import cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+AVX2_ENV = {
+    "TANDEM_CPU_ISA": "avx2",  # the fused kernels: -march=x86-64-v3 (AVX2, FMA), no AVX-512
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's GEMMs
+    "ATEN_CPU_CAPABILITY": "avx2",  # PyTorch's own kernels (transformers' side)
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+# What runs again under the AVX2 build: every check of a fused kernel against its reference,
+# the model's logits against transformers', and greedy tokens against transformers'.
+AVX2_CHECKS = [
+    f"tests/test_kernels.py::{name}"
+    for name in (
+        "test_elementwise_kernels_match_portable_ops",
+        "test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit",
+        "test_argmax_kernel_is_torch_argmax",
+        "test_sampler_kernel_draws_the_reference_samplers_tokens",
+        "test_paged_decode_attention_reads_the_cache_in_place",
+        "test_paged_decode_attention_on_long_contexts",
+        "test_fast_path_logits_stay_close_to_transformers",
+        "test_fast_path_greedy_tokens_match_transformers",
+    )
+]
+# Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.
+RUN_PYTEST = (
+    "import sys, pytest, torch; print('ATen:', torch.backends.cpu.get_cpu_capability()); "
+    "sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize(
+    "setting,cpu,flag",
+    [
+        (None, "avx2 fma avx512f", "-march=native"),
+        ("native", "avx2 fma", "-march=native"),
+        ("avx2", "avx2 fma avx512f", "-march=x86-64-v3"),
+        ("avx2", "avx2 fma", "-march=native"),  # native already is the AVX2 build: one build
+    ],
+)
+def test_the_isa_setting_picks_the_flags_and_the_build(monkeypatch, setting, cpu, flag) -> None:
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: f"flags\t\t: fpu sse2 {cpu}")
+    monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)
+    native = cpu_kernels.build_name()
+    if setting is not None:
+        monkeypatch.setenv("TANDEM_CPU_ISA", setting)
+    assert cpu_kernels.cflags() == ["-O3", flag, "-fopenmp"]
+    assert (cpu_kernels.build_name() == native) == (flag == "-march=native")
+
+
+def test_a_wrong_isa_setting_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="expected one of native, avx2"):
+        cpu_kernels.cflags()
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx")
+    with pytest.raises(ValueError, match="no AVX2"):
+        cpu_kernels.cflags()
+
+
+def test_the_avx2_build_passes_the_kernel_and_greedy_checks(monkeypatch, tmp_path) -> None:
+    """On an AVX-512 machine this builds and runs the AVX2 code, and MKL's and ATen's AVX2 code,
+    against the references and transformers (its own build: some tens of seconds, cached after
+    that); on an AVX2 machine it is the native build, already built, rerun with the settings.
+    Either way the library that ran has no AVX-512 (zmm) instruction."""
+    env = {**os.environ, **AVX2_ENV}
+    result = subprocess.run(
+        [
+            sys.executable, "-c", RUN_PYTEST, "-q", "-p", "no:cacheprovider",
+            f"--basetemp={tmp_path / 'avx2'}", *AVX2_CHECKS,
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "ATen: AVX2" in result.stdout
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
+    name = cpu_kernels.build_name()
+    library = cpu_kernels.cache_root() / "kernels" / name / f"{name}.so"
+    code = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(library)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "ymm" in code and "zmm" not in code
+
+
+def test_the_avx512_build_compiles(tmp_path) -> None:
+    """Compile only (to assembly, with the build's flags but for Sapphire Rapids): it cannot run
+    on a machine without AVX-512, but it proves there that the AVX-512 build compiles, and that
+    the kernels' vectors become 512-bit code. On an AVX-512 machine the native build proves more."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    assembly = tmp_path / "cpu_kernels.s"
+    result = subprocess.run(
+        [
+            os.environ.get("CXX", "c++"), "-std=c++20", "-fPIC", "-O3", "-march=sapphirerapids",
+            "-fopenmp", "-Wno-psabi", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S",
+            str(cpu_kernels.SOURCE), "-o", str(assembly),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "zmm" in assembly.read_text()
