@@ -39,3 +39,29 @@ def test_top_p_of_one_keeps_the_whole_row_beside_a_filtered_row():
         t_mixed.output_index[:] = i
         t_plain.output_index[:] = i
         assert sample(logits, t_mixed)[1] == sample(logits, t_plain)[1]
+
+
+def test_sampling_flags_say_which_settings_any_row_uses():
+    """The host's flags decide which sampler stages run (and which CUDA graph replays): a stage
+    is skipped only when no row of the step uses it."""
+    import numpy as np
+
+    from tandem.request import Request, SamplingParams
+    from tandem.sampler.inputs import build_sampler_inputs
+    from tandem.scheduling.scheduler import ScheduledRequest
+
+    def flags(*rows: tuple[float, int, float, float]):
+        items = []
+        for i, (temperature, top_k, top_p, min_p) in enumerate(rows):
+            row = (temperature, top_k, top_p, min_p, 0)
+            request = Request(f"r{i}", [5, 6], SamplingParams(), 0, row, 4, 0.0)
+            items.append(ScheduledRequest(request, i, 0, 2, sample=True, output_index=0))
+        return build_sampler_inputs(items, np.zeros(len(items), np.int64), 8, False).sampling.flags
+
+    greedy = (0.0, 0, 1.0, 0.0)
+    assert flags(greedy, greedy) == SamplingFlags(True, False, False, False)
+    assert flags(greedy, (0.7, 0, 1.0, 0.0)) == SamplingFlags(False, False, False, False)
+    assert flags(greedy, (0.7, 5, 1.0, 0.0)) == SamplingFlags(False, True, False, False)
+    assert flags((0.7, 0, 0.9, 0.0), greedy) == SamplingFlags(False, False, True, False)
+    assert flags((0.7, 0, 1.0, 0.05)) == SamplingFlags(False, False, False, True)
+    assert flags() == SamplingFlags(True, False, False, False)  # no sampled row: nothing to do

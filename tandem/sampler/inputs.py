@@ -19,6 +19,9 @@ from tandem.request import Request
 from tandem.scheduling.scheduler import ScheduledRequest
 
 A = TypeVar("A", np.ndarray, torch.Tensor)  # host arrays, or their device tensors
+# temperature, top_k, top_p, min_p at the values that leave a row as it is (validated ranges:
+# temperature and min_p >= 0, top_k >= 0, top_p <= 1).
+_NEUTRAL = np.array([0.0, 0.0, 1.0, 0.0], dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -122,22 +125,17 @@ def build_sampler_inputs(
     whether some request of the step needs processing or logprobs."""
     sampled = [it for it in items if it.sample]
     params = np.array([it.request.sampling_row for it in sampled], dtype=np.float64).reshape(-1, 5)
-    temperature = params[:, 0].astype(np.float32)
-    top_k = params[:, 1].astype(np.int64)
-    top_p = params[:, 2].astype(np.float32)
-    min_p = params[:, 3].astype(np.float32)
+    # Which settings any row uses, in one pass: each is off at its neutral value.
+    used = (params[:, :4].astype(np.float32) != _NEUTRAL).any(axis=0).tolist()
     rows = SamplingRows(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
+        temperature=params[:, 0].astype(np.float32),
+        top_k=params[:, 1].astype(np.int64),
+        top_p=params[:, 2].astype(np.float32),
+        min_p=params[:, 3].astype(np.float32),
         seed_keys=params[:, 4].astype(np.int64),
         output_index=np.fromiter((it.output_index for it in sampled), np.int64, len(sampled)),
         flags=SamplingFlags(
-            all_greedy=bool((temperature == 0).all()),
-            use_top_k=bool((top_k > 0).any()),
-            use_top_p=bool((top_p < 1).any()),
-            use_min_p=bool((min_p > 0).any()),
+            all_greedy=not used[0], use_top_k=used[1], use_top_p=used[2], use_min_p=used[3]
         ),
     )
     if not extras:
