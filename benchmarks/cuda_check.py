@@ -92,7 +92,7 @@ def check_equivalence(path: Path) -> None:
             equal = sum(o.token_ids == r for o, r in zip(outs, refs, strict=True))
             label = f"fp32 {'async' if async_scheduling else 'sync'}, graphs {'on' if graphs else 'off'}"
             record("equivalence", label, f"{equal}/{len(refs)} equal HF; preemptions "
-                   f"{llm.engine.scheduler.num_preemptions}; {sync_checked()}")  # fmt: skip
+                   f"{llm.engine.stats().num_preemptions}; {sync_checked()}")  # fmt: skip
             outputs[graphs, async_scheduling] = [o.token_ids for o in outs]
             llm.close()
             assert equal == len(refs)
