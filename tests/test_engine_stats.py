@@ -64,3 +64,31 @@ def test_history_is_bounded_and_marks_survive_eviction():
     history.add_step(StepRecord(5, 1, 1))
     assert [r.step_id for r in history.steps(since=later)] == [5]
     assert [t.token_times for t in history.requests(since=later)] == []
+
+
+def test_history_keep_trims_to_the_latest_records():
+    history = StepHistory(length=10)
+    for i in range(6):
+        history.add_step(StepRecord(i, 1, 1))
+        history.add_request(RequestTiming(0.0, [float(i)]))
+    mark = history.mark()
+    history.keep(steps=3, requests=1)
+    assert [r.step_id for r in history.steps()] == [3, 4, 5]
+    assert [t.token_times for t in history.requests()] == [[5.0]]
+    for i in range(6, 9):
+        history.add_step(StepRecord(i, 1, 1))
+    assert [r.step_id for r in history.steps(since=mark)] == [6, 7, 8]
+    assert [r.step_id for r in history.steps()] == [6, 7, 8]
+
+
+def test_a_server_loop_keeps_a_short_history(tiny_llama, monkeypatch):
+    """The server's gauge reads one window at a time, so its engine holds only a bounded tail of
+    records: a server running for days does not hold the offline history in memory."""
+    from tandem.server import loop
+
+    monkeypatch.setattr(loop, "GAUGE_HISTORY_STEPS", 5)
+    llm = make_llm(tiny_llama)
+    loop.EngineLoop(llm.engine, on_outputs=lambda deltas: None, on_crash=lambda exc: None)
+    llm.generate([[5, 6, 7], [8, 9]], greedy(12))
+    assert len(llm.engine.history.steps()) == 5
+    assert len(llm.engine.history.requests()) == 2  # below GAUGE_HISTORY_REQUESTS

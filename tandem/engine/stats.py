@@ -58,6 +58,12 @@ class StepHistory:
         self._num_steps = 0  # ever appended
         self._num_requests = 0
 
+    def keep(self, steps: int, requests: int) -> None:
+        """Keep at most this many records from now on (the latest ones): a server that reads
+        only a recent window need not hold a long history in memory."""
+        self._steps = deque(self._steps, maxlen=steps)
+        self._requests = deque(self._requests, maxlen=requests)
+
     def add_step(self, record: StepRecord) -> None:
         self._steps.append(record)
         self._num_steps += 1

@@ -19,6 +19,10 @@ from tandem.engine import Engine
 from tandem.request import RequestOutput, TokenLogprobs
 
 logger = logging.getLogger("tandem.server")
+# Step records kept for the device-idle gauge: a window of stats_interval_s needs at most one
+# second of steps, so a server holds a few MB of records instead of the offline history.
+GAUGE_HISTORY_STEPS = 10_000
+GAUGE_HISTORY_REQUESTS = 100
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.device_idle_fraction = 0.0
+        # The gauge reads one window of steps at a time; nothing here reads request timings.
+        engine.history.keep(steps=GAUGE_HISTORY_STEPS, requests=GAUGE_HISTORY_REQUESTS)
         self._window_start = engine.history.mark()
         self.crashed: BaseException | None = None
 
