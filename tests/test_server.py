@@ -568,8 +568,21 @@ def test_engine_crash_fails_requests_cleanly(tiny_llama: Path) -> None:
         live.stop()
 
 
+def _reuses_an_idle_connection(port: int, idle_s: float) -> bool:
+    """Whether a keep-alive connection still answers after `idle_s` seconds of silence."""
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request)
+        first = conn.recv(65536)
+        time.sleep(idle_s)
+        conn.sendall(request)
+        return first.startswith(b"HTTP/1.1 200") and conn.recv(65536).startswith(b"HTTP/1.1 200")
+
+
 def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
-    """The real path: `serve()` in its own process, SIGTERM while a request streams."""
+    """The real path: `serve()` in its own process, SIGTERM while a request streams. First, an
+    idle connection outlives a client's pool expiry (httpx's 5 s): it is still served, not
+    closed under the client's next request."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -585,6 +598,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(proc, url, 60)
+        assert _reuses_an_idle_connection(port, httpx.Limits().keepalive_expiry + 0.5)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "drain me", "max_tokens": 400, "ignore_eos": True}
         with (

@@ -36,6 +36,12 @@ class EngineFailure(RuntimeError):
     """The engine loop died while serving; raised by `serve` after every client was answered."""
 
 
+# An idle connection stays open longer than clients keep idle connections pooled (httpx and the
+# openai client 5 s, aiohttp 15 s): at equal timeouts a client reuses a connection just as the
+# server closes it, and its request fails with a read error.
+KEEP_ALIVE_S = 30
+
+
 class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, service: GenerationService, grace_period: float):
         super().__init__(config)
@@ -133,6 +139,7 @@ def serve(
         port=port,
         access_log=False,  # a log line per request costs more than a tiny model's step
         timeout_graceful_shutdown=5,  # after the drain: only connections left to close
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = GracefulServer(uv_config, service, grace_period)
     try:
