@@ -340,6 +340,8 @@ def main() -> int:
     env = {**os.environ, "TANDEM_API_KEY": key, "HF_HUB_OFFLINE": "1"}
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-soak-{port}.log", "w")  # noqa: SIM115
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Stopped from outside (SIGTERM), the soak still stops its server: the finally block runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     failures: list[str] = []
     helpers: list[int] = []
     try:
