@@ -19,9 +19,10 @@ from tandem.engine import Engine
 from tandem.request import RequestOutput, TokenLogprobs
 
 logger = logging.getLogger("tandem.server")
-# Step records kept for the device-idle gauge: a window of stats_interval_s needs at most one
-# second of steps, so a server holds a few MB of records instead of the offline history.
-GAUGE_HISTORY_STEPS = 10_000
+# Step records kept for the device-idle gauge: its window is one stats interval (1 s), so a
+# server holds about 2 MB of records, not the offline history (beyond 2048 steps a second, the
+# window is the last 2048 steps).
+GAUGE_HISTORY_STEPS = 2048
 GAUGE_HISTORY_REQUESTS = 100
 
 
