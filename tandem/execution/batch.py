@@ -70,33 +70,26 @@ class BatchBuilder:
             if extras_needed
             else starts
         )
-        known_counts = np.fromiter(
-            (
-                max(
-                    0,
-                    min(
-                        it.start + it.num_tokens,
-                        len(it.request.prompt_token_ids) + len(it.request.output_token_ids),
-                    )
-                    - int(k),
-                )
-                for it, k in zip(items, known_starts, strict=True)
-            ),
+        ends = starts + counts
+        retired = np.fromiter(  # tokens the host has read back: prompt and retired outputs
+            (len(it.request.prompt_token_ids) + len(it.request.output_token_ids) for it in items),
             np.int64,
             r,
         )
+        known_counts = np.maximum(np.minimum(ends, retired) - known_starts, 0)
         known_positions = ragged_arange(known_starts, known_counts)
         known_tokens = np.fromiter(
             chain.from_iterable(
-                it.request.known_token_ids(int(k), int(k + c))
-                for it, k, c in zip(items, known_starts, known_counts, strict=True)
+                it.request.known_token_ids(k, k + c)
+                for it, k, c in zip(
+                    items, known_starts.tolist(), known_counts.tolist(), strict=True
+                )
                 if c
             ),
             np.int64,
             int(known_counts.sum()),
         )
 
-        ends = starts + counts
         cu = np.cumsum(counts)
         sample_mask = np.fromiter((it.sample for it in items), bool, r)
         width = int(-(-ends.max() // bs))

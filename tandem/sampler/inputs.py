@@ -173,13 +173,10 @@ def _build_extras(
     logprob_rows: list[int] = []
     prompt_lp: list[tuple[Request, int, int, int]] = []  # request, first, end, batch offset shift
     top_k = 0
-    any_processing = any_logprobs = False
     s = 0  # index among sampling rows
     for it, offset in zip(items, offsets.tolist(), strict=True):
         request, end = it.request, it.start + it.num_tokens
         proc = request.processing
-        any_processing |= proc is not None
-        any_logprobs |= request.logprobs is not None or request.prompt_logprobs is not None
         if proc is not None and proc.uses_penalties:
             c_row.append(it.slot)
             c_first.append(first_counted(it))
@@ -209,8 +206,9 @@ def _build_extras(
             top_k = max(top_k, request.params.logprobs)
         s += 1
 
+    # A group nobody in the step uses is left out (None): its stages do nothing anyway.
     processing = logprobs = None
-    if any_processing:
+    if c_row or p_row or bias or mask:
         rows, first, end = _ints(c_row), _ints(c_first), _ints(c_end)
         split = np.minimum(np.maximum(first, _ints(c_prompt)), end)
         repetition = np.array(p_repetition, dtype=np.float32)
@@ -245,7 +243,7 @@ def _build_extras(
                 use_mask=bool(mask),
             ),
         )
-    if any_logprobs:
+    if logprob_rows or prompt_lp:
         lp_first = _ints([x[1] for x in prompt_lp])
         logprobs = LogprobRows(
             rows=_ints(logprob_rows),
