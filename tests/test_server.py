@@ -568,15 +568,37 @@ def test_engine_crash_fails_requests_cleanly(tiny_llama: Path) -> None:
         live.stop()
 
 
+def _read_response(conn: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response (status line, headers, a Content-Length body); b"" if the
+    server closed the connection first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b""
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length:")))  # fmt: skip
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b""
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def _reuses_an_idle_connection(port: int, idle_s: float) -> bool:
     """Whether a keep-alive connection still answers after `idle_s` seconds of silence."""
     request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
         conn.sendall(request)
-        first = conn.recv(65536)
+        first = _read_response(conn)
         time.sleep(idle_s)
         conn.sendall(request)
-        return first.startswith(b"HTTP/1.1 200") and conn.recv(65536).startswith(b"HTTP/1.1 200")
+        return first.startswith(b"HTTP/1.1 200") and _read_response(conn).startswith(
+            b"HTTP/1.1 200"
+        )
 
 
 def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
