@@ -18,7 +18,6 @@ filter is left exactly as it is (see `sampling._top_k_top_p`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,17 +90,6 @@ class GraphInputs:
         )
 
 
-def _row_arrays(x: StepInputs) -> dict[str, np.ndarray]:
-    """The step's host arrays by field name: its own and its sampling rows'."""
-    parts = (x, x.sampler.sampling)
-    return {
-        f.name: getattr(part, f.name)
-        for part in parts
-        for f in dataclasses.fields(part)
-        if isinstance(getattr(part, f.name), np.ndarray)
-    }
-
-
 class DecodeGraphs:
     """The captured decode graphs of one runner, and the static buffers they read."""
 
@@ -146,7 +134,7 @@ class DecodeGraphs:
         its host-known tokens (index, then value: the sync loop's last samples), which the
         runner writes into the token table before the replay."""
         n, k = x.num_tokens, len(x.known_index)
-        rows = x.sampler.sampling
+        rows = x.sampler.sampling  # the sampling settings; the rest are the step's own arrays
         arrays = {
             name: getattr(rows if hasattr(rows, name) else x, name) for name in _INTS + _FLOATS
         }
