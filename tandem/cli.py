@@ -45,7 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    """The engine flags given (fields without a flag, such as `detokenize`, keep their default)."""
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**given)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
@@ -124,6 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             protect_metrics=args.protect_metrics,
             max_request_bytes=args.max_request_bytes,
+            api_server_count=args.api_server_count,
+            data_parallel_size=args.data_parallel_size,
+            engine_timeout_s=args.engine_timeout,
+            trace=args.trace,
         )
     except EngineFailure as exc:  # the traceback is already in the log
         print(f"tandem serve: {exc}", file=sys.stderr)
@@ -174,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                        help="larger request bodies get 413 without being read "
                        "(default: 16 MiB)")  # fmt: skip
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="front-end processes (HTTP, tokenizing, detokenizing) sharing the "
+                       "port in front of the engine cores (default: 1)")  # fmt: skip
+    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="engine replicas, one core process each; on the CPU each computes "
+                       "on its own 1/N of the cores (default: 1)")  # fmt: skip
+    serve.add_argument("--engine-timeout", type=float, default=60.0, metavar="S",
+                       help="an engine core with requests in flight that sends nothing for S "
+                       "seconds is taken as hung: requests end with an error, the server "
+                       "exits 1 (default: 60)")  # fmt: skip
+    serve.add_argument("--trace", default=None, metavar="PATH",
+                       help="on exit, write a Chrome/Perfetto trace of every engine step (host "
+                       "phases, the core's socket work, the device) to PATH")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

@@ -51,6 +51,9 @@ class EngineConfig:
     cpu_threads: int | None = None  # CPU: torch's intra-op threads (per rank); None: default
     enforce_eager: bool = False  # True: portable PyTorch ops only (no fused kernels, no packing)
     tensor_parallel_size: int = 1  # ranks the model is split over, one spawned process each
+    # False: outputs carry token ids only, and stop strings are not looked for (the server's
+    # front end detokenizes and ends a request on a stop string itself, off the engine's loop).
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -68,11 +68,21 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def summarize(steps: list[StepRecord], requests: list[RequestTiming]) -> RunSummary:
-    """Wall time runs from the first step's scheduling to the last step's retirement."""
+def summarize(
+    steps: list[StepRecord], requests: list[RequestTiming], after: StepRecord | None = None
+) -> RunSummary:
+    """Wall time runs from the first step's scheduling to the last step's retirement.
+
+    `after`, the step retired just before `steps` (a window of a longer run): the wall time then
+    starts no earlier than that step's device end. Under the asynchronous loop a window's first
+    step was scheduled a whole step before that, while the device was busy with `after`; counted
+    from its scheduling, every window would add a step's time to its wall and read as idle.
+    """
     if not steps:
         return RunSummary(0.0, 0.0, 0, 0, [], [], {})
     start = min(s.spans["schedule"][0] for s in steps)
+    if after is not None:
+        start = max(start, after.device[1])
     end = max(max(span[1] for span in s.spans.values()) for s in steps)
     busy = sum(s.device[1] - s.device[0] for s in steps)
     ttft = [r.token_times[0] - r.arrival for r in requests if r.token_times]

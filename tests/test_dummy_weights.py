@@ -233,7 +233,7 @@ def test_server_takes_token_ids_and_refuses_text_without_a_tokenizer(config_only
 
     live = start_server(config_only, {"load_format": "dummy"})
     try:
-        client, model = live.client(), live.engine.model_path.name
+        client, model = live.client(), live.model.model_path.name
         out = client.completions.create(
             model=model, prompt=[5, 6, 7], max_tokens=5, temperature=0, logprobs=2,
             extra_body={"ignore_eos": True},

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tandem.engine.stats import StepHistory
 from tandem.metrics import RequestTiming, StepRecord
 
@@ -81,14 +83,53 @@ def test_history_keep_trims_to_the_latest_records():
     assert [r.step_id for r in history.steps()] == [6, 7, 8]
 
 
-def test_a_server_loop_keeps_a_short_history(tiny_llama, monkeypatch):
-    """The server's gauge reads one window at a time, so its engine holds only a bounded tail of
-    records: a server running for days does not hold the offline history in memory."""
-    from tandem.server import loop
+def test_a_server_core_keeps_a_short_history(tiny_llama, monkeypatch):
+    """The server's gauge reads one window at a time, so its engine core holds only a bounded
+    tail of records: a server running for days does not hold the offline history in memory."""
+    from tandem.server import core
 
-    monkeypatch.setattr(loop, "GAUGE_HISTORY_STEPS", 5)
+    monkeypatch.setattr(core, "GAUGE_HISTORY_STEPS", 5)
     llm = make_llm(tiny_llama)
-    loop.EngineLoop(llm.engine, on_outputs=lambda deltas: None, on_crash=lambda exc: None)
+    core.CoreLoop(llm.engine, sock=None, engine_index=0)
     llm.generate([[5, 6, 7], [8, 9]], greedy(12))
     assert len(llm.engine.history.steps()) == 5
-    assert len(llm.engine.history.requests()) == 2  # below GAUGE_HISTORY_REQUESTS
+    assert len(llm.engine.history.requests()) == 2  # below core.GAUGE_HISTORY_REQUESTS
+
+
+def _step(i: int, scheduled: float, device: tuple[float, float]) -> StepRecord:
+    record = StepRecord(i, 1, 1)
+    record.spans = {"schedule": (scheduled, scheduled + 0.001), "update": (device[1], device[1])}
+    record.device = device
+    return record
+
+
+def test_windows_tile_the_device_timeline():
+    """Under the async loop a step is scheduled while its predecessor computes: a window must
+    not count that step ahead as idle. A device busy back to back reads 0 in every window; one
+    that waits 0.25 of each 1.25 s step (a synchronous host) reads 0.2 in every window."""
+    for lead, gap in ((1.0, 0.0), (0.0, 0.25)):
+        history = StepHistory()
+        readings = []
+        mark = history.mark()
+        t = 0.0
+        for i in range(12):
+            start = t + gap
+            # The first step is scheduled just before it runs; each later one, a step ahead.
+            scheduled = start - lead if lead and i else t
+            history.add_step(_step(i, scheduled, (start, start + 1.0)))
+            t = start + 1.0
+            if i % 3 == 2:  # a window of three steps
+                readings.append(history.summary(since=mark).device_idle_fraction)
+                mark = history.mark()
+        expected = gap / (1.0 + gap)
+        assert readings == pytest.approx([expected] * 4, abs=1e-9), (lead, gap, readings)
+
+
+def test_a_window_after_a_pause_starts_with_its_own_work():
+    """Time with nothing to do is not host overhead: after a pause, a window starts with its
+    first step's scheduling, not with the last step before the pause."""
+    history = StepHistory()
+    history.add_step(_step(0, 0.0, (0.0, 1.0)))
+    mark = history.mark()
+    history.add_step(_step(1, 10.0, (10.0, 11.0)))
+    assert history.summary(since=mark).device_idle_fraction == pytest.approx(0.0)

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible server, end to end: a real uvicorn server on 127.0.0.1, real clients.
+"""The OpenAI-compatible server, end to end: a real engine-core process, a front end (a real
+uvicorn server on 127.0.0.1, run on a thread of this process so tests can look inside it), real
+clients. `test_server_processes.py` runs `tandem serve` itself, every part its own process.
 
 Greedy answers must equal the offline `LLM.generate`; streams must be well formed under
 concurrency; a client that leaves must give its KV blocks back; bad input, overload and shutdown
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,8 +30,11 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem import LLM, Engine, EngineConfig, SamplingParams
-from tandem.server import create_app
+from tandem import LLM, EngineConfig, SamplingParams
+from tandem.server import create_app, wire
+from tandem.server.core import CoreOptions, spawn_core, stop_core
+from tandem.server.core_client import CoreClient, CoreEndpoint
+from tandem.server.served_model import ServedModel
 from tandem.server.service import GenerationService
 
 ENGINE_OPTIONS = {
@@ -42,13 +49,21 @@ PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time, in a land fa
 # ----------------------------------------------------------------- harness
 @dataclass
 class LiveServer:
-    """A uvicorn server on a free loopback port, run on a background thread."""
+    """An engine-core process, and a front end (uvicorn on a free loopback port) on a thread."""
 
     url: str
-    engine: Engine
+    core: multiprocessing.Process
+    model: ServedModel
     server: uvicorn.Server
     thread: threading.Thread
     service: GenerationService
+
+    @property
+    def stats(self) -> wire.CoreStats:
+        """The core's state after its latest step (exact once it is idle)."""
+        stats = self.service.client.stats[0]
+        assert stats is not None
+        return stats
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
@@ -64,12 +79,21 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "the server thread did not stop"
-        self.engine.close()
+        stop_core(self.core)
+
+
+def start_core(config: EngineConfig) -> tuple[multiprocessing.Process, CoreClient, ServedModel]:
+    """A core process for `config`, and a client connected to it."""
+    address = f"ipc://{tempfile.mkdtemp(prefix='tandem-test-')}/core"
+    core = spawn_core(CoreOptions(config, address, parent_pid=os.getpid()))
+    client = CoreClient([CoreEndpoint(address, core.pid)])
+    return core, client, ServedModel(client.connect(timeout_s=120), config.model)
 
 
 def start_server(model: Path, engine_options: dict | None = None, **app_options) -> LiveServer:
-    engine = Engine(EngineConfig(model=str(model), **{**ENGINE_OPTIONS, **(engine_options or {})}))
-    app = create_app(engine, **app_options)
+    options = {**ENGINE_OPTIONS, **(engine_options or {})}
+    core, client, served = start_core(EngineConfig(model=str(model), **options))
+    app = create_app(client, served, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -77,7 +101,7 @@ def start_server(model: Path, engine_options: dict | None = None, **app_options)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 30, "server start")
-    return LiveServer(f"http://127.0.0.1:{port}", engine, server, thread, app.state.service)
+    return LiveServer(f"http://127.0.0.1:{port}", core, served, server, thread, app.state.service)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -144,8 +168,8 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def chat_prompt_ids(engine: Engine, messages: list[dict]) -> list[int]:
-    tok = engine.tokenizer
+def chat_prompt_ids(model: ServedModel, messages: list[dict]) -> list[int]:
+    tok = model.tokenizer
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False).input_ids
 
@@ -168,7 +192,7 @@ def server_fixtures(scope: str):
 
     @pytest.fixture
     def model(live: LiveServer) -> str:
-        return live.engine.model_path.name
+        return live.model.model_path.name
 
     return live, offline, model
 
@@ -177,13 +201,17 @@ live, offline, model = server_fixtures("session")
 
 
 def assert_idle(live: LiveServer, timeout: float = 5.0) -> None:
-    """Every KV block back and nothing in flight (the block count's idle value)."""
-    blocks = live.engine.scheduler.blocks
-    wait_until(
-        lambda: blocks.num_free == live.engine.num_kv_blocks and live.service.num_in_flight == 0,
-        timeout,
-        f"idle engine ({blocks.num_free}/{live.engine.num_kv_blocks} blocks free)",
-    )
+    """Every KV block back in the core and nothing in flight (the block count's idle value)."""
+
+    def idle() -> bool:
+        s = live.stats
+        return (
+            s.kv_blocks_used == 0
+            and s.num_running == s.num_waiting == 0
+            and live.service.num_in_flight == 0
+        )
+
+    wait_until(idle, timeout, f"idle engine ({live.stats})")
 
 
 # ------------------------------------------------------------------- tests
@@ -193,7 +221,7 @@ def test_models_and_health(live: LiveServer, model: str) -> None:
     assert [m.id for m in models.data] == [model]
     # The checkpoint's path is accepted as the model name too.
     out = live.client().completions.create(
-        model=str(live.engine.model_path), prompt="Hi", max_tokens=2
+        model=str(live.model.model_path), prompt="Hi", max_tokens=2
     )
     assert out.model == model
 
@@ -232,7 +260,7 @@ def test_chat_matches_offline(live: LiveServer, model: str, offline: LLM) -> Non
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name a colour."},
     ]
-    ref = offline.generate([chat_prompt_ids(live.engine, messages)], greedy(10))[0]
+    ref = offline.generate([chat_prompt_ids(live.model, messages)], greedy(10))[0]
     kwargs = {"model": model, "messages": messages, "temperature": 0, "seed": 1}
     out = client.chat.completions.create(
         **kwargs, max_completion_tokens=10, extra_body={"ignore_eos": True}
@@ -261,6 +289,38 @@ def test_stop_string_and_natural_stop(live: LiveServer, model: str, offline: LLM
     )
     assert out.choices[0].finish_reason == "stop"
     assert stop not in out.choices[0].text and full.startswith(out.choices[0].text)
+
+
+def test_stop_strings_end_choices_as_offline(live: LiveServer, model: str, offline: LLM) -> None:
+    """Stop strings are found by the front end, which detokenizes: every choice's text, token
+    count and finish reason equal the offline engine's (which finds them in its own loop), with
+    n = 3 samples stopping at different tokens, streamed or not, with and without min_tokens;
+    the samples the front end ended are aborted in the core, so every block comes back."""
+    sampling = {"n": 3, "seed": 11, "temperature": 1.0, "ignore_eos": True}
+    free = offline.generate(PROMPTS[1], SamplingParams(max_tokens=30, **sampling))[0]
+    stop = [free.outputs[1].text[12:14], free.outputs[2].text[20:22]]
+    client = live.client()
+    for min_tokens in (0, 8):
+        params = SamplingParams(max_tokens=30, stop=stop, min_tokens=min_tokens, **sampling)
+        expected = offline.generate(PROMPTS[1], params)[0].outputs
+        assert {o.finish_reason for o in expected} >= {"stop"}
+        kwargs = {"model": model, "prompt": PROMPTS[1], "max_tokens": 30, "stop": stop,
+                  "n": 3, "seed": 11, "temperature": 1.0,
+                  "extra_body": {"ignore_eos": True, "min_tokens": min_tokens}}  # fmt: skip
+        whole = client.completions.create(**kwargs)
+        assert [c.text for c in whole.choices] == [o.text for o in expected]
+        assert [c.finish_reason for c in whole.choices] == [o.finish_reason for o in expected]
+        assert whole.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        for chunk in client.completions.create(**kwargs, stream=True):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    reasons[c.index] = c.finish_reason
+        assert [texts[i] for i in range(3)] == [o.text for o in expected]
+        assert [reasons[i] for i in range(3)] == [o.finish_reason for o in expected]
+    assert_idle(live)
 
 
 def test_64_concurrent_streams(live: LiveServer, model: str, offline: LLM) -> None:
@@ -317,7 +377,7 @@ def test_disconnect_mid_stream_frees_blocks(live: LiveServer, model: str) -> Non
         events = sse_events(r.iter_lines())
         first, second = next(events), next(events)
         assert first["choices"][0]["finish_reason"] is None and second["choices"]
-        assert live.engine.scheduler.blocks.num_free < live.engine.num_kv_blocks
+        wait_until(lambda: live.stats.kv_blocks_used > 0, 5, "blocks in use")
     # Closing the response closed the connection: the request is aborted, its blocks freed.
     assert_idle(live)
     assert _abort_count(live.url) == aborted + 1
@@ -438,7 +498,7 @@ def test_server_keeps_serving_after_errors(live: LiveServer, model: str) -> None
 
 
 def test_chat_without_template_is_refused(live: LiveServer, model: str) -> None:
-    tokenizer = live.engine.tokenizer
+    tokenizer = live.model.tokenizer
     template, tokenizer.chat_template = tokenizer.chat_template, None
     try:
         with pytest.raises(openai.BadRequestError) as info:
@@ -466,17 +526,19 @@ def test_metrics_move_with_requests(live: LiveServer, model: str) -> None:
     assert delta("tandem_prompt_tokens_total") == out.usage.prompt_tokens
     assert delta("tandem_time_to_first_token_seconds_count") == 1
     assert delta("tandem_inter_token_latency_seconds_count") == 6
-    assert after[("tandem_kv_blocks_total", ())] == live.engine.num_kv_blocks
-    for gauge in ("running", "waiting", "in_flight"):
-        assert (f"tandem_requests_{gauge}", ()) in after
-    assert 0.0 <= after[("tandem_device_idle_fraction", ())] <= 1.0
+    engine = (("engine", "0"),)
+    assert after[("tandem_kv_blocks_total", engine)] == live.model.num_kv_blocks
+    for gauge in ("running", "waiting"):
+        assert (f"tandem_requests_{gauge}", engine) in after
+    assert ("tandem_requests_in_flight", ()) in after
+    assert 0.0 <= after[("tandem_device_idle_fraction", engine)] <= 1.0
 
 
 def test_admission_control(tiny_llama: Path) -> None:
     """Capacity is max_num_seqs + max_waiting = 4: a burst of 16 gets 503s, the rest finish."""
     live = start_server(tiny_llama, {"max_num_seqs": 2}, max_waiting=2)
     try:
-        model = live.engine.model_path.name
+        model = live.model.model_path.name
         body = {"model": model, "prompt": "burst", "max_tokens": 100, "ignore_eos": True}
 
         async def burst() -> list[httpx.Response]:
@@ -507,7 +569,7 @@ def test_graceful_shutdown_in_process(tiny_llama: Path) -> None:
     period, a request still running when it ends is aborted with an in-stream error."""
     live = start_server(tiny_llama, {"max_model_len": 2048, "num_kv_blocks": 160})
     try:
-        model = live.engine.model_path.name
+        model = live.model.model_path.name
         url = f"{live.url}/v1/completions"
         short = {"model": model, "prompt": "short", "max_tokens": 40, "ignore_eos": True}
         long = {**short, "prompt": "long", "max_tokens": 2000}
@@ -538,11 +600,12 @@ def test_graceful_shutdown_in_process(tiny_llama: Path) -> None:
         live.stop()
 
 
-def test_engine_crash_fails_requests_cleanly(tiny_llama: Path) -> None:
-    """If engine.step raises, open streams end with an error event and the server says 503."""
+def test_core_death_fails_requests_cleanly(tiny_llama: Path) -> None:
+    """If the engine-core process dies, open streams end with an error event at once (not after
+    the hang timeout) and the server says 503."""
     live = start_server(tiny_llama)
     try:
-        model = live.engine.model_path.name
+        model = live.model.model_path.name
         url = f"{live.url}/v1/completions"
         body = {"model": model, "prompt": "crash", "max_tokens": 200, "ignore_eos": True}
         with (
@@ -551,20 +614,17 @@ def test_engine_crash_fails_requests_cleanly(tiny_llama: Path) -> None:
         ):
             events = sse_events(r.iter_lines())
             next(events)
-
-            def broken_step() -> list:
-                raise RuntimeError("device on fire")
-
-            live.engine.step = broken_step  # the loop thread looks the method up every turn
+            killed = time.monotonic()
+            os.kill(live.core.pid, signal.SIGKILL)
             rest = list(events)
+            assert time.monotonic() - killed < 5
         assert rest[-1] == "[DONE]"
         error = rest[-2]["error"]
-        assert error["type"] == "server_error" and "device on fire" in error["message"]
+        assert error["type"] == "server_error" and "exited" in error["message"]
         assert httpx.get(f"{live.url}/health").status_code == 503
         refused = httpx.post(url, json=body)
         assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
     finally:
-        del live.engine.step
         live.stop()
 
 

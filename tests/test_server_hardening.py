@@ -194,7 +194,7 @@ def app_of(live: LiveServer):
 
 
 def completion_body(live: LiveServer, prompt: str, max_tokens: int = 2, **extra) -> dict:
-    return {"model": live.engine.model_path.name, "prompt": prompt, "max_tokens": max_tokens,
+    return {"model": live.model.model_path.name, "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, **extra}  # fmt: skip
 
 
@@ -224,13 +224,13 @@ def test_huge_prompt_refused_without_holding_up_others(guarded: LiveServer) -> N
     from another client keep their latency; the huge prompts are never tokenized."""
     live = guarded
     tokenized: list[int] = []
-    real_tokenize = live.engine.intake.tokenize
+    real_tokenize = live.model.intake.tokenize
 
     def recording_tokenize(prompt):
         tokenized.append(len(prompt))
         return real_tokenize(prompt)
 
-    live.engine.intake.tokenize = recording_tokenize
+    live.model.intake.tokenize = recording_tokenize
     small_latencies(live, 3)  # warm-up
     baseline = statistics.median(small_latencies(live, 9))
 
@@ -307,7 +307,7 @@ def test_many_tiny_json_values_do_not_stall_the_server(guarded: LiveServer) -> N
     small_latencies(live, 3)
     baseline = statistics.median(small_latencies(live, 9))
     messages = [{"role": "user", "content": "x"}] * 150_000
-    body = {"model": live.engine.model_path.name, "messages": messages}
+    body = {"model": live.model.model_path.name, "messages": messages}
     intake = live.service.intake
     with ThreadPoolExecutor(1) as pool:
         flood = pool.submit(httpx.post, f"{live.url}/v1/chat/completions", json=body, timeout=60)
@@ -334,13 +334,13 @@ def test_startup_heap_is_frozen_while_serving(tiny_llama: Path) -> None:
         body = completion_body(live, "a request while frozen")
         assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
         tracked = {id(o) for o in gc.get_objects()}  # generations 0-2: what a collection walks
-        assert id(live.engine) not in tracked and id(live.engine.scheduler) not in tracked
+        assert id(live.model) not in tracked and id(live.model.tokenizer) not in tracked
         assert len(tracked) < tracked_before / 10, (len(tracked), tracked_before)
         assert gc.get_freeze_count() >= tracked_before
     finally:
         live.stop()
     assert gc.get_freeze_count() == 0
-    assert any(o is live.engine for o in gc.get_objects())
+    assert any(o is live.model for o in gc.get_objects())
 
 
 def test_json_counter_process() -> None:
@@ -368,7 +368,7 @@ def test_oversized_body_gets_413_without_being_read(tiny_llama: Path) -> None:
         url = f"{live.url}/v1/completions"
         client = live.client()
         with pytest.raises(openai.APIStatusError) as info:
-            client.completions.create(model=live.engine.model_path.name, prompt="x" * 100_000)
+            client.completions.create(model=live.model.model_path.name, prompt="x" * 100_000)
         assert info.value.status_code == 413
         assert info.value.body["code"] == "request_too_large"
         assert "--max-request-bytes" in info.value.body["message"]
@@ -416,7 +416,7 @@ def test_oversized_body_gets_413_without_being_read(tiny_llama: Path) -> None:
 def test_api_key(tiny_llama: Path) -> None:
     live = start_server(tiny_llama, api_key=KEY)
     try:
-        model = live.engine.model_path.name
+        model = live.model.model_path.name
         base = f"{live.url}/v1"
 
         def client(key: str) -> openai.OpenAI:
@@ -474,7 +474,7 @@ def test_client_timeouts_abort_on_the_server(tiny_llama: Path) -> None:
     """A client whose own timeout fires is gone: its request is aborted, running or queued."""
     live = start_server(tiny_llama, {"max_num_seqs": 1, "max_model_len": 2048})
     try:
-        model = live.engine.model_path.name
+        model = live.model.model_path.name
         quick = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=0.3)
         with pytest.raises(openai.APITimeoutError):
             quick.completions.create(
@@ -492,7 +492,7 @@ def test_client_timeouts_abort_on_the_server(tiny_llama: Path) -> None:
             with pytest.raises((openai.APITimeoutError, httpx.ReadTimeout)):
                 list(quick.completions.create(model=model, prompt="queued", stream=True))
             wait_until(lambda: _aborted(live) == 2, 5, "the queued request's abort")
-            assert live.engine.stats().num_running == 1 and live.engine.stats().num_waiting == 0
+            assert live.stats.num_running == 1 and live.stats.num_waiting == 0
         assert_idle(live)
         wait_until(lambda: _aborted(live) == 3, 5, "the running stream's abort")
     finally:
@@ -500,8 +500,21 @@ def test_client_timeouts_abort_on_the_server(tiny_llama: Path) -> None:
 
 
 # ------------------------------------------------------------ engine faults
-def test_engine_fault_answers_everyone_at_once(tiny_llama: Path) -> None:
-    """In process: a fault in a step ends running streams with an error, answers queued and
+FAULTS = Path(__file__).parent / "faults"
+
+
+@pytest.fixture
+def fault_trigger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A file whose existence makes every engine step raise in cores started from now on."""
+    trigger = tmp_path / "fail-now"
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULTS), path])))
+    monkeypatch.setenv("TANDEM_TEST_FAULT_FILE", str(trigger))
+    return trigger
+
+
+def test_engine_fault_answers_everyone_at_once(tiny_llama: Path, fault_trigger: Path) -> None:
+    """A fault in a core's step ends running streams with an error, answers queued and
     still-preparing requests with 503 at once, and leaves no thread behind once stopped."""
     threads_before = set(threading.enumerate())
     live = start_server(tiny_llama, {"max_num_seqs": 1, "max_model_len": 2048})
@@ -531,13 +544,10 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path) -> None:
                     preparing = asyncio.ensure_future(
                         client.post(url, json=completion_body(live, "stuck", 5))
                     )
-                    while live.engine.stats().num_waiting != 1 or live.service._admitting != 1:
+                    while live.stats.num_waiting != 1 or live.service._admitting != 1:
                         await asyncio.sleep(0.01)
 
-                    def broken_step() -> list:
-                        raise RuntimeError("device on fire")
-
-                    live.engine.step = broken_step
+                    fault_trigger.touch()
                     rest = [line async for line in lines]
                     return rest, await queued, await preparing
 
@@ -552,28 +562,17 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path) -> None:
         release.set()
     finally:
         release.set()
-        live.engine.__dict__.pop("step", None)
         live.stop()
     wait_until(lambda: set(threading.enumerate()) <= threads_before, 10, "threads to end")
 
 
 FAULTY_SERVE = """
-import os, sys, threading
-import tandem.engine
-
-trigger, port, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-real_step = tandem.engine.Engine.step
-
-def step(self):
-    if os.path.exists(trigger):
-        raise RuntimeError("injected fault")
-    return real_step(self)
-
-tandem.engine.Engine.step = step
+import sys, threading
 
 from tandem import EngineConfig
 from tandem.server import serve
 
+port, model = int(sys.argv[1]), sys.argv[2]
 try:
     serve(EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=128,
                        max_model_len=1024, max_num_seqs=2), port=port, max_waiting=4)
@@ -583,16 +582,15 @@ finally:
 """
 
 
-def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, tmp_path: Path) -> None:
-    """The real `serve()` with a fault injected into Engine.step from this test: streams end
-    with an error event, queued requests get 503, the process exits 1, nothing is left."""
+def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, fault_trigger: Path) -> None:
+    """The real `serve()` with a fault injected into its core's Engine.step: streams end with
+    an error event, queued requests get 503, the process exits 1, nothing is left."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    trigger = tmp_path / "fail-now"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TANDEM_API_KEY": KEY}
     proc = subprocess.Popen(
-        [sys.executable, "-c", FAULTY_SERVE, str(trigger), str(port), str(tiny_llama)],
+        [sys.executable, "-c", FAULTY_SERVE, str(port), str(tiny_llama)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -608,7 +606,8 @@ def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, tmp_path: 
         big = {"model": model, "prompt": "word " * 40_000}
         refused = httpx.post(f"{url}/v1/completions", json=big, headers=auth)
         assert refused.status_code == 400 and "at least" in refused.json()["error"]["message"]
-        assert len(processes_in_group(proc.pid)) == 2
+        # The server, its engine core, the counting helper, multiprocessing's resource tracker.
+        assert len(processes_in_group(proc.pid)) == 4
         body = {"model": model, "prompt": "fault", "max_tokens": 900, "ignore_eos": True}
         with (
             httpx.Client(timeout=30, headers=auth) as client,
@@ -626,10 +625,10 @@ def test_engine_fault_exits_nonzero_after_answering(tiny_llama: Path, tmp_path: 
 
             def waiting() -> float:
                 samples = metric_samples(url)
-                return samples[("tandem_requests_waiting", ())]
+                return samples[("tandem_requests_waiting", (("engine", "0"),))]
 
             wait_until(lambda: waiting() == 2, 10, "two queued requests")
-            trigger.touch()
+            fault_trigger.touch()
             rests = [list(events) for events in streams]
             answers = [f.result(30) for f in queued]
         for rest in rests:
@@ -670,16 +669,16 @@ def test_prompt_list_with_n_through_the_intake_lanes(guarded: LiveServer) -> Non
     live = guarded
     intake = live.service.intake
     tokenized: list[tuple[str, object]] = []
-    real_tokenize = live.engine.intake.tokenize
+    real_tokenize = live.model.intake.tokenize
 
     def recording_tokenize(prompt):
         tokenized.append((threading.current_thread().name, prompt))
         return real_tokenize(prompt)
 
-    live.engine.intake.tokenize = recording_tokenize
+    live.model.intake.tokenize = recording_tokenize
     client = live.client()
     prompts = ["Once upon a time", "The quick brown fox", "Hello"]
-    kwargs = {"model": live.engine.model_path.name, "prompt": prompts, "n": 2, "max_tokens": 6,
+    kwargs = {"model": live.model.model_path.name, "prompt": prompts, "n": 2, "max_tokens": 6,
               "seed": 5, "extra_body": {"ignore_eos": True}}  # fmt: skip
 
     def streamed() -> dict[int, str]:
@@ -722,7 +721,7 @@ def test_prompt_list_with_n_through_the_intake_lanes(guarded: LiveServer) -> Non
     assert_idle(live)
 
 
-def test_engine_fault_ends_every_choice(tiny_llama: Path) -> None:
+def test_engine_fault_ends_every_choice(tiny_llama: Path, fault_trigger: Path) -> None:
     """A fault while an n = 2 stream runs ends both of its choices (no closing chunk, one error
     event, [DONE]); a queued prompt list gets 503 at once; nothing stays in flight."""
     live = start_server(tiny_llama, {"max_num_seqs": 2, "max_model_len": 2048})
@@ -746,13 +745,10 @@ def test_engine_fault_ends_every_choice(tiny_llama: Path) -> None:
                             url, json={**completion_body(live, "", 5), "prompt": ["a", "b"]}
                         )
                     )
-                    while live.engine.stats().num_waiting != 2:
+                    while live.stats.num_waiting != 2:
                         await asyncio.sleep(0.01)
 
-                    def broken_step() -> list:
-                        raise RuntimeError("device on fire")
-
-                    live.engine.step = broken_step
+                    fault_trigger.touch()
                     rest = [line async for line in lines]
                     return rest, await queued
 
@@ -769,7 +765,6 @@ def test_engine_fault_ends_every_choice(tiny_llama: Path) -> None:
         assert _aborted(live) == 4
         assert live.service.num_in_flight == 0 and not live.service._streams
     finally:
-        live.engine.__dict__.pop("step", None)
         live.stop()
 
 
@@ -778,15 +773,13 @@ def test_client_timeouts_abort_every_sample(tiny_llama: Path) -> None:
     (a streamed prompt list of two, four sequences), and every KV block comes back."""
     live = start_server(tiny_llama, {"max_num_seqs": 2, "max_model_len": 2048})
     try:
-        model = live.engine.model_path.name
-        blocks = live.engine.scheduler.blocks
+        model = live.model.model_path.name
         quick = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=0.3)
         with pytest.raises(openai.APITimeoutError):
             quick.completions.create(
                 model=model, prompt="long", n=2, max_tokens=1500, extra_body={"ignore_eos": True}
             )
         assert_idle(live)
-        assert blocks.num_used == 0
         wait_until(lambda: _aborted(live) == 2, 5, "both samples' aborts")
 
         url = f"{live.url}/v1/completions"
@@ -794,7 +787,7 @@ def test_client_timeouts_abort_every_sample(tiny_llama: Path) -> None:
         with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as r:
             events = sse_events(r.iter_lines())
             next(events)
-            wait_until(lambda: live.engine.stats().num_running == 2, 5, "both samples running")
+            wait_until(lambda: live.stats.num_running == 2, 5, "both samples running")
             with pytest.raises((openai.APITimeoutError, httpx.ReadTimeout)):
                 list(
                     quick.completions.create(
@@ -802,9 +795,8 @@ def test_client_timeouts_abort_every_sample(tiny_llama: Path) -> None:
                     )
                 )
             wait_until(lambda: _aborted(live) == 6, 5, "the queued samples' aborts")
-            assert live.engine.stats().num_running == 2 and live.engine.stats().num_waiting == 0
+            assert live.stats.num_running == 2 and live.stats.num_waiting == 0
         assert_idle(live)
-        assert blocks.num_used == 0
         wait_until(lambda: _aborted(live) == 8, 5, "the running stream's aborts")
     finally:
         live.stop()
@@ -821,16 +813,16 @@ def test_sampling_extras_with_n_through_the_bulk_lane(
     monkeypatch.setattr(prepare, "OTHER_VALUES", 0)  # the limit: max_model_len + vocabulary
     intake = live.service.intake
     intake.bulk_threshold = 0  # every body is counted out of process, then parsed
-    vocab = live.engine.spec.vocab_size
-    assert vocab > live.engine.max_model_len + 50  # so the bias alone outgrows the prompt term
-    tokenizer = live.engine.tokenizer
+    vocab = live.model.vocab_size
+    assert vocab > live.model.max_model_len + 50  # so the bias alone outgrows the prompt term
+    tokenizer = live.model.tokenizer
     only = next(
         t for t in range(8, vocab) if (s := tokenizer.decode([t])).isascii() and s.isalpha()
     )
     text = tokenizer.decode([only])
     bias = {str(t): (0 if t == only else -100) for t in range(vocab)}  # only `only` can be sampled
     client = live.client()
-    model = live.engine.model_path.name
+    model = live.model.model_path.name
 
     chat = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,

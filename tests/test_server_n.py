@@ -13,6 +13,7 @@ import httpx
 import pytest
 from test_server import (
     LiveServer,
+    assert_idle,
     chat_prompt_ids,
     metric_samples,
     server_fixtures,
@@ -31,15 +32,6 @@ live, offline, model = server_fixtures("module")
 
 def seeded(n: int, max_tokens: int = 10, seed: int = 5) -> SamplingParams:
     return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
-
-
-def assert_idle(live: LiveServer) -> None:
-    blocks = live.engine.scheduler.blocks
-    wait_until(
-        lambda: blocks.num_free == live.engine.num_kv_blocks and live.service.num_in_flight == 0,
-        5,
-        "idle engine",
-    )
 
 
 def texts_by_index(chunks, field: str = "text") -> tuple[dict[int, str], dict[int, list]]:
@@ -123,7 +115,7 @@ def test_completions_prompt_lists(live: LiveServer, model: str, offline: LLM) ->
 def test_chat_n(live: LiveServer, model: str, offline: LLM) -> None:
     client = live.client()
     messages = [{"role": "user", "content": "Name three colours."}]
-    expected = offline.generate([chat_prompt_ids(live.engine, messages)], seeded(2))[0].outputs
+    expected = offline.generate([chat_prompt_ids(live.model, messages)], seeded(2))[0].outputs
     kwargs = {"model": model, "messages": messages, "max_tokens": 10, "n": 2, "seed": 5}
     out = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1]
@@ -161,6 +153,7 @@ def test_disconnect_frees_every_sample(live: LiveServer, model: str) -> None:
         events = sse_events(r.iter_lines())
         next(events), next(events)
         assert live.service.num_in_flight == 6
+        wait_until(lambda: live.stats.num_running + live.stats.num_waiting == 6, 5, "6 running")
     assert_idle(live)
 
 
@@ -168,7 +161,7 @@ def test_metrics_count_cache_hits_and_preemptions(tiny_llama: Path) -> None:
     """Few blocks: a burst of requests over one long system prompt hits the cache and preempts."""
     live = start_server(tiny_llama, {"num_kv_blocks": 24, "block_size": 8, "max_model_len": 192})
     try:
-        model = live.engine.model_path.name
+        model = live.model.model_path.name
         before = metric_samples(live.url)
 
         async def burst() -> None:
@@ -186,18 +179,22 @@ def test_metrics_count_cache_hits_and_preemptions(tiny_llama: Path) -> None:
                 )
 
         asyncio.run(burst())
+        assert_idle(live)
         after = metric_samples(live.url)
-        stats = live.engine.scheduler.stats
+        stats = live.stats  # the core's own counters, as its last step message carried them
+        engine = (("engine", "0"),)
 
         def delta(name: str) -> float:
-            return after[(name, ())] - before.get((name, ()), 0.0)
+            return after[(name, engine)] - before.get((name, engine), 0.0)
 
-        assert delta("tandem_prefix_cache_hits_total") == stats.hit_tokens > 0
-        assert delta("tandem_prefix_cache_queries_total") == stats.query_tokens
-        assert delta("tandem_prefix_cache_hit_requests_total") == stats.hits > 0
-        assert delta("tandem_preemptions_total") == live.engine.scheduler.num_preemptions > 0
-        assert after[("tandem_prefix_cache_hit_rate", ())] == pytest.approx(stats.hit_rate)
-        assert after[("tandem_kv_blocks_cached", ())] > 0  # idle, the prefix stays cached
-        assert after[("tandem_kv_blocks_used", ())] == 0
+        assert delta("tandem_prefix_cache_hits_total") == stats.prefix_hit_tokens > 0
+        assert delta("tandem_prefix_cache_queries_total") == stats.prefix_query_tokens
+        assert delta("tandem_prefix_cache_hit_requests_total") == stats.prefix_hit_requests > 0
+        assert delta("tandem_preemptions_total") == stats.num_preemptions > 0
+        assert after[("tandem_prefix_cache_hit_rate", engine)] == pytest.approx(
+            stats.prefix_hit_rate
+        )
+        assert after[("tandem_kv_blocks_cached", engine)] > 0  # idle, the prefix stays cached
+        assert after[("tandem_kv_blocks_used", engine)] == 0
     finally:
         live.stop()

@@ -59,7 +59,7 @@ def test_completion_without_logprobs_has_none(live: LiveServer, model: str) -> N
 
 
 def test_chat_logprobs(live: LiveServer, model: str, offline: LLM) -> None:
-    prompt = chat_prompt_ids(live.engine, MESSAGES)
+    prompt = chat_prompt_ids(live.model, MESSAGES)
     ref = offline.generate([prompt], greedy(8, logprobs=2))[0]
     client = live.client()
     kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
@@ -119,7 +119,7 @@ def test_penalties_through_the_client(live: LiveServer, model: str, offline: LLM
         assert "".join(c.choices[0].text for c in chunks) == ref.text
 
     chat_ref = offline.generate(
-        [chat_prompt_ids(live.engine, MESSAGES)], greedy(8, presence_penalty=2.0, logprobs=0)
+        [chat_prompt_ids(live.model, MESSAGES)], greedy(8, presence_penalty=2.0, logprobs=0)
     )[0]
     out = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=8, temperature=0, presence_penalty=2.0,
@@ -222,7 +222,7 @@ def test_completion_logprobs_with_n_and_prompt_lists(
 
 
 def test_chat_logprobs_with_n(live: LiveServer, model: str, offline: LLM) -> None:
-    prompt = chat_prompt_ids(live.engine, MESSAGES)
+    prompt = chat_prompt_ids(live.model, MESSAGES)
     samples = offline.generate([prompt], seeded(2, 6, logprobs=2))[0].outputs
     assert samples[0].token_ids != samples[1].token_ids
     client = live.client()

@@ -320,8 +320,11 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
             assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
             assert chunks[-1].choices[0].finish_reason == "length"
 
-        workers = [pid for pid in processes_in_group(proc.pid) if b"spawn_main" in _cmdline(pid)]
-        assert len(workers) == 2  # the two ranks (beside multiprocessing's resource tracker)
+        spawned = [pid for pid in processes_in_group(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        # The engine core (the server's child) and its two ranks (the core's children), beside
+        # multiprocessing's resource trackers.
+        workers = sorted(pid for pid in spawned if _parent(pid) != proc.pid)
+        assert len(spawned) == 3 and len(workers) == 2
         body = {"model": model, "prompt": "long", "max_tokens": 900, "ignore_eos": True}
         with (
             httpx.Client(timeout=30) as http,
@@ -331,7 +334,7 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
             events = sse_events(r.iter_lines())
             next(events)  # it is running, and holds the one running slot
             queued = pool.submit(http.post, f"{url}/v1/completions", json=body)
-            waiting = ("tandem_requests_waiting", ())
+            waiting = ("tandem_requests_waiting", (("engine", "0"),))
             wait_until(lambda: metric_samples(url)[waiting] == 1, 10, "a queued request")
             os.kill(max(workers), signal.SIGKILL)  # rank 1: spawned after rank 0
             rest = list(events)
@@ -349,6 +352,11 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def _cmdline(pid: int) -> bytes:

@@ -90,7 +90,7 @@ class Engine:
         self.intake = RequestIntake(
             self.tokenizer, self.spec.vocab_size, eos_ids, max_model_len, config.seed
         )
-        self.outputs = OutputProcessor(self.tokenizer, eos_ids)
+        self.outputs = OutputProcessor(self.tokenizer, eos_ids, config.detokenize)
         self.history = StepHistory()
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
@@ -140,9 +140,10 @@ class Engine:
         self.runner.check_health()
         return self.has_unfinished()
 
-    def abort(self, request_id: str) -> None:
-        """Thread-safe; aborting an unknown or finished request does nothing."""
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """End the request (or only its sample `index`) as "abort". Thread-safe; aborting an
+        unknown or finished request does nothing."""
+        self._inbox.put(("abort", (request_id, index)))
         self._wakeup.set()
 
     def has_unfinished(self) -> bool:
@@ -228,9 +229,10 @@ class Engine:
                 for request in samples:
                     self.outputs.track(request)
                     self.scheduler.add(request)
-            elif (samples := self._requests.get(payload)) is not None:
-                for request in samples:  # live, so at least one sample finishes here
-                    if not request.finished:
+            elif (samples := self._requests.get(payload[0])) is not None:
+                index = payload[1]
+                for request in samples:  # every unfinished sample asked for ends here
+                    if not request.finished and index in (None, request.index):
                         outputs.append(self._finish(request, "abort"))
 
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:

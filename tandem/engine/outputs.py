@@ -15,8 +15,10 @@ from tandem.scheduling.scheduler import ScheduledRequest
 class OutputProcessor:
     """Per live sample: its detokenizer (incremental text, stop strings with hold-back)."""
 
-    def __init__(self, tokenizer, eos_token_ids: set[int]):
-        self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
+    def __init__(self, tokenizer, eos_token_ids: set[int], detokenize: bool = True):
+        """`detokenize` False: no text, no stop strings, no logprob token texts (the caller's)."""
+        detokenize = detokenize and tokenizer is not None
+        self._backend = tokenizer.backend_tokenizer if detokenize else None
         self.eos_token_ids = eos_token_ids
         self._detok: dict[tuple[str, int], IncrementalDetokenizer | NoDetokenizer] = {}
         self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs

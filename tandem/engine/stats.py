@@ -72,6 +72,10 @@ class StepHistory:
         self._requests.append(timing)
         self._num_requests += 1
 
+    def latest(self) -> StepRecord | None:
+        """The last step retired (a caller may add its own spans to it)."""
+        return self._steps[-1] if self._steps else None
+
     def mark(self) -> HistoryMark:
         return HistoryMark(self._num_steps, self._num_requests)
 
@@ -84,8 +88,17 @@ class StepHistory:
         return _tail(self._requests, n)
 
     def summary(self, since: HistoryMark | None = None) -> RunSummary:
-        """Device idle, throughput and latencies over the window (or everything kept)."""
-        return summarize(self.steps(since), self.requests(since))
+        """Device idle, throughput and latencies over the window (or everything kept).
+
+        Consecutive windows tile the device's timeline: one starts where the step before it
+        left the device (or with its first step's scheduling, after a pause)."""
+        steps = self.steps(since)
+        before = self._num_steps - len(steps)  # steps appended before the window
+        kept_before = len(self._steps) - len(steps)
+        after = (
+            self._steps[kept_before - 1] if since is not None and before and kept_before else None
+        )
+        return summarize(steps, self.requests(since), after)
 
 
 def _tail(records: deque, n: int) -> list:

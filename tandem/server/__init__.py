@@ -1,11 +1,15 @@
-"""OpenAI-compatible HTTP serving: `serve(config)` for the CLI, `create_app(engine)` to embed.
+"""OpenAI-compatible HTTP serving: `serve(config)` for the CLI; `start_core` + `create_app` to
+embed a front end (tests do).
 
-Module map: protocol (request bodies), errors (OpenAI error shape), guards (API key and body size,
-as ASGI middleware), token_bound (a provable lower bound on a prompt's tokens), prepare (body ->
-engine request, off the event loop), intake (the thread pools preparation runs in), json_count (a
-helper process that counts a large body's JSON values off the GIL), loop (the engine thread),
-service (admission, per-request streams, shutdown, engine failure), generate (responses and SSE),
-metrics (Prometheus), app (routes), serve (uvicorn with a graceful drain).
+Module map, bottom to top: wire (the messages between processes), core (the engine-core
+process), core_client (a front end's connection to the cores), served_model (what a front end
+knows of the model: limits, tokenizer, per-choice text), protocol (request bodies), errors
+(OpenAI error shape), guards (API key and body size, as ASGI middleware), token_bound (a
+provable lower bound on a prompt's tokens), prepare (body -> engine request, off the event
+loop), intake (the thread pools preparation runs in), json_count (a helper process that counts
+a large body's JSON values off the GIL), metrics (Prometheus), service (admission, per-request
+streams, shutdown, engine failure), generate (responses and SSE), app (routes), serve (the
+processes, uvicorn with a graceful drain, supervision).
 """
 
 from tandem.server.app import create_app

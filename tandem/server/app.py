@@ -1,6 +1,8 @@
-"""The FastAPI app: routes, lifespan (start and stop the engine loop), error handlers, guards.
+"""The FastAPI app of one front end: routes, lifespan, error handlers, guards.
 
-`create_app` does not own the engine: whoever built it closes it after the app has shut down.
+`create_app` takes a `CoreClient` already connected to the engine cores and the `ServedModel`
+their handshake described; the app reads the cores while its lifespan runs. It does not own the
+cores' processes: whoever started them stops them after the app has shut down.
 Generation routes take the raw body: it is parsed and validated in an intake lane, off the event
 loop (`prepare.py`), after the guards (`guards.py`) have checked the API key and the body's size.
 """
@@ -17,12 +19,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from tandem.engine import Engine
+from tandem.server.core_client import CoreClient
 from tandem.server.errors import error_body, install_error_handlers
 from tandem.server.generate import respond
 from tandem.server.guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyGuard, BodyLimit
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.prepare import Preparer
+from tandem.server.served_model import ServedModel
 from tandem.server.service import GenerationService
 from tandem.server.token_bound import prompt_bound
 
@@ -33,9 +36,9 @@ logger = logging.getLogger("tandem.server")
 def frozen_startup_heap() -> Iterator[None]:
     """While the server runs, the garbage collector's full passes skip what start-up built.
 
-    The modules, the model and the engine are some 400k tracked objects, and a full collection
-    walks them all holding the GIL (a stall of a tenth of a second or more), while the engine
-    loop, the device thread's Python and every request wait. They live as long as the server, so
+    The modules and the tokenizer are hundreds of thousands of tracked objects, and a full
+    collection walks them all holding the GIL (a stall of a tenth of a second or more), while
+    every request waits. They live as long as the server, so
     they are frozen (as vLLM does after start-up) and later objects are collected as before.
     Unfrozen on exit, so that a process embedding the app gets them back (the freeze is
     process-wide: one app per process).
@@ -48,18 +51,19 @@ def frozen_startup_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def model_names(engine: Engine, served_name: str | None) -> tuple[str, list[str]]:
+def model_names(model: ServedModel, served_name: str | None) -> tuple[str, list[str]]:
     """The name clients should use (the model folder's name) and every alias accepted."""
-    path = Path(engine.model_path)
+    path = Path(model.model_path)
     name = served_name or path.name
     aliases = [name, path.name, str(path), str(path.resolve())]
-    if engine.config.model:
-        aliases.append(engine.config.model)
+    if model.configured_name:
+        aliases.append(model.configured_name)
     return name, list(dict.fromkeys(aliases))
 
 
 def create_app(
-    engine: Engine,
+    client: CoreClient,
+    model: ServedModel,
     *,
     served_model_name: str | None = None,
     max_waiting: int = 256,
@@ -67,26 +71,28 @@ def create_app(
     api_key: str | None = None,
     protect_metrics: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_running: int | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible app around `engine`. Its loop thread runs while the app's lifespan does.
+    """An OpenAI-compatible app in front of `client`'s engine cores.
 
     `grace_period` bounds the lifespan shutdown: in-flight requests get that long to finish,
     then are aborted. (`serve` drains on SIGTERM before that, while still answering 503s.)
     With `api_key`, every /v1 request (and /metrics if `protect_metrics`) needs
-    `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` get 413.
+    `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` get 413. `max_running`:
+    this front end's share of the cores' running sequences (`GenerationService`).
     """
     if protect_metrics and not api_key:
         raise ValueError("protect_metrics needs an api_key")
-    service = GenerationService(engine, max_waiting=max_waiting)
-    name, accepted_names = model_names(engine, served_model_name)
+    service = GenerationService(client, model, max_waiting=max_waiting, max_running=max_running)
+    name, accepted_names = model_names(model, served_model_name)
     created = int(time.time())
-    bound, why_not = prompt_bound(engine.tokenizer)
+    bound, why_not = prompt_bound(model.tokenizer)
     if bound is not None:
         logger.info("over-long prompts are refused before tokenizing (%s)", bound.describe())
     else:
         logger.info("over-long prompts are refused after tokenizing: no exact bound (%s)", why_not)
     preparer = Preparer(
-        engine, name, accepted_names, bound, service.intake.counter, max_seqs=service.capacity
+        model, name, accepted_names, bound, service.intake.counter, max_seqs=service.capacity
     )
 
     @asynccontextmanager
@@ -124,8 +130,8 @@ def create_app(
             "object": "model",
             "created": created,
             "owned_by": "tandem",
-            "root": str(engine.model_path),
-            "max_model_len": engine.max_model_len,
+            "root": str(model.model_path),
+            "max_model_len": model.max_model_len,
         }
         return {"object": "list", "data": [card]}
 

@@ -1,13 +1,15 @@
-"""Prometheus metrics of one app, in a registry of its own (two apps in a process never clash).
+"""Prometheus metrics of one front end, in a registry of its own (two apps never clash).
 
-Engine gauges are read at scrape time (plain integer reads, safe from any thread); counters and
-latency histograms are updated on the event loop as outputs reach the server, so TTFT and
-inter-token latency are what the HTTP side sees, queueing and thread hand-off included.
+The engine's figures (per engine core, labelled `engine`) come from the state every step
+message carries, read at scrape time. Counters and latency histograms are updated on the event
+loop as outputs arrive, so TTFT and inter-token latency are what the HTTP side sees. With
+several front ends (`$PROMETHEUS_MULTIPROC_DIR` set before start-up), those live in shared files
+and any front end's /metrics sums them over all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,64 +19,58 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
-from tandem.engine import Engine
+from tandem.server.core_client import CoreClient
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
+_ENGINE_GAUGES = (
+    ("tandem_requests_running", "Requests running.", "num_running"),
+    ("tandem_requests_waiting", "Requests queued.", "num_waiting"),
+    ("tandem_kv_blocks_used", "KV-cache blocks in use.", "kv_blocks_used"),
+    ("tandem_kv_blocks_cached",
+     "Free KV-cache blocks still holding a cached prefix (reusable until evicted).",
+     "kv_blocks_cached"),
+    ("tandem_prefix_cache_hit_rate",
+     "Prompt tokens served from the prefix cache over prompt tokens admitted, since start.",
+     "prefix_hit_rate"),
+    ("tandem_kv_blocks_total", "KV-cache blocks in all.", "kv_blocks_total"),
+    ("tandem_device_idle_fraction",
+     "Device idle time over the engine's busy time (first to last step) in the latest ~1 s "
+     "window with work: the host overhead the async loop is meant to hide.",
+     "device_idle_fraction"),
+)  # fmt: skip
+_ENGINE_COUNTERS = (
+    ("tandem_preemptions", "Requests preempted (their KV dropped, recomputed later).",
+     "num_preemptions"),
+    ("tandem_prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache "
+     "(prompt, plus outputs when recomputing).", "prefix_query_tokens"),
+    ("tandem_prefix_cache_hits", "Tokens served from the prefix cache: prefill saved.",
+     "prefix_hit_tokens"),
+    ("tandem_prefix_cache_hit_requests", "Admissions that reused at least one cached KV block.",
+     "prefix_hit_requests"),
+)  # fmt: skip
+
 
 class ServerMetrics:
-    def __init__(
-        self,
-        engine: Engine,
-        in_flight: Callable[[], int],
-        device_idle_fraction: Callable[[], float],
-    ):
+    def __init__(self, client: CoreClient):
+        self.multiprocess = bool(os.environ.get(MULTIPROCESS_ENV))
         self.registry = CollectorRegistry()
         reg = self.registry
-
-        for name, doc, read in (
-            ("tandem_requests_running", "Requests running.", lambda: engine.stats().num_running),
-            ("tandem_requests_waiting", "Requests queued.", lambda: engine.stats().num_waiting),
-            (
-                "tandem_requests_in_flight",
-                "Sequences (prompts x n) accepted, not yet finished.",
-                in_flight,
-            ),
-            (
-                "tandem_kv_blocks_used",
-                "KV-cache blocks in use.",
-                lambda: engine.stats().kv_blocks_used,
-            ),
-            (
-                "tandem_kv_blocks_cached",
-                "Free KV-cache blocks still holding a cached prefix (reusable until evicted).",
-                lambda: engine.stats().kv_blocks_cached,
-            ),
-            (
-                "tandem_prefix_cache_hit_rate",
-                "Prompt tokens served from the prefix cache over prompt tokens admitted, since start.",
-                lambda: engine.stats().prefix_cache.hit_rate,
-            ),
-            (
-                "tandem_kv_blocks_total",
-                "KV-cache blocks in all.",
-                lambda: engine.stats().kv_blocks_total,
-            ),
-            (
-                "tandem_device_idle_fraction",
-                "Device idle time over the engine's busy time (first to last step) in the latest "
-                "~1 s window with work: the host overhead the async loop is meant to hide.",
-                device_idle_fraction,
-            ),
-        ):
-            Gauge(name, doc, registry=reg).set_function(read)
-
-        reg.register(_EngineCounters(engine))
+        self._engines = _EngineFigures(client)
+        reg.register(self._engines)
+        self.in_flight = Gauge(
+            "tandem_requests_in_flight",
+            "Sequences (prompts x n) accepted, not yet finished.",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.finished = Counter(
             "tandem_requests_finished",
             "Finished sequences (one per sample of each prompt).",
@@ -106,29 +102,32 @@ class ServerMetrics:
         )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every front end's counters, summed from their files
+        MultiProcessCollector(registry)
+        registry.register(self._engines)
+        return generate_latest(registry)
 
 
-class _EngineCounters:
-    """The engine's own counters, read at scrape time (plain integers the loop thread bumps)."""
+class _EngineFigures:
+    """Every core's gauges and counters from its latest step message, read at scrape time."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, client: CoreClient):
+        self.client = client
 
     def describe(self) -> list:
         return []  # collected only at scrape time: no read while the collector is registered
 
     def collect(self):
-        s = self.engine.stats()
-        stats = s.prefix_cache
-        for name, doc, value in (
-            ("tandem_preemptions", "Requests preempted (their KV dropped, recomputed later).",
-             s.num_preemptions),
-            ("tandem_prefix_cache_queries", "Tokens of admitted requests looked up in the "
-             "prefix cache (prompt, plus outputs when recomputing).", stats.query_tokens),
-            ("tandem_prefix_cache_hits", "Tokens served from the prefix cache: prefill saved.",
-             stats.hit_tokens),
-            ("tandem_prefix_cache_hit_requests", "Admissions that reused at least one cached "
-             "KV block.", stats.hits),
-        ):  # fmt: skip
-            yield CounterMetricFamily(name, doc, value=value)
+        stats = [(str(i), s) for i, s in enumerate(self.client.stats) if s is not None]
+        for name, doc, field in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["engine"])
+            for engine, s in stats:
+                family.add_metric([engine], getattr(s, field))
+            yield family
+        for name, doc, field in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["engine"])
+            for engine, s in stats:
+                family.add_metric([engine], getattr(s, field))
+            yield family

@@ -24,11 +24,11 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from tandem.engine import Engine
 from tandem.request import Request, SamplingParams
 from tandem.server.errors import APIError, bad_request, validation_error
 from tandem.server.json_count import JSONCounter
 from tandem.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tandem.server.served_model import ServedModel
 from tandem.server.token_bound import PromptBound
 
 Prompt = str | list[int]
@@ -74,14 +74,14 @@ class Prepared:
 class Preparer:
     def __init__(
         self,
-        engine: Engine,
+        model: ServedModel,
         model_name: str,
         accepted_names: list[str],
         bound: PromptBound | None,
         counter: JSONCounter | None = None,
         max_seqs: int | None = None,
     ):
-        self.engine = engine
+        self.model = model
         self.counter = counter
         self.model_name = model_name
         self.accepted_names = set(accepted_names)
@@ -95,8 +95,8 @@ class Preparer:
         per vocabulary id."""
         prompts = (self.max_seqs or 1) if model is CompletionRequest else 1
         what = f"{prompts} token-id prompts" if prompts > 1 else "a token-id prompt"
-        vocab = self.engine.spec.vocab_size
-        limit = prompts * self.engine.max_model_len + vocab + OTHER_VALUES
+        vocab = self.model.vocab_size
+        limit = prompts * self.model.max_model_len + vocab + OTHER_VALUES
         return (
             limit,
             f"{what} of max_model_len ids, {vocab} logit_bias entries, {OTHER_VALUES} more",
@@ -127,10 +127,10 @@ class Preparer:
         body = self._parse(ChatCompletionRequest, raw, bulk)
         params = self._common(body)
         self._check_seqs(1, params.n, "messages")
-        text = render_chat(self.engine, body.messages)
+        text = render_chat(self.model, body.messages)
         # The template writes any BOS itself, so the text is tokenized without special tokens.
         self._check_bound(text, add_special_tokens=False, param="messages")
-        token_ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
+        token_ids = self.model.tokenizer(text, add_special_tokens=False).input_ids
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return Prepared(body, request_id, [self._make(token_ids, params, request_id, "messages")])
 
@@ -181,7 +181,7 @@ class Preparer:
         if self.bound is None:
             return
         at_least = self.bound.min_tokens(text, add_special_tokens)
-        limit = self.engine.max_model_len
+        limit = self.model.max_model_len
         if at_least >= limit:
             raise bad_request(
                 f"{where}prompt has at least {at_least} tokens ({self.bound.describe()}), which "
@@ -193,7 +193,7 @@ class Preparer:
         self, prompt: Prompt, params: SamplingParams, request_id: str, param: str, where: str = ""
     ) -> Request:
         try:
-            return self.engine.make_request(prompt, params, request_id)
+            return self.model.make_request(prompt, params, request_id)
         except ValueError as exc:  # the engine's validation: the prompt, its length, logit_bias
             message = str(exc)
             if message.startswith("logit_bias"):  # a token id outside the vocabulary
@@ -210,9 +210,9 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) ->
     return [prompt]
 
 
-def render_chat(engine: Engine, messages: list[ChatMessage]) -> str:
+def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str:
     """The tokenizer's chat template applied to `messages`, as text."""
-    tokenizer = engine.tokenizer
+    tokenizer = model.tokenizer
     if tokenizer is None:
         raise bad_request(
             "this model has no tokenizer (its folder has no tokenizer files), so "

@@ -1,46 +1,64 @@
-"""The event-loop side of the engine: admission, one stream per request, and graceful shutdown.
+"""The front end's request side: admission, one stream per request, text, graceful shutdown.
 
 Everything here runs on the asyncio event loop except request preparation (parsing, the chat
 template, tokenization), which runs in the intake lanes (`intake.py`) so that no request, however
-large, stalls other connections. Outputs come from the engine loop thread once per step, as a
-single `call_soon_threadsafe(_deliver, deltas)`.
+large, stalls other connections. Requests go to the engine core through a `CoreClient`; its step
+outputs come back once per step as token ids, which are detokenized here, per choice (stop
+strings too: a choice that meets one ends here, and its sample is aborted in the core).
 
 Admission: at most `max_num_seqs + max_waiting` sequences are in flight (accepted, not finished;
-an HTTP request asks for one per prompt and sample). The engine runs up to `max_num_seqs` at once,
-so the excess is the waiting queue, counted here on the event loop where it is exact (the engine's
-own counters lag behind its inbox). Beyond it, 503 with Retry-After. A request holds one sequence
-while it is prepared (its prompts and `n` are known only once it is parsed), then all of its own.
-An accepted request is never dropped: it runs to completion (or until its client disconnects, or
-the shutdown grace period runs out, or the engine fails).
+an HTTP request asks for one per prompt and sample), counted here on the event loop where it is
+exact. Beyond it, 503 with Retry-After. A request holds one sequence while it is prepared (its
+prompts and `n` are known only once it is parsed), then all of its own. An accepted request is
+never dropped: it runs to completion (or until its client disconnects, or the shutdown grace
+period runs out, or the engine fails).
 
 One HTTP request becomes one engine request per prompt, each with `n` samples; its choices are
 numbered prompt-major, `prompt_index * n + sample_index`, as OpenAI does.
 
-If the engine loop thread dies, every request in flight or being prepared is answered at once
-(503 if it had produced nothing yet, 500 otherwise; every choice of a stream ends, then an error
-event ends the stream), /health says 503, and `on_failure` tells the owner (`serve` exits non-zero).
+If an engine core fails (it dies, hangs or reports a failed step), every request in flight or
+being prepared is answered at once (503 if it had produced nothing yet, 500 otherwise; every
+choice of a stream ends, then an error event ends the stream), /health says 503, and
+`on_failure` tells the owner (`serve` exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.engine import Engine
+from tandem.request import TokenLogprobs
+from tandem.server import wire
+from tandem.server.core_client import CoreClient
 from tandem.server.errors import APIError, bad_request, unavailable
 from tandem.server.intake import IntakeLanes
-from tandem.server.loop import Delta, EngineLoop
 from tandem.server.metrics import ServerMetrics
 from tandem.server.prepare import Prepared
+from tandem.server.served_model import ChoiceText, ServedModel
 
 logger = logging.getLogger("tandem.server")
 
 SHUTDOWN_ABORT_MESSAGE = "the server is shutting down: the request was aborted"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step means to one choice of a client's request: new text and tokens, and how it
+    ended."""
+
+    request_id: str  # the engine request's id
+    text: str
+    num_new_tokens: int
+    num_output_tokens: int  # cumulative
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    index: int = 0  # the choice
+    logprobs: list[TokenLogprobs] | None = None  # of the new tokens, when asked for
 
 
 @dataclass
@@ -56,6 +74,7 @@ class RequestStream:
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     output_tokens: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
     finish_reasons: dict[int, str | None] = field(default_factory=dict)  # finished choices
+    texts: dict[int, ChoiceText] = field(default_factory=dict)  # choice -> its text so far
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the server, not the client, ended it early
     error_status: int = 500  # the HTTP status that `error` stands for
@@ -94,29 +113,32 @@ class RequestStream:
 class GenerationService:
     def __init__(
         self,
-        engine: Engine,
+        client: CoreClient,
+        model: ServedModel,
         max_waiting: int = 256,
         retry_after_s: int = 1,
         intake: IntakeLanes | None = None,
+        max_running: int | None = None,
     ):
+        """`max_running`: the sequences this front end may have running (default: every core's
+        `max_num_seqs`; a server with several front ends gives each a share)."""
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
-        self.engine = engine
-        self.capacity = engine.config.max_num_seqs + max_waiting
+        self.client = client
+        self.model = model
+        self.max_running = max_running or model.max_num_seqs * len(client.pids)
+        self.capacity = self.max_running + max_waiting
         self.retry_after_s = retry_after_s
         self.accepting = False
         self.intake = intake or IntakeLanes()
-        self.on_failure: Callable[[BaseException], None] | None = None  # called on the event loop
+        self.on_failure: Callable[[str], None] | None = None  # called on the event loop
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its HTTP request
         self._unfinished: dict[str, int] = {}  # engine request id -> samples still running
         self._admitting = 0  # sequences accepted, still being prepared (one per request)
         self._idle = asyncio.Event()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._failed: asyncio.Future[None] | None = None  # done once the engine has failed
-        self.loop = EngineLoop(engine, self._from_engine_thread, self._crash_from_engine_thread)
-        self.metrics = ServerMetrics(
-            engine, lambda: self.num_in_flight, lambda: self.loop.device_idle_fraction
-        )
+        self.metrics = ServerMetrics(client)
 
     # ----------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -124,22 +146,24 @@ class GenerationService:
         self._aloop = asyncio.get_running_loop()
         self._failed = self._aloop.create_future()
         self.intake.start()
-        self.loop.start()
+        self.client.on_outputs = self._deliver
+        self.client.on_failure = self._engine_failed
+        self.client.start()
         self._idle.set()
         self.accepting = True
 
     @property
     def ready(self) -> bool:
-        return self.accepting and self.loop.alive
+        return self.accepting and self.client.failed is None
 
     @property
     def failed(self) -> bool:
-        return self.loop.crashed is not None
+        return self.client.failed is not None
 
     def unready_reason(self) -> str:
         if self._aloop is None:
             return "the server is starting"
-        if self.loop.crashed is not None or (self.accepting and not self.loop.alive):
+        if self.client.failed is not None:
             return "the engine is not running"
         return "the server is shutting down"
 
@@ -157,15 +181,15 @@ class GenerationService:
             logger.warning("grace period over: aborting %d request(s)", len(self._streams))
             for engine_id, stream in list(self._streams.items()):
                 stream.error, stream.error_status = SHUTDOWN_ABORT_MESSAGE, 503
-                self.engine.abort(engine_id)
+                self.client.abort(engine_id)
             if not await self._wait_idle(abort_wait_s):
                 self._fail_all(SHUTDOWN_ABORT_MESSAGE)  # the loop is stuck: release the clients
 
     def close(self, wait: bool = False) -> None:
-        """Stop the loop thread and the intake workers (after `shutdown`); idempotent. With
-        `wait`, also wait for preparations still running (off the event loop only)."""
+        """Stop reading the cores and the intake workers (after `shutdown`). With `wait`, also
+        wait for preparations still running (off the event loop only)."""
         self.accepting = False
-        self.loop.stop()
+        self.client.close()
         self.intake.close(wait)
 
     async def _wait_idle(self, timeout: float) -> bool:
@@ -218,11 +242,13 @@ class GenerationService:
             for request in requests:
                 self._streams[request.request_id] = stream
                 self._unfinished[request.request_id] = prepared.n
-                self.engine.submit(request)
+                first = stream.choice(request.request_id, 0)
+                for sample in range(prepared.n):
+                    stream.texts[first + sample] = self.model.choice_text(request)
+                self.client.submit(request)
         finally:
             self._admitting -= 1
-            if not self._streams and not self._admitting:
-                self._idle.set()
+            self._after_delivery()
         self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
         return stream, prepared
 
@@ -231,7 +257,7 @@ class GenerationService:
         if not stream.finished:
             stream.client_gone = True
             for engine_id in stream.engine_ids:
-                self.engine.abort(engine_id)
+                self.client.abort(engine_id)
 
     def _check_admission(self, num_seqs: int, param: str = "n", reserved: int = 0) -> None:
         """`reserved`: sequences this request already holds in `num_in_flight`."""
@@ -247,64 +273,85 @@ class GenerationService:
         if in_flight + num_seqs > self.capacity:
             raise self._refuse(
                 f"the server is at capacity ({in_flight} sequences in flight, "
-                f"{self.capacity - self.engine.config.max_num_seqs} may wait); retry later"
+                f"{self.capacity - self.max_running} may wait); retry later"
             )
 
     def _refuse(self, message: str) -> APIError:
         self.metrics.rejected.inc()
         return unavailable(message, self.retry_after_s)
 
-    # ------------------------------------------------ engine -> event loop
-    def _from_engine_thread(self, deltas: list[Delta]) -> None:
-        self._call_in_event_loop(self._deliver, deltas)
-
-    def _crash_from_engine_thread(self, exc: BaseException) -> None:
-        self._call_in_event_loop(self._engine_failed, exc)
-
-    def _call_in_event_loop(self, fn: Callable, arg: object) -> None:
-        try:
-            if self._aloop is not None:
-                self._aloop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the event loop has closed: nobody is left to tell
-            pass
-
-    def _deliver(self, deltas: list[Delta]) -> None:
-        now = time.perf_counter()
-        metrics = self.metrics
+    # ---------------------------------------------------- cores -> streams
+    def _deliver(self, deltas: list[wire.TokenDelta]) -> None:
+        """One core's step: each sample's new tokens become its choice's text."""
         for delta in deltas:
-            engine_id = delta.request_id
-            stream = self._streams.get(engine_id)
+            stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue
-            choice = stream.choice(engine_id, delta.index)
+            choice = stream.choice(delta.request_id, delta.index)
             if choice in stream.finish_reasons:
-                continue  # already failed by _fail_all
-            if delta.num_new_tokens:
-                metrics.generation_tokens.inc(delta.num_new_tokens)
-                if stream.first_token_time is None:
-                    stream.first_token_time = now
-                    metrics.ttft.observe(now - stream.arrival)
-                if choice in stream.last_token_time:
-                    metrics.itl.observe(now - stream.last_token_time[choice])
-                stream.last_token_time[choice] = now
-            stream.output_tokens[choice] = delta.num_output_tokens
-            if delta.finished:
-                stream.finish_reasons[choice] = delta.finish_reason
-                if delta.error and stream.error is None:
-                    stream.error = delta.error
-                self._unfinished[engine_id] -= 1
-                if not self._unfinished[engine_id]:
-                    del self._unfinished[engine_id], self._streams[engine_id]
-                stream.finished = len(stream.finish_reasons) == stream.num_choices
-                metrics.finished.labels(finish_reason=delta.finish_reason or "error").inc()
-            stream.queue.put_nowait(dataclasses.replace(delta, index=choice))
+                continue  # ended here already (a stop string, or _fail_all)
+            text = stream.texts[choice]
+            tokens = delta.token_ids
+            stopped = False
+            for k, token in enumerate(tokens):
+                if text.add(token):
+                    stopped, tokens = True, tokens[: k + 1]
+                    break
+            finished = delta.finished or stopped
+            if stopped and not delta.finished:
+                self.client.abort(delta.request_id, delta.index)  # free its blocks now
+            logprobs = delta.logprobs
+            self._route(
+                stream,
+                Delta(
+                    delta.request_id,
+                    text.delta(finished),
+                    len(tokens),
+                    text.num_tokens,
+                    finished,
+                    "stop" if stopped else delta.finish_reason,
+                    delta.error,
+                    choice,
+                    None if logprobs is None else self.model.logprobs(logprobs[: len(tokens)]),
+                ),
+            )
+        self._after_delivery()
+
+    def _route(self, stream: RequestStream, delta: Delta) -> None:
+        """Count it, then queue it for the stream's handler (`delta.index` is the choice)."""
+        now = time.perf_counter()
+        metrics = self.metrics
+        engine_id, choice = delta.request_id, delta.index
+        if delta.num_new_tokens:
+            metrics.generation_tokens.inc(delta.num_new_tokens)
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                metrics.ttft.observe(now - stream.arrival)
+            if choice in stream.last_token_time:
+                metrics.itl.observe(now - stream.last_token_time[choice])
+            stream.last_token_time[choice] = now
+        stream.output_tokens[choice] = delta.num_output_tokens
+        if delta.finished:
+            stream.finish_reasons[choice] = delta.finish_reason
+            del stream.texts[choice]
+            if delta.error and stream.error is None:
+                stream.error = delta.error
+            self._unfinished[engine_id] -= 1
+            if not self._unfinished[engine_id]:
+                del self._unfinished[engine_id], self._streams[engine_id]
+            stream.finished = len(stream.finish_reasons) == stream.num_choices
+            metrics.finished.labels(finish_reason=delta.finish_reason or "error").inc()
+        stream.queue.put_nowait(delta)
+
+    def _after_delivery(self) -> None:
+        self.metrics.in_flight.set(self.num_in_flight)
         if not self._streams and not self._admitting:
             self._idle.set()
 
-    def _engine_failed(self, exc: BaseException) -> None:
-        """The loop thread died: answer everyone now, then tell the owner."""
+    def _engine_failed(self, reason: str) -> None:
+        """A core failed: answer everyone now, then tell the owner."""
         self.accepting = False
-        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        message = f"the engine failed: {reason}"
         for stream in self._streams.values():
             # Nothing generated yet: the request can be retried elsewhere as it is.
             stream.error_status = 503 if stream.num_output_tokens == 0 else 500
@@ -313,17 +360,18 @@ class GenerationService:
         if not self._failed.done():
             self._failed.set_result(None)  # requests still being prepared get 503 now
         if self.on_failure is not None:
-            self.on_failure(exc)
+            self.on_failure(message)
 
     def _fail_all(self, message: str) -> None:
         """End every unfinished choice of every open stream with an error (engine failure, or a
         loop stuck at shutdown)."""
-        failed = []
-        for engine_id, stream in self._streams.items():
+        for engine_id, stream in list(self._streams.items()):
             stream.error = message
             first = stream.choice(engine_id, 0)
-            for sample in range(stream.n):
-                if first + sample not in stream.finish_reasons:
-                    tokens = stream.output_tokens.get(first + sample, 0)
-                    failed.append(Delta(engine_id, "", 0, tokens, True, "abort", message, sample))
-        self._deliver(failed)
+            for choice in range(first, first + stream.n):
+                if choice not in stream.finish_reasons:
+                    tokens = stream.output_tokens.get(choice, 0)
+                    self._route(
+                        stream, Delta(engine_id, "", 0, tokens, True, "abort", message, choice)
+                    )
+        self._after_delivery()

@@ -1,0 +1,659 @@
+"""One load, several OpenAI-compatible servers: `tandem serve`, llama.cpp's `llama-server`, vLLM.
+
+Every server gets the same streamed requests (the same random prompts, greedy, EOS ignored so
+each request generates exactly --max-tokens tokens) for each mode (chat, completions) and number
+of concurrent streams, from the client in serve_load.py. Each server is started once, on the same
+model: Tandem and vLLM on the fp32 Hugging Face folder from real_model.py, llama-server on the
+F32 GGUF converted from that folder (and, with `llama-q8_0` in --servers, on a Q8_0 one).
+
+What each server gets:
+  tandem        python -m tandem serve --model DIR --port P [--tandem-args]: its defaults (the
+                engine core picks its compute threads at start-up; the front end is unpinned)
+  tandem-sync   the same with --no-async
+  llama-f32     llama-server -m F32.gguf -np MAX_STREAMS -c MAX_STREAMS*CONTEXT -t THREADS
+                -tb THREADS [--llama-args]: THREADS defaults to one per core, like Tandem
+  llama-q8_0    the same on the Q8_0 GGUF
+  vllm          python -m vllm.entrypoints.openai.api_server --model DIR --max-model-len CONTEXT
+                --max-num-seqs MAX_STREAMS [--vllm-args]: vLLM's own CPU defaults (threads bound by
+                VLLM_CPU_OMP_THREADS_BIND, KV cache VLLM_CPU_KVCACHE_SPACE GiB, 4 unless set);
+                skipped when vLLM is not installed
+
+The repeats are interleaved: repeat 1 of every server, then repeat 2, and so on; a server that is
+not being measured is paused (SIGSTOP on its process group) so its idle threads take no CPU from
+the one that is (--no-pause keeps them running). The table holds the medians over the repeats.
+While Tandem runs, its /metrics is read every second; "device idle" is the
+tandem_device_idle_fraction gauge (every sample, whatever its labels) over the readings taken
+while all streams were busy: after every stream of the first wave had its first token (plus the
+gauge's ~1 s window), until the last request started. Every server process is stopped on exit,
+Ctrl-C included.
+
+Setup, then a run (30-60 minutes on 2 cores with the defaults):
+    bash benchmarks/setup_llama_server.sh
+    python benchmarks/serve_compare.py                    # table on stdout, docs/img/serving.png
+    python benchmarks/serve_compare.py --servers tandem,llama-f32,llama-q8_0 --repeats 1 \\
+        --concurrency 8 --max-tokens 16 --plot /tmp/serving.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_model  # noqa: E402
+import serve_load  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama.cpp" / "bin" / "llama-server"
+VLLM_VENV_PYTHON = REPO / ".venv-vllm-cpu" / "bin" / "python"
+IDLE_GAUGE = "tandem_device_idle_fraction"
+SERVER_NAMES = ("tandem", "tandem-sync", "llama-f32", "llama-q8_0", "vllm")
+MODES = ("chat", "completions")
+GAUGE_WINDOW_S = 1.0  # the idle gauge summarises the latest ~1 s window with work
+
+
+@dataclass
+class Server:
+    """One server to benchmark: how to start it and, once started, its process."""
+
+    name: str
+    label: str
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    reads_idle_gauge: bool = False
+    port: int = 0
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class CellRun:
+    """One repeat of one (server, mode, streams) cell: the client's summary and the gauge."""
+
+    summary: dict
+    ttft_p90_ms: float
+    itl_p90_ms: float
+    short_requests: int
+    idle_readings: list[float]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def core_count() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def find_vllm_python(requested: str | None) -> str | None:
+    """This interpreter when it imports vLLM, else the repository's vLLM CPU environment
+    (benchmarks/setup_vllm_cpu.sh), else None."""
+    candidates = [requested] if requested else [sys.executable, str(VLLM_VENV_PYTHON)]
+    for python in candidates:
+        if not Path(python).exists():
+            continue
+        probe = subprocess.run([python, "-c", "import vllm"], capture_output=True)
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
+    """The servers asked for that can run here, and a line for each one skipped."""
+    max_streams = max(args.concurrency)
+    servers, skipped = [], []
+    for name in args.servers:
+        if name in ("tandem", "tandem-sync"):
+            env = {
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(args.tandem_path), os.environ.get("PYTHONPATH")])
+                )
+            }
+            command = [sys.executable, "-m", "tandem", "serve", "--model", str(args.model)]
+            command += ["--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.tandem_args)]
+            label = "tandem"
+            if name == "tandem-sync":  # the synchronous loop: what the async one must beat
+                command.append("--no-async")
+                label = "tandem --no-async"
+            servers.append(Server(name, label, command, env, reads_idle_gauge=True))
+        elif name in ("llama-f32", "llama-q8_0"):
+            gguf = args.gguf_f32 if name == "llama-f32" else args.gguf_q8_0
+            if not args.llama_server.is_file():
+                skipped.append(
+                    f"{name}: skipped: no {args.llama_server} (run setup_llama_server.sh)"
+                )
+                continue
+            if not gguf.is_file():
+                skipped.append(f"{name}: skipped: no {gguf} (run setup_llama_server.sh)")
+                continue
+            command = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1"]
+            command += ["--port", "{port}", "-np", str(max_streams)]
+            command += ["-c", str(max_streams * args.context)]
+            command += ["-t", str(args.threads), "-tb", str(args.threads)]
+            command += shlex.split(args.llama_args)
+            label = "llama-server " + ("F32" if name == "llama-f32" else "Q8_0")
+            servers.append(Server(name, label, command))
+        elif name == "vllm":
+            python = find_vllm_python(args.vllm_python)
+            if python is None:
+                skipped.append("vllm: skipped: vLLM is not installed (import vllm failed)")
+                continue
+            command = [
+                python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(args.model),
+            ]
+            command += ["--host", "127.0.0.1", "--port", "{port}"]
+            command += ["--max-model-len", str(args.context), "--max-num-seqs", str(max_streams)]
+            command += shlex.split(args.vllm_args)
+            env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+            env["VLLM_NO_USAGE_STATS"] = "1"
+            servers.append(Server(name, "vLLM", command, env))
+    return servers, skipped
+
+
+async def start(server: Server, timeout_s: float, log_dir: Path) -> None:
+    """Starts the server in its own process group (so it can be paused and stopped as one) and
+    waits until /health says 200."""
+    server.port = free_port()
+    command = [part.replace("{port}", str(server.port)) for part in server.command]
+    server.log_path = log_dir / f"{server.name}.log"
+    print(f"{server.name}: starting: {shlex.join(command)}", file=sys.stderr)
+    print(f"{server.name}: log: {server.log_path}", file=sys.stderr, flush=True)
+    with server.log_path.open("w") as log:
+        server.process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **server.env},
+            cwd=log_dir,  # not the repository, so PYTHONPATH alone decides which tandem runs
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=server.url, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(f"exited with {server.process.returncode}: {log_tail(server)}")
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"no 200 from /health within {timeout_s:.0f} s: {log_tail(server)}")
+
+
+def log_tail(server: Server, lines: int = 15) -> str:
+    if server.log_path is None or not server.log_path.is_file():
+        return ""
+    return "\n" + "\n".join(server.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def signal_group(server: Server, sig: signal.Signals) -> None:
+    if server.process is not None and server.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, sig)
+
+
+def stop(server: Server) -> None:
+    """SIGTERM to the whole process group (resumed first, in case it was paused), then SIGKILL
+    for whatever is still there after a grace period."""
+    if server.process is None:
+        return
+    signal_group(server, signal.SIGCONT)
+    signal_group(server, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.process.wait(timeout=15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGKILL)  # stragglers in the group, if any
+    server.process.wait()
+    server.process = None
+
+
+def idle_samples(metrics_text: str) -> list[float]:
+    """Every sample of the idle gauge, whatever its labels (one per engine, later)."""
+    values = []
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        if line.startswith(IDLE_GAUGE + "{"):
+            value_part = line.rpartition("}")[2]
+        elif line.startswith(IDLE_GAUGE + " "):
+            value_part = line[len(IDLE_GAUGE) :]
+        else:
+            continue
+        values.append(float(value_part.split()[0]))
+    return values
+
+
+async def watch_idle_gauge(url: str, readings: list[tuple[float, list[float]]]) -> None:
+    """Reads /metrics every second until cancelled, on a client of its own so it never waits
+    behind the load's connections."""
+    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+        while True:
+            try:
+                response = await client.get("/metrics")
+                readings.append((time.perf_counter(), idle_samples(response.text)))
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1.0)
+
+
+def steady_idle(
+    results: list[serve_load.Result], readings: list[tuple[float, list[float]]], streams: int
+) -> list[float]:
+    """The gauge samples read while every stream was busy decoding: from when the first wave's
+    last first token arrived (plus the gauge's window, so no reading covers the ramp-up) until
+    the queue emptied (the last request started)."""
+    first_wave = sorted(results, key=lambda r: r.start)[:streams]
+    if not results or any(r.ttft is None for r in first_wave):
+        return []
+    steady_from = max(r.start + r.ttft for r in first_wave) + GAUGE_WINDOW_S
+    steady_until = max(r.start for r in results)
+    return [v for t, values in readings if steady_from <= t <= steady_until for v in values]
+
+
+def request_body(model: str, mode: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed, greedy request that generates exactly max_tokens tokens: every server here
+    takes `ignore_eos` (llama-server also reads `max_tokens` as its `n_predict`)."""
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if mode == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def run_cell(
+    server: Server,
+    mode: str,
+    streams: int,
+    num_requests: int,
+    max_tokens: int,
+    prompt_words: int,
+    seed: str,
+    timeout_s: float,
+) -> CellRun:
+    """Sends num_requests at once with at most `streams` in flight, through serve_load's client.
+    The prompts depend on `seed` only, so every server gets the same ones."""
+    rng = random.Random(seed)
+    prompts = [serve_load.make_prompt(rng, prompt_words) for _ in range(num_requests)]
+    path = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
+    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    readings: list[tuple[float, list[float]]] = []
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=timeout) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        gate = asyncio.Semaphore(streams)
+
+        async def gated(body: dict) -> serve_load.Result:
+            async with gate:
+                return await serve_load.one_request(client, body, path, mode == "chat")
+
+        watcher = None
+        if server.reads_idle_gauge:
+            watcher = asyncio.create_task(watch_idle_gauge(server.url, readings))
+        start = time.perf_counter()
+        bodies = [request_body(model, mode, p, max_tokens) for p in prompts]
+        results = await asyncio.gather(*(gated(b) for b in bodies))
+        wall = time.perf_counter() - start
+        if watcher is not None:
+            watcher.cancel()
+    summary = serve_load.summarize(results, wall, model, {})
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    return CellRun(
+        summary=summary,
+        ttft_p90_ms=serve_load.pct(ttft, 90),
+        itl_p90_ms=serve_load.pct(itl, 90),
+        short_requests=sum(r.completion_tokens != max_tokens for r in ok),
+        idle_readings=steady_idle(results, readings, streams),
+    )
+
+
+async def warm(server: Server, args: argparse.Namespace) -> None:
+    """A burst at the largest concurrency in each mode, so first-call costs (kernel selection,
+    allocator growth, compiled shapes) fall outside the measured runs."""
+    streams = max(args.concurrency)
+    for mode in args.modes:
+        run = await run_cell(server, mode, streams, streams, 8, args.prompt_words, "warm", 600)
+        if run.summary["errors"]:
+            raise RuntimeError(f"warm-up errors: {run.summary['error_kinds']}")
+
+
+def median(values: list[float]) -> float:
+    clean = [v for v in values if v == v]  # drop NaN
+    return statistics.median(clean) if clean else float("nan")
+
+
+def summarize_cell(runs: list[CellRun]) -> dict:
+    idle = [v for run in runs for v in run.idle_readings]
+    return {
+        "output_tokens_per_s": median([r.summary["output_tokens_per_s"] for r in runs]),
+        "ttft_p50_ms": median([r.summary["ttft_p50_ms"] for r in runs]),
+        "ttft_p90_ms": median([r.ttft_p90_ms for r in runs]),
+        "itl_p50_ms": median([r.summary["itl_p50_ms"] for r in runs]),
+        "itl_p90_ms": median([r.itl_p90_ms for r in runs]),
+        "idle_max": max(idle) if idle else None,
+        "idle_median": statistics.median(idle) if idle else None,
+        "idle_readings": len(idle),
+        "errors": sum(r.summary["errors"] for r in runs),
+        "short_requests": sum(r.short_requests for r in runs),
+        "repeats": len(runs),
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| server | mode | streams | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
+        "| ITL p50 (ms) | ITL p90 (ms) | device idle max / median |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        if row["idle_max"] is None:
+            idle = "n/a" if row["server"] == "tandem" else ""
+        else:
+            idle = f"{row['idle_max']:.1%} / {row['idle_median']:.1%}"
+        lines.append(
+            f"| {row['label']} | {row['mode']} | {row['streams']} "
+            f"| {row['output_tokens_per_s']:.1f} | {row['ttft_p50_ms']:.0f} "
+            f"| {row['ttft_p90_ms']:.0f} | {row['itl_p50_ms']:.1f} | {row['itl_p90_ms']:.1f} "
+            f"| {idle} |"
+        )
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: Path, title: str) -> None:
+    """Output tok/s (top) and TTFT p50 with a whisker to p90 (bottom), grouped by concurrency,
+    one bar per server, one column per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib import ticker
+
+    labels = list(dict.fromkeys(row["label"] for row in rows))
+    modes = list(dict.fromkeys(row["mode"] for row in rows))
+    streams = sorted({row["streams"] for row in rows})
+    cell = {(r["label"], r["mode"], r["streams"]): r for r in rows}
+    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 7), squeeze=False)
+    width = 0.8 / len(labels)
+    # log bars need a common floor, or the axis starts at the shortest bar and hides it
+    fastest = min((r["ttft_p50_ms"] for r in rows if r["ttft_p50_ms"] > 0), default=1.0)
+    ttft_floor = 10 ** math.floor(math.log10(fastest))
+    x = np.arange(len(streams))
+    for column, mode in enumerate(modes):
+        top, bottom = axes[0][column], axes[1][column]
+        for i, label in enumerate(labels):
+            found = [cell.get((label, mode, s)) for s in streams]
+            offset = x + (i - (len(labels) - 1) / 2) * width
+            tps = [r["output_tokens_per_s"] if r else np.nan for r in found]
+            p50 = np.array([r["ttft_p50_ms"] if r else np.nan for r in found])
+            p90 = np.array([r["ttft_p90_ms"] if r else np.nan for r in found])
+            bars = top.bar(offset, tps, width, label=label, color=f"C{i}")
+            top.bar_label(bars, fmt="%.0f", fontsize=7)
+            whisker = [np.zeros_like(p50), np.clip(p90 - p50, 0, None)]
+            bottom.bar(offset, p50, width, yerr=whisker, capsize=2, color=f"C{i}", label=label)
+        top.set_title(f"{mode}: output tokens/s (higher is better)")
+        bottom.set_title(f"{mode}: TTFT p50, whisker to p90 (ms, lower is better)")
+        bottom.set_yscale("log")
+        bottom.set_ylim(bottom=ttft_floor)
+        bottom.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+        bottom.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        bottom.yaxis.set_minor_formatter(ticker.NullFormatter())
+        for ax in (top, bottom):
+            ax.set_xticks(x, [str(s) for s in streams])
+            ax.set_xlabel("concurrent streams")
+            ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+async def benchmark(args: argparse.Namespace, servers: list[Server], log_dir: Path) -> list[dict]:
+    """Starts and warms every server, then runs the repeats interleaved across servers."""
+    ready = []
+    for server in servers:
+        try:
+            await start(server, args.start_timeout, log_dir)
+            await warm(server, args)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            print(f"{server.name}: skipped: {exc}", file=sys.stderr)
+            stop(server)
+            continue
+        print(f"{server.name}: ready on {server.url}", file=sys.stderr, flush=True)
+        if args.pause:
+            signal_group(server, signal.SIGSTOP)
+        ready.append(server)
+    runs: dict[tuple[str, str, int], list[CellRun]] = {}
+    for repeat in range(args.repeats):
+        for server in ready:
+            signal_group(server, signal.SIGCONT)
+            for mode in args.modes:
+                for streams in args.concurrency:
+                    num_requests = args.num_requests or 4 * streams
+                    seed = f"{args.seed}-{mode}-{streams}-{repeat}"
+                    run = await run_cell(
+                        server,
+                        mode,
+                        streams,
+                        num_requests,
+                        args.max_tokens,
+                        args.prompt_words,
+                        seed,
+                        args.request_timeout,
+                    )
+                    runs.setdefault((server.name, mode, streams), []).append(run)
+                    s = run.summary
+                    print(
+                        f"repeat {repeat + 1}/{args.repeats} {server.name} {mode} x{streams}: "
+                        f"{s['output_tokens_per_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms"
+                        f", {s['completed']}/{s['requests']} ok",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            if args.pause:
+                signal_group(server, signal.SIGSTOP)
+    rows = []
+    for server in ready:
+        for mode in args.modes:
+            for streams in args.concurrency:
+                cell = summarize_cell(runs[(server.name, mode, streams)])
+                rows.append(
+                    {
+                        "server": server.name,
+                        "label": server.label,
+                        "mode": mode,
+                        "streams": streams,
+                        **cell,
+                    }
+                )
+    return rows
+
+
+def comma_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {choices}")
+        return names
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--servers",
+        type=comma_list(SERVER_NAMES),
+        default=["tandem", "tandem-sync", "llama-f32", "vllm"],
+        help=f"comma-separated, in run order, from {', '.join(SERVER_NAMES)} "
+        "(default: tandem,tandem-sync,llama-f32,vllm)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=real_model.DEFAULT_OUTPUT,
+        help="HF folder for Tandem and vLLM (default: real_model.py's, built if missing)",
+    )
+    p.add_argument("--gguf-f32", type=Path, help="default: MODEL-f32.gguf")
+    p.add_argument("--gguf-q8_0", type=Path, help="default: MODEL-q8_0.gguf")
+    p.add_argument(
+        "--llama-server",
+        type=Path,
+        default=Path(os.environ.get("LLAMA_SERVER", LLAMA_SERVER)),
+        help="the llama-server binary ($LLAMA_SERVER; default: setup_llama_server.sh's)",
+    )
+    p.add_argument(
+        "--vllm-python", help="python that imports vllm (default: this one, else .venv-vllm-cpu)"
+    )
+    p.add_argument(
+        "--tandem-path",
+        type=Path,
+        default=REPO,
+        help="source tree whose tandem package is served (default: this checkout)",
+    )
+    p.add_argument(
+        "--tandem-args", default="", help='extra `tandem serve` flags, e.g. "--no-async"'
+    )
+    p.add_argument("--llama-args", default="", help="extra llama-server flags")
+    p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=core_count(),
+        help="llama-server -t/-tb (default: one per core, as Tandem's default)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=1024,
+        help="tokens per stream: llama-server -c is this times the most streams; vLLM --max-model-len",
+    )
+    p.add_argument("--modes", type=comma_list(MODES), default=list(MODES), help="chat,completions")
+    p.add_argument(
+        "--concurrency",
+        type=lambda t: [int(v) for v in t.split(",")],
+        default=[1, 8, 32],
+        help="comma-separated numbers of concurrent streams (default: 1,8,32)",
+    )
+    p.add_argument("--num-requests", type=int, default=0, help="per run (default: 4 x streams)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens of every request")
+    p.add_argument("--prompt-words", type=int, default=32, help="words per random prompt")
+    p.add_argument("--repeats", type=int, default=3, help="runs per cell; the table has medians")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-pause",
+        dest="pause",
+        action="store_false",
+        help="leave the servers not being measured running instead of SIGSTOPped",
+    )
+    p.add_argument("--start-timeout", type=float, default=600.0, help="s to wait for /health")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="per-request read timeout, s"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=REPO / "docs" / "img" / "serving.png",
+        help="PNG written at the end of the run (default: docs/img/serving.png)",
+    )
+    p.add_argument("--json", type=Path, help="also write the table's rows as JSON here")
+    args = p.parse_args(argv)
+    args.model = args.model.expanduser()
+    args.gguf_f32 = args.gguf_f32 or Path(f"{args.model}-f32.gguf")
+    args.gguf_q8_0 = args.gguf_q8_0 or Path(f"{args.model}-q8_0.gguf")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model == real_model.DEFAULT_OUTPUT:
+        real_model.ensure_model(args.model)
+    servers, skipped = plan_servers(args)
+    for line in skipped:
+        print(line, file=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
+    log_dir = Path(tempfile.mkdtemp(prefix="serve-compare-"))
+    try:
+        rows = asyncio.run(benchmark(args, servers, log_dir))
+    except KeyboardInterrupt:
+        print("interrupted: no table, no plot", file=sys.stderr)
+        return 130
+    finally:
+        for server in servers:
+            stop(server)
+    if not rows:
+        print("no server ran", file=sys.stderr)
+        return 1
+    header = (
+        f"{args.model.name}, {args.max_tokens} output tokens per request, "
+        f"{args.prompt_words}-word prompts, {core_count()} cores of {cpu_name()}, "
+        f"median of {args.repeats}"
+    )
+    print(f"\n{header}\n")
+    print(markdown_table(rows))
+    for row in rows:
+        if row["errors"] or row["short_requests"]:
+            print(
+                f"\n{row['label']} {row['mode']} x{row['streams']}: {row['errors']} errors, "
+                f"{row['short_requests']} requests without exactly {args.max_tokens} tokens"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+    draw(rows, args.plot, header)
+    print(f"\nplot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

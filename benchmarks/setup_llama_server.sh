@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` and the GGUF files that `serve_compare.py` runs it on.
+#
+# The C++ sources come from the llama-cpp-python sdist on PyPI (it vendors llama.cpp under
+# vendor/llama.cpp), so nothing but the Python package registry is needed. Nothing is installed
+# system-wide: everything lands under $LLAMA_CPP_DIR (default ~/.cache/tandem/llama.cpp), and the
+# GGUF files beside the Hugging Face folder made by benchmarks/real_model.py.
+#
+#   bash benchmarks/setup_llama_server.sh          # build, then the GGUF files
+#   bash benchmarks/setup_llama_server.sh build    # only the binary
+#   bash benchmarks/setup_llama_server.sh gguf     # only the GGUF files (needs the binary's sources)
+#
+# Every step is skipped when its output is already there, so running it again is cheap.
+# The build takes minutes (about 7 on 2 cores); it runs under `nice` so the machine stays usable.
+set -euo pipefail
+
+STAGE="${1:-all}"
+CACHE_DIR="${TANDEM_CACHE_DIR:-$HOME/.cache/tandem}"
+LLAMA_CPP_DIR="${LLAMA_CPP_DIR:-$CACHE_DIR/llama.cpp}"
+MODEL_DIR="${MODEL_DIR:-$CACHE_DIR/models/smollm2-135m-instruct}"
+JOBS="${JOBS:-2}"
+PYTHON="${PYTHON:-python}"
+SERVER_BIN="$LLAMA_CPP_DIR/bin/llama-server"
+F32_GGUF="$MODEL_DIR-f32.gguf"
+Q8_GGUF="$MODEL_DIR-q8_0.gguf"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+log() { echo "[setup_llama_server] $*" >&2; }
+
+# The unpacked sdist; downloaded once. Its vendor/llama.cpp holds the sources and converter.
+fetch_sources() {
+    local sdist
+    sdist="$(ls "$LLAMA_CPP_DIR"/llama_cpp_python-*.tar.gz 2>/dev/null | head -n 1 || true)"
+    if [[ -z "$sdist" ]]; then
+        log "downloading the llama-cpp-python sdist"
+        mkdir -p "$LLAMA_CPP_DIR"
+        "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python \
+            -d "$LLAMA_CPP_DIR"
+        sdist="$(ls "$LLAMA_CPP_DIR"/llama_cpp_python-*.tar.gz | head -n 1)"
+    fi
+    if [[ ! -f "$LLAMA_CPP_DIR/src/CMakeLists.txt" ]]; then
+        log "unpacking $(basename "$sdist")"
+        rm -rf "$LLAMA_CPP_DIR/src" "$LLAMA_CPP_DIR/unpack"
+        mkdir -p "$LLAMA_CPP_DIR/unpack"
+        tar -xzf "$sdist" -C "$LLAMA_CPP_DIR/unpack"
+        mv "$LLAMA_CPP_DIR"/unpack/llama_cpp_python-*/vendor/llama.cpp "$LLAMA_CPP_DIR/src"
+        rm -rf "$LLAMA_CPP_DIR/unpack"
+    fi
+    SRC_DIR="$LLAMA_CPP_DIR/src"
+}
+
+build_server() {
+    if [[ -x "$SERVER_BIN" ]]; then
+        log "already built: $SERVER_BIN"
+        return
+    fi
+    fetch_sources
+    # Static libraries, so the one binary can be copied out of the build tree and still run.
+    # No web UI (its prebuilt copy would be downloaded) and no OpenSSL (local HTTP only).
+    log "configuring (Release, GGML_NATIVE=ON)"
+    nice -n 10 cmake -S "$SRC_DIR" -B "$LLAMA_CPP_DIR/build" \
+        -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF \
+        -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DBUILD_SHARED_LIBS=OFF >&2
+    log "building llama-server with $JOBS jobs"
+    local start=$SECONDS
+    nice -n 10 cmake --build "$LLAMA_CPP_DIR/build" --config Release --target llama-server \
+        -j "$JOBS" >&2
+    log "build took $((SECONDS - start)) s"
+    mkdir -p "$(dirname "$SERVER_BIN")"
+    cp "$LLAMA_CPP_DIR/build/bin/llama-server" "$SERVER_BIN"
+}
+
+# The converter imports `gguf`; the sdist's own gguf-py matches it, whatever version is installed.
+convert() {
+    local outtype="$1" out="$2"
+    if [[ -s "$out" ]]; then
+        log "already converted: $out"
+        return
+    fi
+    log "converting $MODEL_DIR to $outtype"
+    PYTHONPATH="$SRC_DIR/gguf-py${PYTHONPATH:+:$PYTHONPATH}" nice -n 10 "$PYTHON" \
+        "$SRC_DIR/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype "$outtype" --outfile "$out.part" >&2
+    mv "$out.part" "$out"
+}
+
+make_gguf() {
+    fetch_sources
+    "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install --quiet sentencepiece
+    "$PYTHON" "$HERE/real_model.py" --output "$MODEL_DIR" >&2
+    convert f32 "$F32_GGUF"
+    convert q8_0 "$Q8_GGUF"
+}
+
+case "$STAGE" in
+    build) build_server ;;
+    gguf) make_gguf ;;
+    all) build_server; make_gguf ;;
+    *) echo "usage: $0 [all|build|gguf]" >&2; exit 2 ;;
+esac
+
+echo "llama-server: $SERVER_BIN"
+if [[ "$STAGE" != build ]]; then
+    echo "f32 gguf:     $F32_GGUF"
+    echo "q8_0 gguf:    $Q8_GGUF"
+fi

@@ -1,0 +1,314 @@
+"""The engine-core process: the engine's loop, fed and drained over one ZeroMQ ROUTER socket.
+
+Nothing else runs here: no HTTP, no JSON, no tokenizing or detokenizing, so between two steps
+this process does only the engine's own host work and the socket's, and no other thread competes
+for the GIL with the device thread and the loop. Front ends (API-server processes) connect
+DEALER sockets, say `Hello`, get `Ready`, then send `Inbox`es; after every step each front end
+with requests in it gets one `StepOutputs` with all of their new tokens and the engine's stats.
+
+Signals: SIGINT and SIGTERM are ignored (draining is the front ends' job: the core serves until
+they are done); SIGUSR1 stops it at once. It dies with its parent (`PR_SET_PDEATHSIG`), so no
+core outlives a server killed with SIGKILL. A step that raises is reported to every front end
+as `CoreFailed`, and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.metrics import write_chrome_trace
+from tandem.request import RequestOutput
+from tandem.server import wire
+
+logger = logging.getLogger("tandem.server")
+
+STOP_SIGNAL = signal.SIGUSR1
+IDLE_POLL_MS = 1000  # an idle core wakes this often to check its ranks' health
+STATS_WINDOW_S = 1.0  # the device-idle gauge's window
+GAUGE_HISTORY_STEPS = 2048  # step records kept for the gauge (a window holds fewer)
+GAUGE_HISTORY_REQUESTS = 100
+
+
+@dataclass
+class CoreOptions:
+    config: EngineConfig
+    address: str  # where the ROUTER socket binds (ipc://...)
+    engine_index: int = 0
+    cpu_set: list[int] | None = None  # the CPU cores this replica computes on; None: all
+    parent_pid: int = 0
+    trace_path: str | None = None  # write a Chrome trace of every step here on exit
+
+
+def spawn_core(options: CoreOptions) -> multiprocessing.Process:
+    """Start a core process (spawned: a fresh interpreter, no state forked from this one)."""
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(
+        target=run_core, args=(options,), name=f"tandem-core-{options.engine_index}"
+    )
+    process.start()
+    return process
+
+
+def stop_core(process: multiprocessing.Process, timeout: float = 10.0) -> None:
+    """Stop a core (`STOP_SIGNAL`, then SIGKILL if it does not go) and reap it."""
+    if process.is_alive() and process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, STOP_SIGNAL)
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def run_core(options: CoreOptions) -> None:
+    """The process's entry point."""
+    die_with_parent(options.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, _exit_now)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    if options.cpu_set:
+        os.sched_setaffinity(0, options.cpu_set)
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)  # a last CoreFailed still reaches the front ends
+    sock.bind(options.address)
+    code = 0
+    try:
+        from tandem.engine import Engine  # after the signals: loading takes seconds
+
+        engine = Engine(dataclasses.replace(options.config, detokenize=False))
+    except Exception as exc:
+        logger.exception("engine core %d failed to start", options.engine_index)
+        message = f"the engine failed to start: {type(exc).__name__}: {exc}"
+        if options.address.startswith("ipc://"):
+            with contextlib.suppress(OSError), open(wire.failure_note(options.address), "w") as f:
+                f.write(message)
+        _fail_hellos(sock, message)
+        sock.close()
+        context.term()
+        sys.exit(1)
+    # A full collection would walk the model's and engine's objects holding the GIL, stalling
+    # the device thread's next step: they live as long as the process, so they are frozen.
+    gc.collect()
+    gc.freeze()
+    loop = CoreLoop(engine, sock, options.engine_index, keep_history=bool(options.trace_path))
+    try:
+        loop.run()
+    except SystemExit:
+        pass
+    except BaseException:
+        code = 1  # already logged and reported
+    finally:
+        engine.close(retire=False)
+        if options.trace_path:
+            steps = engine.history.steps()
+            write_chrome_trace({f"engine core {options.engine_index}": steps}, options.trace_path)
+            logger.info("trace of %d steps written to %s", len(steps), options.trace_path)
+        sock.close()
+        context.term()
+    sys.exit(code)
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _fail_hellos(sock: zmq.Socket, message: str) -> None:
+    """Tell the front ends that already said hello why there will be no `Ready`."""
+    while sock.poll(100):
+        identity, _ = sock.recv_multipart()
+        sock.send_multipart([identity, wire.encode(wire.CoreFailed(message))])
+
+
+class CoreLoop:
+    def __init__(self, engine, sock: zmq.Socket, engine_index: int, keep_history: bool = False):
+        """`keep_history`: keep every step record (for a trace), not only the gauge's window."""
+        self.engine = engine
+        self.sock = sock
+        self.engine_index = engine_index
+        self._frontends: list[bytes] = []  # identities that said hello
+        self._owner: dict[str, bytes] = {}  # request id -> its front end
+        self._unfinished: dict[str, int] = {}  # request id -> samples not finished
+        self._stats_stale = False  # something changed since the front ends last heard
+        if not keep_history:
+            engine.history.keep(steps=GAUGE_HISTORY_STEPS, requests=GAUGE_HISTORY_REQUESTS)
+        self._window_start = engine.history.mark()
+        self._window_time = time.perf_counter()
+        self._device_idle = 0.0
+
+    def run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                busy = engine.has_unfinished()
+                if self.sock.poll(0 if busy else IDLE_POLL_MS):
+                    t0 = time.perf_counter()
+                    if self._receive():
+                        return
+                    self._stamp("receive", t0)
+                if engine.has_unfinished():
+                    outputs = engine.step()
+                    t0 = time.perf_counter()
+                    self._send(outputs)
+                    self._stamp("send", t0)
+                elif self._stats_stale:
+                    self._send([])  # idle now: the front ends' gauges read the final state
+                else:
+                    engine.wait_for_work(0)  # raises if a tensor-parallel rank has died
+        except BaseException as exc:
+            if isinstance(exc, SystemExit):
+                raise
+            logger.exception("engine core %d failed", self.engine_index)
+            failed = wire.encode(wire.CoreFailed(f"{type(exc).__name__}: {exc}"))
+            for identity in self._frontends:
+                self.sock.send_multipart([identity, failed])
+            raise
+
+    def _stamp(self, span: str, start: float) -> None:
+        """The core's own host work, on the latest step's record (a trace shows it)."""
+        record = self.engine.history.latest()
+        if record is not None:
+            record.spans[span] = (start, time.perf_counter())
+
+    # ------------------------------------------------------------- inputs
+    def _receive(self) -> bool:
+        """Handle every message waiting; True if told to shut down."""
+        while self.sock.poll(0):
+            identity, payload = self.sock.recv_multipart()
+            message = wire.frontend_decoder.decode(payload)
+            if isinstance(message, wire.Inbox):
+                self._add(identity, message.adds)
+                for abort in message.aborts:
+                    self.engine.abort(abort.request_id, abort.index)
+            elif isinstance(message, wire.Hello):
+                self._frontends.append(identity)
+                self.sock.send_multipart([identity, wire.encode(self._ready())])
+                self.sock.send_multipart([identity, wire.encode(self._outputs([]))])
+            elif isinstance(message, wire.Shutdown):
+                return True
+        return False
+
+    def _add(self, identity: bytes, adds: list[wire.NewRequest]) -> None:
+        for new in adds:
+            try:  # validated by the front end already; checked again against the engine's state
+                request = self.engine.make_request(new.prompt_token_ids, new.params, new.request_id)
+                self.engine.submit(request)
+            except ValueError as exc:
+                refusal = [
+                    wire.TokenDelta(new.request_id, i, [], 0, True, None, str(exc))
+                    for i in range(new.params.n)
+                ]
+                self.sock.send_multipart([identity, wire.encode(self._outputs(refusal))])
+                continue
+            self._owner[new.request_id] = identity
+            self._unfinished[new.request_id] = new.params.n
+        self._stats_stale = True
+
+    def _ready(self) -> wire.Ready:
+        engine = self.engine
+        return wire.Ready(
+            engine_index=self.engine_index,
+            pid=os.getpid(),
+            model_path=str(engine.model_path),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.spec.vocab_size,
+            eos_token_ids=sorted(engine.eos_token_ids),
+            num_kv_blocks=engine.num_kv_blocks,
+            max_num_seqs=engine.config.max_num_seqs,
+            execution=engine.execution.describe(),
+        )
+
+    # ------------------------------------------------------------ outputs
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        """One message per front end with outputs in this step (every front end once idle)."""
+        by_owner: dict[bytes, list[wire.TokenDelta]] = defaultdict(list)
+        for output in outputs:
+            by_owner[self._owner[output.request_id]].append(token_delta(output))
+            if output.finished:
+                self._unfinished[output.request_id] -= 1
+                if not self._unfinished[output.request_id]:
+                    del self._unfinished[output.request_id], self._owner[output.request_id]
+        idle = not self.engine.has_unfinished()
+        if not by_owner and not idle:
+            return  # a step that sampled nothing for anyone (a prompt chunk)
+        if idle:
+            self._stats_stale = False
+            for identity in self._frontends:
+                by_owner.setdefault(identity, [])
+        for identity, deltas in by_owner.items():
+            self.sock.send_multipart([identity, wire.encode(self._outputs(deltas))])
+
+    def _outputs(self, deltas: list[wire.TokenDelta]) -> wire.StepOutputs:
+        return wire.StepOutputs(deltas, self._stats())
+
+    def _stats(self) -> wire.CoreStats:
+        history = self.engine.history
+        now = time.perf_counter()
+        if now - self._window_time >= STATS_WINDOW_S:
+            if history.mark().steps != self._window_start.steps:
+                summary = history.summary(since=self._window_start)
+                self._device_idle = summary.device_idle_fraction
+                self._window_start = history.mark()
+            self._window_time = now
+        s = self.engine.stats()
+        cache = s.prefix_cache
+        return wire.CoreStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_cached=s.kv_blocks_cached,
+            num_preemptions=s.num_preemptions,
+            prefix_query_tokens=cache.query_tokens,
+            prefix_hit_tokens=cache.hit_tokens,
+            prefix_hit_requests=cache.hits,
+            prefix_hit_rate=cache.hit_rate,
+            device_idle_fraction=self._device_idle,
+            num_steps=history.mark().steps,
+        )
+
+
+def token_delta(output: RequestOutput) -> wire.TokenDelta:
+    new = output.delta_token_ids
+    logprobs = None
+    if output.logprobs is not None:
+        logprobs = [
+            [(token, lp.logprob, lp.rank) for token, lp in entry.items()]
+            for entry in output.logprobs[len(output.logprobs) - len(new) :]
+        ]
+    return wire.TokenDelta(
+        request_id=output.request_id,
+        index=output.index,
+        token_ids=list(new),
+        num_output_tokens=len(output.token_ids),
+        finished=output.finished,
+        finish_reason=output.finish_reason,
+        error=output.error,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,91 @@
+"""The model as a front end sees it: the engine core's handshake, plus its own tokenizer.
+
+The front end validates and tokenizes requests, applies chat templates and detokenizes outputs,
+so it needs the tokenizer and the limits the core resolved (context length, vocabulary, stop
+ids), never the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from tandem.engine.intake import RequestIntake
+from tandem.models.loader import find_tokenizer
+from tandem.request import Logprob, Request, SamplingParams, TokenLogprobs
+from tandem.server import wire
+
+
+class ServedModel:
+    def __init__(self, ready: wire.Ready, configured_name: str | None = None):
+        self.model_path = Path(ready.model_path)
+        self.configured_name = configured_name  # as given on the command line, if any
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = set(ready.eos_token_ids)
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.max_num_seqs = ready.max_num_seqs
+        self.tokenizer = find_tokenizer(self.model_path)
+        # Its seeds are never used: the core derives unseeded requests' seeds in arrival order.
+        self.intake = RequestIntake(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, 0
+        )
+        self._backend = self.tokenizer.backend_tokenizer if self.tokenizer is not None else None
+        self._token_text: dict[int, str] = {}
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> Request:
+        """Tokenize and validate: raises ValueError naming the problem."""
+        return self.intake.make_request(prompt, params, request_id)
+
+    def choice_text(self, request: Request) -> ChoiceText:
+        return ChoiceText(self, request)
+
+    def token_text(self, token: int) -> str | None:
+        """One token's text, for logprobs (cached); None without a tokenizer."""
+        if self._backend is None:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self._backend.decode(
+                [token], skip_special_tokens=False
+            )
+        return text
+
+    def logprobs(self, entries: list[list[tuple[int, float, int]]]) -> list[TokenLogprobs]:
+        return [
+            {token: Logprob(lp, rank, self.token_text(token)) for token, lp, rank in entry}
+            for entry in entries
+        ]
+
+
+class ChoiceText:
+    """One choice's text, built token by token exactly as the offline engine builds it: a token
+    that ends the request by id (EOS, stop_token_ids) adds no text; stop strings count from
+    min_tokens on and cut the text before them."""
+
+    def __init__(self, model: ServedModel, request: Request):
+        params = request.params
+        self.detokenizer = (
+            NoDetokenizer()
+            if model._backend is None
+            else IncrementalDetokenizer(
+                model._backend, request.prompt_token_ids, params.stop, params.skip_special_tokens
+            )
+        )
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids |= model.eos_token_ids
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+
+    def add(self, token: int) -> bool:
+        """True if a stop string has appeared: the choice ends on this token."""
+        self.num_tokens += 1
+        if token in self.stop_ids:
+            return False  # the core ends the request on it
+        return self.detokenizer.add(token, check_stop=self.num_tokens >= self.min_tokens)
+
+    def delta(self, finished: bool) -> str:
+        return self.detokenizer.delta(finished)

@@ -1,0 +1,121 @@
+"""The messages between API-server processes and engine-core processes, and their encoding.
+
+msgpack via msgspec: typed, validated on decode, and a few microseconds per message. Traffic is
+batched both ways: a front end sends one `Inbox` per event-loop turn (every new request and
+abort of that turn), and a core sends one `StepOutputs` per step to each front end with work in
+it, carrying every request's new token ids. Never a message per token per request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tandem.request import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    """A validated, tokenized request; the core resolves its seed and lengths again."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, array_like=True):
+    request_id: str
+    index: int | None = None  # one sample (a stop string hit in the front end), or all
+
+
+class Hello(msgspec.Struct, tag=True):
+    """A front end's first message: the core answers `Ready` (or `CoreFailed`)."""
+
+    frontend: int
+
+
+class Inbox(msgspec.Struct, tag=True):
+    adds: list[NewRequest] = []
+    aborts: list[Abort] = []
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop at once (the front ends have drained or failed): what is in flight is dropped."""
+
+
+FrontendMessage = Hello | Inbox | Shutdown
+
+
+class Ready(msgspec.Struct, tag=True):
+    """What a front end needs from the core to validate requests for it."""
+
+    engine_index: int
+    pid: int
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    max_num_seqs: int
+    execution: str  # the device and threads, as the engine describes them
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The engine's state after a step: a few integers, so every step message carries them."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_requests: int
+    prefix_hit_rate: float
+    device_idle_fraction: float  # of the latest ~1 s window with steps
+    num_steps: int  # steps retired since start
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    """One sample's new tokens from one step (and how it ended, if it did)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_output_tokens: int  # cumulative, as the core counts them
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    # Per new token, when asked for: (token id, logprob, rank), the sampled token first.
+    logprobs: list[list[tuple[int, float, int]]] | None = None
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    deltas: list[TokenDelta]
+    stats: CoreStats
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The engine failed (its load or a step): the core exits after sending this."""
+
+    message: str
+
+
+CoreMessage = Ready | StepOutputs | CoreFailed
+
+encode = msgspec.msgpack.Encoder().encode
+frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
+core_decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+
+def failure_note(address: str) -> str:
+    """Where a core that fails to start leaves its reason, next to its ipc:// socket: a front
+    end that said hello too late (or not yet) still learns why, not only that it exited."""
+    return address.removeprefix("ipc://") + ".failed"
+
+
+def read_failure_note(address: str) -> str | None:
+    try:
+        with open(failure_note(address)) as f:
+            return f.read() or None
+    except OSError:
+        return None
