@@ -82,17 +82,24 @@ class LiveServer:
         stop_core(self.core)
 
 
-def start_core(config: EngineConfig) -> tuple[multiprocessing.Process, CoreClient, ServedModel]:
-    """A core process for `config`, and a client connected to it."""
+def start_core(
+    config: EngineConfig, start_method: str = "forkserver"
+) -> tuple[multiprocessing.Process, CoreClient, ServedModel]:
+    """A core process for `config`, and a client connected to it. Forked from a fork server by
+    default (it imports torch once for the whole suite); "spawn" for a core that must see this
+    process's current environment (fault injection)."""
     address = f"ipc://{tempfile.mkdtemp(prefix='tandem-test-')}/core"
-    core = spawn_core(CoreOptions(config, address, parent_pid=os.getpid()))
+    parent = os.getpid() if start_method == "spawn" else 0  # a forked core's parent: the server
+    core = spawn_core(CoreOptions(config, address, parent_pid=parent), start_method)
     client = CoreClient([CoreEndpoint(address, core.pid)])
     return core, client, ServedModel(client.connect(timeout_s=120), config.model)
 
 
-def start_server(model: Path, engine_options: dict | None = None, **app_options) -> LiveServer:
+def start_server(
+    model: Path, engine_options: dict | None = None, core_start: str = "forkserver", **app_options
+) -> LiveServer:
     options = {**ENGINE_OPTIONS, **(engine_options or {})}
-    core, client, served = start_core(EngineConfig(model=str(model), **options))
+    core, client, served = start_core(EngineConfig(model=str(model), **options), core_start)
     app = create_app(client, served, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

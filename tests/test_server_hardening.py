@@ -517,7 +517,7 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path, fault_trigger: 
     """A fault in a core's step ends running streams with an error, answers queued and
     still-preparing requests with 503 at once, and leaves no thread behind once stopped."""
     threads_before = set(threading.enumerate())
-    live = start_server(tiny_llama, {"max_num_seqs": 1, "max_model_len": 2048})
+    live = start_server(tiny_llama, {"max_num_seqs": 1, "max_model_len": 2048}, core_start="spawn")
     try:
         url = f"{live.url}/v1/completions"
         preparer = app_of(live).state.preparer
@@ -724,7 +724,7 @@ def test_prompt_list_with_n_through_the_intake_lanes(guarded: LiveServer) -> Non
 def test_engine_fault_ends_every_choice(tiny_llama: Path, fault_trigger: Path) -> None:
     """A fault while an n = 2 stream runs ends both of its choices (no closing chunk, one error
     event, [DONE]); a queued prompt list gets 503 at once; nothing stays in flight."""
-    live = start_server(tiny_llama, {"max_num_seqs": 2, "max_model_len": 2048})
+    live = start_server(tiny_llama, {"max_num_seqs": 2, "max_model_len": 2048}, core_start="spawn")
     try:
         url = f"{live.url}/v1/completions"
 

@@ -53,9 +53,13 @@ class CoreOptions:
     trace_path: str | None = None  # write a Chrome trace of every step here on exit
 
 
-def spawn_core(options: CoreOptions) -> multiprocessing.Process:
-    """Start a core process (spawned: a fresh interpreter, no state forked from this one)."""
-    context = multiprocessing.get_context("spawn")
+def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiprocessing.Process:
+    """Start a core process: spawned, a fresh interpreter with no state from this one. A caller
+    that starts many (a test suite) may pass "forkserver": forked from a server process that has
+    imported the engine once (the environment is the one that process started with)."""
+    context = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(["tandem.engine", "tandem.server.core"])
     process = context.Process(
         target=run_core, args=(options,), name=f"tandem-core-{options.engine_index}"
     )
@@ -75,7 +79,8 @@ def stop_core(process: multiprocessing.Process, timeout: float = 10.0) -> None:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has."""
+    """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has
+    (`parent_pid` 0: no such check, for a core forked by a fork server)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
