@@ -73,3 +73,20 @@ class NoDetokenizer:
 
     def delta(self, finished: bool) -> str:
         return ""
+
+
+class TokenTexts:
+    """Each token's own text (special tokens included), decoded once: logprobs label tokens by
+    it. Without a tokenizer, None."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str | None:
+        if self._tokenizer is None:
+            return None
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._tokenizer.decode([token], skip_special_tokens=False)
+        return text

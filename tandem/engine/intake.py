@@ -113,7 +113,7 @@ class RequestIntake:
         bad = [t for t in bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        stops = ending_token_ids(params, self.eos_token_ids)
         processing = LogitsProcessing(
             presence=params.presence_penalty,
             frequency=params.frequency_penalty,
@@ -127,6 +127,11 @@ class RequestIntake:
             ),
         )
         return processing if processing.used else None
+
+
+def ending_token_ids(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:
+    """The ids that end a request when sampled: its stop_token_ids, and EOS unless ignored."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
 
 
 def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
 from tandem.request import Request, RequestOutput, TokenLogprobs
 from tandem.sampler.inputs import LogprobRows
 from tandem.sampler.logprobs import LogprobsArrays, unpack
@@ -21,7 +21,7 @@ class OutputProcessor:
         self._backend = tokenizer.backend_tokenizer if detokenize else None
         self.eos_token_ids = eos_token_ids
         self._detok: dict[tuple[str, int], IncrementalDetokenizer | NoDetokenizer] = {}
-        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
+        self.decode_token = TokenTexts(self._backend)  # a token's text for logprobs
 
     def track(self, request: Request) -> None:
         self._detok[request.key] = (
@@ -74,16 +74,6 @@ class OutputProcessor:
                 if p + 1 == len(done):
                     done.append(entries[j])
                 j += 1
-
-    def decode_token(self, token: int) -> str | None:
-        """A token's text for logprobs; None without a tokenizer."""
-        if self._backend is None:
-            return None
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._backend.decode([token], skip_special_tokens=False)
-            self._token_text[token] = text
-        return text
 
     def append_token(
         self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None

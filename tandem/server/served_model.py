@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
-from tandem.engine.intake import RequestIntake
+from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
+from tandem.engine.intake import RequestIntake, ending_token_ids
 from tandem.models.loader import find_tokenizer
 from tandem.request import Logprob, Request, SamplingParams, TokenLogprobs
 from tandem.server import wire
@@ -30,8 +30,8 @@ class ServedModel:
         self.intake = RequestIntake(
             self.tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, 0
         )
-        self._backend = self.tokenizer.backend_tokenizer if self.tokenizer is not None else None
-        self._token_text: dict[int, str] = {}
+        self.backend = self.tokenizer.backend_tokenizer if self.tokenizer is not None else None
+        self.token_text = TokenTexts(self.backend)  # a token's text, for logprobs
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
@@ -41,17 +41,6 @@ class ServedModel:
 
     def choice_text(self, request: Request) -> ChoiceText:
         return ChoiceText(self, request)
-
-    def token_text(self, token: int) -> str | None:
-        """One token's text, for logprobs (cached); None without a tokenizer."""
-        if self._backend is None:
-            return None
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self._backend.decode(
-                [token], skip_special_tokens=False
-            )
-        return text
 
     def logprobs(self, entries: list[list[tuple[int, float, int]]]) -> list[TokenLogprobs]:
         return [
@@ -69,14 +58,12 @@ class ChoiceText:
         params = request.params
         self.detokenizer = (
             NoDetokenizer()
-            if model._backend is None
+            if model.backend is None
             else IncrementalDetokenizer(
-                model._backend, request.prompt_token_ids, params.stop, params.skip_special_tokens
+                model.backend, request.prompt_token_ids, params.stop, params.skip_special_tokens
             )
         )
-        self.stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self.stop_ids |= model.eos_token_ids
+        self.stop_ids = ending_token_ids(params, model.eos_token_ids)
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
 
