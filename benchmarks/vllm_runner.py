@@ -24,6 +24,9 @@ None unless stats logging is on, and then it only holds first and last token tim
 The job JSON: ``model``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
 ``kv_cache_memory_bytes``, ``threads``, ``bind`` ("cores" or "nobind"), and for the one-shot mode ``workloads`` (a list of
 ``{"name", "prompts", "output_len", "warm_prompts", "warm_output_len"}``) and ``repeats``.
+A workload or command may add ``stop_token_ids``: then EOS is not ignored and a request ends on
+one of those ids (the engine has no tokenizer, so it is told them), ``output_len`` is a cap, and
+replies carry each request's ``finish_reasons``.
 """
 
 from __future__ import annotations
@@ -134,39 +137,53 @@ class Session:
         }
 
     @staticmethod
-    def _params(output_len: int, delta: bool = False):
+    def _params(output_len: int, stop_ids: list[int] | None = None, delta: bool = False):
+        """Greedy; EOS ignored, or (``stop_ids``) a request ends on one of those ids."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False
+            max_tokens=output_len,
+            temperature=0,
+            ignore_eos=not stop_ids,
+            stop_token_ids=stop_ids or None,
+            detokenize=False,
         )
         if delta:
             params.output_kind = RequestOutputKind.DELTA
         return params
 
-    def run(self, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    def run(
+        self, prompts: list[list[int]], output_len: int, stop_ids: list[int] | None = None
+    ) -> dict[str, Any]:
         """One timed ``generate`` call: the tokens per request (in prompt order) and its wall time."""
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        params = self._params(output_len)
+        params = self._params(output_len, stop_ids)
         start = time.perf_counter()
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "wall_s": wall}
+        return {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "wall_s": wall,
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        }
 
-    def stream(self, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    def stream(
+        self, prompts: list[list[int]], output_len: int, stop_ids: list[int] | None = None
+    ) -> dict[str, Any]:
         """The same requests step by step, with the time each token reaches the caller.
 
         TTFT runs from the request's submission to its first token, ITL between its tokens; a
         step that hands over several tokens of one request at once gives zero-length gaps.
         """
         engine = self.llm.llm_engine
-        params = self._params(output_len, delta=True)
+        params = self._params(output_len, stop_ids, delta=True)
         self._calls += 1
         tag = f"s{self._calls}"
         arrival = [0.0] * len(prompts)
         times: list[list[float]] = [[] for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
+        reasons: list[str | None] = [None] * len(prompts)
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             arrival[i] = time.perf_counter()
@@ -178,10 +195,18 @@ class Session:
                 new = list(out.outputs[0].token_ids)
                 tokens[i].extend(new)
                 times[i].extend([now] * len(new))
+                if out.finished:
+                    reasons[i] = out.outputs[0].finish_reason
         wall = time.perf_counter() - start
         ttft = [t[0] - a for t, a in zip(times, arrival, strict=True) if t]
         itl = [b - a for t in times for a, b in zip(t, t[1:], strict=False)]
-        return {"outputs": tokens, "wall_s": wall, "ttft_s": ttft, "itl_s": itl}
+        return {
+            "outputs": tokens,
+            "wall_s": wall,
+            "ttft_s": ttft,
+            "itl_s": itl,
+            "finish_reasons": reasons,
+        }
 
     def close(self) -> None:
         """Stop the engine processes now (the exit handler otherwise waits out a grace period)."""
@@ -194,13 +219,18 @@ class Session:
 def one_shot(session: Session, job: dict[str, Any]) -> dict[str, Any]:
     results = []
     for w in job["workloads"]:
-        session.run(w["warm_prompts"], w["warm_output_len"])
-        runs = [session.run(w["prompts"], w["output_len"]) for _ in range(job.get("repeats", 1))]
+        stop_ids = w.get("stop_token_ids")
+        session.run(w["warm_prompts"], w["warm_output_len"], stop_ids)
+        runs = [
+            session.run(w["prompts"], w["output_len"], stop_ids)
+            for _ in range(job.get("repeats", 1))
+        ]
         walls = [r["wall_s"] for r in runs]
         results.append(
             {
                 "name": w["name"],
                 "outputs": runs[0]["outputs"],
+                "finish_reasons": runs[0]["finish_reasons"],
                 "walls_s": walls,
                 "wall_s": statistics.median(walls),
                 "repeats_agree": all(r["outputs"] == runs[0]["outputs"] for r in runs),
@@ -223,10 +253,11 @@ def serve(session: Session, replies: Any) -> None:
         try:
             if op == "quit":
                 break
+            args = (cmd["prompts"], cmd["output_len"], cmd.get("stop_token_ids"))
             if op in ("warm", "run"):
-                reply({"op": op, **session.run(cmd["prompts"], cmd["output_len"])})
+                reply({"op": op, **session.run(*args)})
             elif op == "stream":
-                reply({"op": op, **session.stream(cmd["prompts"], cmd["output_len"])})
+                reply({"op": op, **session.stream(*args)})
             else:
                 reply({"op": "error", "error": f"unknown op {op!r}"})
         except Exception as exc:  # a failed call is reported to the caller, who prints why

@@ -1,4 +1,4 @@
-"""`tandem generate | bench | serve`: the command line, with vLLM's names for engine flags."""
+"""`tandem generate | chat | bench | serve`: the command line, with vLLM's engine flag names."""
 
 from __future__ import annotations
 
@@ -8,14 +8,19 @@ import sys
 from dataclasses import fields
 
 from tandem.config import LOAD_FORMATS, EngineConfig
+from tandem.models.generation_defaults import SAMPLING_FIELDS
 from tandem.request import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model", default=None, help="HF checkpoint folder (default: built-in tiny Llama)"
-    )
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face checkpoint folder, a .gguf file, or a short name: "
+                   "smollm2-135m-instruct (default: the built-in tiny Llama, random weights)")  # fmt: skip
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for what a request leaves unset: auto, the model's "
+                   "(generation_config.json or GGUF metadata); vllm, none; or FOLDER's "
+                   "generation_config.json")  # fmt: skip
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto: the folder's safetensors; dummy: seeded random weights made on the "
                    "device from config.json alone (no tokenizer files: token-id prompts only)")  # fmt: skip
@@ -53,27 +58,34 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    model_default = "default: the model's (--generation-config), else %s"
+    g.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy; " + model_default % 0
+    )
+    g.add_argument("--top-p", type=float, default=None, help=model_default % 1)
+    g.add_argument("--top-k", type=int, default=None, help=model_default % "0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help=model_default % 0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help=model_default % 1)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params(
+    args: argparse.Namespace, model_defaults: dict[str, float | int] | None = None
+) -> SamplingParams:
+    """The flags given, over the model's defaults, over the command line's own: greedy."""
+    given = {name: getattr(args, name) for name in SAMPLING_FIELDS}
+    values = {"temperature": 0.0} | (model_defaults or {})
+    values |= {name: value for name, value in given.items() if value is not None}
     return SamplingParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
         seed=args.sampling_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         n=args.n,
+        **values,
     )
 
 
@@ -89,8 +101,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print("tandem generate: give prompts as arguments, --file or on stdin", file=sys.stderr)
             return 2
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    params = sampling_params(args)  # before loading the model: bad flags fail fast
     llm = LLM(**vars(engine_config(args)))
-    outputs = llm.generate(prompts, sampling_params(args))
+    defaults = llm.engine.generation_defaults
+    params = sampling_params(args, defaults.values)
+    print(f"tandem generate: {defaults.describe()}", file=sys.stderr)
+    outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         for sample in out.outputs:  # one per --n
             if args.json:
@@ -104,6 +120,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"[{len(sample.token_ids)} tokens, {sample.finish_reason}]", file=sys.stderr)
     llm.close()
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tandem.chat import run_chat
+    from tandem.engine import Engine
+
+    sampling_params(args)  # before loading the model: bad flags fail fast
+    engine = Engine(engine_config(args))
+    params = sampling_params(args, engine.generation_defaults.values)
+    try:
+        return run_chat(engine, params, args.system, args.question)
+    finally:
+        engine.close()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -153,6 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the model in the terminal",
+        description="Chat with the model: its chat template applied to the whole conversation, "
+        "replies streamed as they are generated. /reset clears the conversation, /exit or "
+        "Ctrl-D quits, Ctrl-C stops a reply. With a question: answer it and exit; with stdin "
+        "not a terminal: one user message per line.",
+    )
+    chat.add_argument("question", nargs="?", default=None, help="answer this one and exit")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    add_sampling_args(chat, max_tokens=512)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="run one workload sync then async and compare",
                            description="Runs the same workload with the synchronous and the "

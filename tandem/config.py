@@ -54,6 +54,9 @@ class EngineConfig:
     # False: outputs carry token ids only, and stop strings are not looked for (the server's
     # front end detokenizes and ends a request on a stop string itself, off the engine's loop).
     detokenize: bool = True
+    # Sampling defaults for what a request leaves unset: auto, the checkpoint's
+    # (generation_config.json or GGUF metadata); vllm, none; or a folder's generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -21,6 +21,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling params: the model's own defaults (its
+        generation_config.json or GGUF metadata) over SamplingParams' (vLLM's)."""
+        return SamplingParams(**self.engine.generation_defaults.values)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -30,13 +35,14 @@ class LLM:
         """One finished output per prompt, in order. Every prompt is validated before any runs.
 
         Each output's `outputs` holds the prompt's n samples (SamplingParams.n) in index order;
-        its own text, token_ids and finish_reason are those of sample 0.
+        its own text, token_ids and finish_reason are those of sample 0. Without
+        `sampling_params`, the model's defaults apply (`get_default_sampling_params`).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -22,6 +22,7 @@ class StepRecord:
     num_seqs: int
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # host phases
     device: tuple[float, float] = (0.0, 0.0)
+    discarded: int = 0  # sampled tokens dropped at retirement: their request had finished
 
 
 @dataclass
@@ -32,6 +33,18 @@ class RequestTiming:
 
 @dataclass
 class RunSummary:
+    """What a window of steps adds up to.
+
+    `discarded_tokens`: tokens computed for a request that had already finished, dropped at
+    retirement, never streamed. The synchronous loop retires each step before scheduling the
+    next, so it discards none. The asynchronous loop schedules step N+1 before step N's tokens
+    are known, so a request that ends in step N on EOS, a stop token or a stop string holds one
+    more token in step N+1, and that token is discarded: exactly one per such request, unless
+    step N+1 did not hold it (its token in step N was its last allowed by `max_tokens` or the
+    context, or step N+1 left it out for want of token budget or KV blocks). A request aborted
+    while a step holding it is in flight has that step's token discarded too.
+    """
+
     wall_s: float
     device_busy_s: float
     num_steps: int
@@ -39,6 +52,7 @@ class RunSummary:
     ttft_s: list[float]
     itl_s: list[float]
     host_ms_per_step: dict[str, float]
+    discarded_tokens: int = 0
 
     @property
     def device_idle_fraction(self) -> float:
@@ -56,6 +70,7 @@ class RunSummary:
             "tokens_per_s": self.tokens_per_s,
             "steps": self.num_steps,
             "output_tokens": self.output_tokens,
+            "discarded_tokens": self.discarded_tokens,
             "ttft_p50_ms": _pct(self.ttft_s, 50) * 1e3,
             "ttft_p99_ms": _pct(self.ttft_s, 99) * 1e3,
             "itl_p50_ms": _pct(self.itl_s, 50) * 1e3,
@@ -94,7 +109,8 @@ def summarize(
         if any(phase in s.spans for s in steps)
     }
     tokens = sum(len(r.token_times) for r in requests)
-    return RunSummary(end - start, busy, len(steps), tokens, ttft, itl, host)
+    discarded = sum(s.discarded for s in steps)
+    return RunSummary(end - start, busy, len(steps), tokens, ttft, itl, host, discarded)
 
 
 def chrome_trace(runs: dict[str, list[StepRecord]]) -> dict:

@@ -16,7 +16,17 @@ LAYERS = [
     ("models and sampler", ("tandem.models", "tandem.sampler")),
     ("execution", ("tandem.execution",)),
     ("engine", ("tandem.engine",)),
-    ("surfaces", ("tandem.llm", "tandem.cli", "tandem.bench", "tandem.server", "tandem.__main__")),
+    (
+        "surfaces",
+        (
+            "tandem.llm",
+            "tandem.cli",
+            "tandem.chat",
+            "tandem.bench",
+            "tandem.server",
+            "tandem.__main__",
+        ),
+    ),
 ]
 FACE = "tandem"  # tandem/__init__.py re-exports the public API from the layers
 

@@ -4,8 +4,10 @@
 with prefix caching off and on: prefill tokens computed and saved, and throughput, side by side.
 Every run starts with a cold prefix cache. `--workload llama8b-32x8k` is the experiment of
 transformers' blog on asynchronous batching (32 requests at once, short prompts, long
-generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled down. `--profile` (CUDA)
-adds the kernel-level idle figure of a window of each run (`kernel_profile.py`).
+generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled down. `--workload chat` sends
+real questions through the model's chat template and lets each answer end at the model's EOS, the
+case the asynchronous loop speculates against: the report counts the tokens it discarded.
+`--profile` (CUDA) adds the kernel-level idle figure of a window of each run (`kernel_profile.py`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from tandem.bench.workloads import (
     BLOG_OUTPUT_LEN,
     BLOG_PRESET,
     BLOG_PROMPT_LEN,
+    CHAT_OUTPUT_LEN,
+    CHAT_PRESET,
     DEFAULT_SIZES,
     PROFILE_STEPS,
     Workload,
+    make_chat_workload,
     make_workload,
     profile_window,
     resolve_workload,
@@ -41,7 +46,8 @@ from tandem.models.spec import checkpoint_shapes
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "shared-prefix", BLOG_PRESET), default="random",
+    g.add_argument("--workload", choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET),
+                   default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
                    f"{BLOG_PRESET}: the experiment of transformers' blog on asynchronous batching, "
@@ -50,7 +56,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"on CUDA {BLOG_OUTPUT_LEN['cuda']} tokens on the shipped config "
                    f"{BLOG_CUDA_MODEL} with dummy weights (unless --model is given), on a CPU "
                    f"{BLOG_OUTPUT_LEN['cpu']} tokens on the default model (about a minute on 2 "
-                   "cores); the size flags still override")  # fmt: skip
+                   f"cores); the size flags still override; {CHAT_PRESET}: real chat questions "
+                   "through the model's chat template (it needs a tokenizer with one), each "
+                   "answer ending at the model's EOS or at --output-len, whichever comes first; "
+                   "the report counts the speculative tokens the async loop discarded")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
                    help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: {BLOG_NUM_REQUESTS})")  # fmt: skip
     g.add_argument("--prompt-len", type=int, default=None,
@@ -62,7 +71,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=None,
                    help=f"mean output length (tokens); default {DEFAULT_SIZES['output_len']} "
                    f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
-                   f"{BLOG_OUTPUT_LEN['cpu']} on a CPU)")  # fmt: skip
+                   f"{BLOG_OUTPUT_LEN['cpu']} on a CPU; {CHAT_PRESET}: a cap, default "
+                   f"{CHAT_OUTPUT_LEN})")  # fmt: skip
     g.add_argument("--len-spread", type=float, default=0.5,
                    help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
     g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",
@@ -118,6 +128,29 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
         "profiler pause (ms, in wall)",
         *(cell(w, lambda w: f"{w.pause_s * 1e3:.0f}") for w in windows),
     )
+
+
+def bench_workload(args: argparse.Namespace, engine: Engine) -> Workload:
+    """The chat workload needs the model's tokenizer; the others only its vocabulary size."""
+    if args.workload == CHAT_PRESET:
+        tokenizer, where = engine.tokenizer, str(engine.model_path)
+        return make_chat_workload(args, tokenizer, engine.max_model_len, where)
+    return make_workload(args, engine.spec.vocab_size, engine.max_model_len)
+
+
+def add_finish_rows(table: Table, runs: list[Run]) -> None:
+    """Workloads that end on EOS: how requests ended, and what the async loop's speculation
+    that none would cost (tokens computed for a request already finished; see RunSummary)."""
+    table.add_row(
+        "requests finished by stop / length",
+        *(f"{r.finished_by('stop')} / {r.finished_by('length')}" for r in runs),
+    )
+
+    def discarded(run: Run) -> str:
+        total = run.summary.discarded_tokens
+        return f"{total} ({total / max(1, len(run.finish_reasons)):.2f} / request)"
+
+    table.add_row("speculative tokens discarded", *(discarded(r) for r in runs))
 
 
 def compute_layout(engine: Engine) -> tuple[int, int]:
@@ -190,7 +223,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
 
     columns = [label(m, c) for m in modes for c in cachings]
     engine = Engine(config)
-    workload = make_workload(args, engine.spec.vocab_size, engine.max_model_len)
+    try:
+        workload = bench_workload(args, engine)
+    except ValueError:
+        engine.close()
+        raise
     console.print(describe_model(engine))
     window = profile_window(workload) if args.profile else None
     if args.profile:
@@ -230,6 +267,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         kind = f", {args.num_prefixes} shared prefixes of {args.prefix_len} tokens"
     elif args.workload == BLOG_PRESET:
         kind = f" x {args.output_len} output tokens ({BLOG_PRESET})"
+    elif args.workload == CHAT_PRESET:
+        kind = f" ({CHAT_PRESET}: chat-template prompts, EOS on, at most {args.output_len} tokens)"
     table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")
@@ -271,6 +310,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         return 100 * run.prefill_saved / max(1, run.prefill_saved + run.prefill_computed)
 
     table.add_row("prefix cache hit rate %", *(f"{hit_rate(c):.1f}" for c in columns))
+    if not workload.ignore_eos:
+        add_finish_rows(table, [results[c] for c in columns])
 
     def ratio_row(name: str, pairs: dict[str, tuple[str, str]]) -> None:
         """`pairs`: column -> (numerator column, denominator column) of wall times."""
@@ -297,6 +338,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     Console().print(table)
     Console().print(f"execution: {engine.execution.describe()}")
     Console().print(describe_model(engine))
+    if not workload.ignore_eos and not any(r.finished_by("stop") for r in results.values()):
+        Console().print(
+            "note: no request ended on the model's EOS within --output-len (random weights "
+            "rarely emit it), so the async loop had nothing to discard; a real model shows it"
+        )
     note = cpu_overlap_note(engine, results)
     if note:
         Console().print(note)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.progress import Progress
 
@@ -22,6 +22,10 @@ class Run:
     prefill_computed: int  # prompt tokens computed (recomputation after preemption included)
     prefill_saved: int  # prompt tokens served from the prefix cache
     kernels: KernelWindow | None = None  # --profile: the profiled window's kernel busy time
+    finish_reasons: list[str] = field(default_factory=list)  # per request: "stop" or "length"
+
+    def finished_by(self, reason: str) -> int:
+        return self.finish_reasons.count(reason)
 
 
 def run_workload(
@@ -38,11 +42,14 @@ def run_workload(
     engine.reset_prefix_cache()
     before = engine.stats().prefix_cache
     params = [
-        SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
+        SamplingParams(
+            max_tokens=n, temperature=temperature, seed=i, ignore_eos=workload.ignore_eos
+        )
         for i, n in enumerate(workload.output_lens)
     ]
     task = progress.add_task(label, total=len(params)) if progress else None
     outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
     order = [f"{label}-{i}" for i in range(len(params))]
     start, next_i = time.perf_counter(), 0
     steps, profiler, kernels = 0, None, None
@@ -60,6 +67,7 @@ def run_workload(
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
+                reasons[out.request_id] = out.finish_reason
                 if progress:
                     progress.advance(task)
         steps += 1
@@ -76,4 +84,5 @@ def run_workload(
         after.query_tokens - before.query_tokens - saved,
         saved,
         kernels,
+        [reasons[r] for r in order],
     )

@@ -1,5 +1,6 @@
 """Benchmark workloads: the sizes of each preset, and the prompts, lengths and arrival times they
-make (random token ids: nothing is tokenized, so any model with a vocabulary runs them)."""
+make. Most are random token ids (nothing is tokenized, so any model with a vocabulary runs them);
+`chat` is real user questions through the model's chat template, ending at the model's own EOS."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from tandem.config import EngineConfig
 
@@ -19,6 +21,11 @@ BLOG_PROMPT_LEN = 32
 BLOG_OUTPUT_LEN = {"cuda": 8192, "cpu": 1536}  # CPU: the default model, about a minute on 2 cores
 BLOG_CUDA_MODEL = "llama-3.1-8b"  # a config shipped in models/, with load_format="dummy"
 DEFAULT_SIZES = {"num_requests": 64, "prompt_len": 128, "output_len": 128}
+# Real chat questions, each rendered by the model's chat template; --output-len caps the answer,
+# which ends at the model's own end-of-turn token: requests finish at different steps.
+CHAT_PRESET = "chat"
+CHAT_OUTPUT_LEN = 256
+CHAT_PROMPTS = Path(__file__).with_name("data") / "chat_prompts.txt"  # package data
 MODELS_DIR = Path(__file__).with_name("models")  # package data: config.json files only
 PROFILE_STEPS = 64  # steps per profiled window: a few tens of thousands of kernels on an 8B
 
@@ -34,6 +41,8 @@ def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str
         }
         if device == "cuda" and config.model is None:
             config = replace(config, model=str(shipped_model(BLOG_CUDA_MODEL)), load_format="dummy")
+    elif args.workload == CHAT_PRESET:
+        sizes = {**DEFAULT_SIZES, "output_len": CHAT_OUTPUT_LEN}  # prompt_len: unused
     else:
         sizes = DEFAULT_SIZES
     for name, value in sizes.items():
@@ -65,8 +74,9 @@ def profile_window(workload: Workload) -> tuple[int, int]:
 @dataclass
 class Workload:
     prompts: list[list[int]]
-    output_lens: list[int]
+    output_lens: list[int]  # max_tokens: exact when EOS is ignored, a cap otherwise
     arrival_times: list[float]  # seconds after start
+    ignore_eos: bool = True  # False: a request may end early, on the model's EOS
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
@@ -100,3 +110,62 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
             t += rng.expovariate(args.rate)
         arrivals.append(t)
     return Workload(prompts, outputs, arrivals)
+
+
+def chat_questions() -> list[str]:
+    """The shipped user questions, one per line."""
+    lines = CHAT_PROMPTS.read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip()]
+
+
+def render_chat(tokenizer: Any, question: str) -> list[int]:
+    """One user turn through the chat template, with the generation prompt, as token ids.
+
+    Tokenized as the server does it: the template writes any BOS itself, so no special tokens
+    are added."""
+    messages = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def chat_prompt_ids(
+    tokenizer: Any, num_requests: int, where: str = "this model"
+) -> list[list[int]]:
+    """`num_requests` rendered questions, cycling through the shipped ones. `where` names the
+    model in the error raised when it cannot render a chat."""
+    if tokenizer is None:
+        raise ValueError(
+            f"the chat workload renders questions with the model's chat template, but {where} "
+            "has no tokenizer files"
+        )
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the chat workload renders questions with the model's chat template, but the "
+            f"tokenizer of {where} has no chat template"
+        )
+    questions = chat_questions()
+    rendered = [render_chat(tokenizer, q) for q in questions[: min(num_requests, len(questions))]]
+    return [rendered[i % len(rendered)] for i in range(num_requests)]
+
+
+def make_chat_workload(
+    args: argparse.Namespace, tokenizer: Any, max_model_len: int, where: str = "this model"
+) -> Workload:
+    """The chat workload: --num-requests rendered questions, answers capped at --output-len
+    tokens (less where the context is shorter), EOS honoured."""
+    if args.num_requests < 1 or args.output_len < 1:
+        raise ValueError("--num-requests and --output-len must be >= 1")
+    prompts = chat_prompt_ids(tokenizer, args.num_requests, where)
+    longest = max(len(p) for p in prompts)
+    if longest >= max_model_len:
+        raise ValueError(
+            f"a chat prompt has {longest} tokens: no room in max_model_len {max_model_len}"
+        )
+    rng = random.Random(args.workload_seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        if args.arrivals == "poisson":
+            t += rng.expovariate(args.rate)
+        arrivals.append(t)
+    caps = [min(args.output_len, max_model_len - len(p)) for p in prompts]
+    return Workload(prompts, caps, arrivals, ignore_eos=False)

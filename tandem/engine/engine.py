@@ -14,7 +14,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from tandem.config import EngineConfig
 from tandem.engine.fan_out import fan_out
@@ -26,6 +25,8 @@ from tandem.execution.executor import WorkerFailure
 from tandem.execution.setup import load_execution
 from tandem.execution.streams import StepHandle
 from tandem.metrics import RequestTiming, RunSummary, StepRecord
+from tandem.models.catalog import resolve_model
+from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
 from tandem.request import Request, RequestOutput, SamplingParams
 from tandem.sampler.inputs import LogprobRows
@@ -45,13 +46,7 @@ class _InFlight:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.model is None:
-            from tandem.models.default_model import default_model_path
-
-            model_path = default_model_path()
-        else:
-            model_path = Path(config.model)
-        path, self.spec, hf_config = read_config(model_path)
+        path, self.spec, hf_config = read_config(resolve_model(config.model))
         self.model_path = path
         # None for a folder without tokenizer files (config.json for dummy weights): the engine
         # then takes token-id prompts only and its outputs carry token ids, not text.
@@ -59,6 +54,7 @@ class Engine:
         if self.tokenizer is None:
             logger.info("%s has no tokenizer files: prompts must be token ids", path)
         self.eos_token_ids = eos_ids = eos_token_ids(hf_config, self.tokenizer, path)
+        self.generation_defaults = read_generation_defaults(path, config.generation_config)
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if max_model_len > self.spec.max_position_embeddings:
             raise ValueError(
@@ -249,6 +245,7 @@ class Engine:
             request = item.request
             request.num_inflight -= 1
             if request.finished:
+                record.discarded += 1  # summed into RunSummary.discarded_tokens
                 continue  # the speculative token of a request that finished a step earlier
             reason = self.outputs.append_token(request, token, t1, lp)
             if reason is None:

@@ -1,6 +1,7 @@
-"""Load a Hugging Face checkpoint folder from disk: config.json, safetensors, tokenizer files.
+"""Load a checkpoint from disk: a Hugging Face folder (config.json, safetensors, tokenizer
+files) or a GGUF file (`gguf_checkpoint.py`), or a folder holding one.
 
-With `load_format="dummy"` the weights are made up from config.json alone (`models/dummy.py`),
+With `load_format="dummy"` the weights are made up from the config alone (`models/dummy.py`),
 and a folder without tokenizer files gives a model without a tokenizer (token ids only).
 """
 
@@ -15,7 +16,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tandem.models import gguf_checkpoint as gguf
 from tandem.models.dummy import load_dummy_weights
+from tandem.models.errors import ModelLoadError
 from tandem.models.llama import LlamaModel, Rotary
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import LlamaSpec
@@ -30,10 +33,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint that cannot be served: the message names the file or field at fault."""
 
 
 @dataclass
@@ -60,8 +59,16 @@ def load_model(
 
 
 def read_config(path: str | Path) -> tuple[Path, LlamaSpec, PretrainedConfig]:
-    """Validate a checkpoint folder's config.json: what the host needs without any weights."""
-    path = Path(path)
+    """Validate a checkpoint's config: what the host needs without any weights. Returns the
+    checkpoint's path (a folder, or the GGUF file a folder holds), its spec and its config."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        path = gguf.find_gguf(path) or path
+    if gguf.is_gguf(path):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+        hf_config = gguf.gguf_config(gguf.open_gguf(path))
+        return path, _spec_from_config(hf_config), hf_config
     if not path.is_dir():
         raise ModelLoadError(f"model folder {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
@@ -74,8 +81,11 @@ def read_config(path: str | Path) -> tuple[Path, LlamaSpec, PretrainedConfig]:
 
 
 def find_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    """The folder's tokenizer, or None if it has no tokenizer files at all (a config-only folder
-    for dummy weights: the engine then takes token ids only). Files that fail to load raise."""
+    """The checkpoint's tokenizer, or None if a folder has no tokenizer files at all (a
+    config-only folder for dummy weights: the engine then takes token ids only). Files that fail
+    to load raise."""
+    if gguf.is_gguf(path):
+        return gguf.gguf_tokenizer(gguf.open_gguf(path))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
     return load_tokenizer(path)
@@ -106,10 +116,15 @@ def build_model(
     with torch.device("meta"):
         model = LlamaModel(spec, tp)
     model = model.to(dtype).to_empty(device=device)
-    model.rotary = Rotary(*_inv_freq(hf_config), positions).to(device)
+    inv_freq, scaling = _inv_freq(hf_config)
+    if gguf.is_gguf(path) and (factors := gguf.rope_freq_factors(gguf.open_gguf(path))) is not None:
+        inv_freq = inv_freq / factors  # Llama 3's rope scaling, as llama.cpp stores it
+    model.rotary = Rotary(inv_freq, scaling, positions).to(device)
     if load_format == "dummy":
         std = getattr(hf_config, "initializer_range", None) or DEFAULT_INITIALIZER_RANGE
         load_dummy_weights(model, seed, std)
+    elif load_format == "auto" and gguf.is_gguf(path):
+        _load_gguf_weights(model, path)
     elif load_format == "auto":
         _load_weights(model, path)
     else:
@@ -200,6 +215,26 @@ def _load_weights(model: LlamaModel, path: Path) -> None:
             raise
         except Exception as exc:
             raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+    _check_complete(model, loaded, path)
+
+
+def _load_gguf_weights(model: LlamaModel, path: Path) -> None:
+    """Each tensor dequantized as it is copied into place; its shape checked against the
+    config, so a file whose metadata and tensors disagree never loads as a wrong model."""
+    file, loaded = gguf.open_gguf(path), set()
+    shapes = model.checkpoint_shapes()
+    for name, tensor in gguf.gguf_tensors(file, model.spec.head_dim):
+        if name in shapes and tensor.shape != shapes[name]:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.tensor.name} has shape {tensor.shape}, the metadata "
+                f"implies {shapes[name]} for {name}"
+            )
+        if model.load_weight(name, tensor):
+            loaded.add(name)
+    _check_complete(model, loaded, path)
+
+
+def _check_complete(model: LlamaModel, loaded: set[str], path: Path) -> None:
     missing = model.checkpoint_names() - loaded
     if missing:
         raise ModelLoadError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")

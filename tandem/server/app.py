@@ -19,6 +19,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from tandem.models.catalog import PACKAGED_MODELS
 from tandem.server.core_client import CoreClient
 from tandem.server.errors import error_body, install_error_handlers
 from tandem.server.generate import respond
@@ -52,9 +53,11 @@ def frozen_startup_heap() -> Iterator[None]:
 
 
 def model_names(model: ServedModel, served_name: str | None) -> tuple[str, list[str]]:
-    """The name clients should use (the model folder's name) and every alias accepted."""
+    """The name clients should use (a short name as given, else the model folder's or file's
+    name) and every alias accepted."""
     path = Path(model.model_path)
-    name = served_name or path.name
+    short = model.configured_name if model.configured_name in PACKAGED_MODELS else None
+    name = served_name or short or path.name
     aliases = [name, path.name, str(path), str(path.resolve())]
     if model.configured_name:
         aliases.append(model.configured_name)

@@ -247,6 +247,8 @@ class CoreLoop:
             num_kv_blocks=engine.num_kv_blocks,
             max_num_seqs=engine.config.max_num_seqs,
             execution=engine.execution.describe(),
+            sampling_defaults=engine.generation_defaults.values,
+            sampling_defaults_note=engine.generation_defaults.describe(),
         )
 
     # ------------------------------------------------------------ outputs

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from tandem.engine.chat_template import chat_template_problem
 from tandem.request import Request, SamplingParams
 from tandem.server.errors import APIError, bad_request, validation_error
 from tandem.server.json_count import JSONCounter
@@ -162,7 +163,7 @@ class Preparer:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        return sampling_params(body)
+        return sampling_params(body, self.model.sampling_defaults)
 
     def _check_seqs(self, num_prompts: int, n: int, prompt_param: str) -> None:
         """Refuse, before tokenizing, a request for more sequences than the server holds."""
@@ -213,16 +214,12 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) ->
 def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str:
     """The tokenizer's chat template applied to `messages`, as text."""
     tokenizer = model.tokenizer
-    if tokenizer is None:
+    problem = chat_template_problem(tokenizer)
+    if problem is not None:
+        instead = "token ids" if tokenizer is None else "a plain prompt"
         raise bad_request(
-            "this model has no tokenizer (its folder has no tokenizer files), so "
-            "/v1/chat/completions cannot build a prompt; use /v1/completions with token ids",
-            param="messages",
-        )
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request(
-            "this model's tokenizer has no chat template, so /v1/chat/completions cannot build "
-            "a prompt; use /v1/completions with a plain prompt",
+            f"{problem}, so /v1/chat/completions cannot build a prompt; use /v1/completions "
+            f"with {instead}",
             param="messages",
         )
     conversation = [m.as_template_message() for m in messages]
@@ -236,9 +233,11 @@ def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str:
         ) from None
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, defaults: dict[str, float]
+) -> SamplingParams:
     try:
-        return body.sampling_params()
+        return body.sampling_params(defaults)
     except ValueError as exc:  # SamplingParams' messages start with the field's name
         message = str(exc)
         match = re.match(r"(\w+) must", message)

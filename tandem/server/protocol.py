@@ -67,8 +67,9 @@ class _GenerationRequest(_Strict):
     def default_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self) -> SamplingParams:
-        """Raises ValueError (from SamplingParams) naming the parameter that is out of range."""
+    def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
+        """The body's values over the model's sampling `defaults`. Raises ValueError (from
+        SamplingParams) naming the parameter that is out of range."""
         values: dict[str, Any] = {
             "max_tokens": self.default_max_tokens(),
             "temperature": self.temperature,
@@ -87,7 +88,8 @@ class _GenerationRequest(_Strict):
             "logit_bias": _token_keys(self.logit_bias),
             "logprobs": self.num_logprobs(),
         }
-        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+        given = {k: v for k, v in values.items() if v is not None}
+        return SamplingParams(**((defaults or {}) | given))
 
     def num_logprobs(self) -> int | None:
         """Top alternatives per generated token, or None for no logprobs."""

@@ -39,6 +39,8 @@ from types import FrameType
 import uvicorn
 
 from tandem.config import EngineConfig, usable_cores
+from tandem.models.catalog import resolve_model
+from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import read_config
 from tandem.server import wire
 from tandem.server.app import create_app
@@ -191,8 +193,9 @@ def serve(
         api_key = os.environ.get(API_KEY_ENV) or None
     if protect_metrics and not api_key:
         raise ValueError("protect_metrics needs an API key (--api-key or $TANDEM_API_KEY)")
-    if config.model is not None:
-        read_config(config.model)  # a wrong folder fails here in a second, before any process
+    if config.model is not None:  # a wrong path fails here in a second, before any process
+        path = read_config(resolve_model(config.model))[0]
+        read_generation_defaults(path, config.generation_config)
     replicas = replica_options(config, data_parallel_size)
     listener = listening_socket(host, port)
     workdir = tempfile.mkdtemp(prefix="tandem-serve-")
@@ -296,6 +299,7 @@ def run_frontend(options: FrontendOptions, listener: socket.socket) -> str | Non
     if options.index == 0:
         for r in client.readies:
             logger.info("engine core %d: %s", r.engine_index, r.execution)
+        logger.info(client.readies[0].sampling_defaults_note)
         logger.info(
             "serving %r (max_model_len %d, %d KV blocks per core, %d running + %d waiting "
             "requests per front end; API key %s; bodies up to %d bytes)",

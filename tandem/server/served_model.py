@@ -25,6 +25,7 @@ class ServedModel:
         self.eos_token_ids = set(ready.eos_token_ids)
         self.num_kv_blocks = ready.num_kv_blocks
         self.max_num_seqs = ready.max_num_seqs
+        self.sampling_defaults = ready.sampling_defaults
         self.tokenizer = find_tokenizer(self.model_path)
         # Its seeds are never used: the core derives unseeded requests' seeds in arrival order.
         self.intake = RequestIntake(

@@ -56,6 +56,9 @@ class Ready(msgspec.Struct, tag=True):
     num_kv_blocks: int
     max_num_seqs: int
     execution: str  # the device and threads, as the engine describes them
+    # The model's sampling defaults for what a request leaves unset, and where they come from.
+    sampling_defaults: dict[str, float]
+    sampling_defaults_note: str
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -1,0 +1,299 @@
+"""GGUF checkpoints (llama.cpp's one-file format): config, tokenizer and weights from one file.
+
+The file is read with the `gguf` package and memory-mapped. Each tensor is dequantized as it is
+copied into its parameter, so besides the model at most one tensor is ever held in full
+precision; a tensor-parallel rank dequantizes only the rows (or the blocks of columns) it holds.
+The config is rebuilt as a transformers config, so the rest of the loader treats a GGUF like a
+checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+from tandem.models.errors import ModelLoadError
+
+# A GGUF's `general.architecture` -> the transformers architecture Tandem runs it as. llama.cpp
+# stores Mistral's dense models as "llama".
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose Q and K rows llama.cpp's converter interleaves per head (rotary pairs
+# side by side); loading puts them back in Hugging Face's half-split order.
+PERMUTED_QK = {"llama"}
+DEQUANTIZED_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip  # the types the tests write; others are refused by name
+# GGUF metadata -> generation default, as in `general.sampling.*` of llama.cpp's converter.
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+} | {
+    f"attn_{gguf}.{kind}": f"self_attn.{hf}_proj.{kind}"
+    for gguf, hf in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
+    for kind in ("weight", "bias")
+}
+_MODEL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PERMUTED_SUFFIXES = tuple(
+    f"self_attn.{p}_proj.{kind}" for p in "qk" for kind in ("weight", "bias")
+)
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's per-frequency rope divisors, when present
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+def find_gguf(folder: Path) -> Path | None:
+    """The one .gguf file of a folder without config.json; None if it has none."""
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ModelLoadError(f"{folder} holds several GGUF files ({names}): give the one to load")
+    return files[0] if files else None
+
+
+@dataclass
+class GGUFFile:
+    """One parsed GGUF file: its metadata fields and its (memory-mapped) tensors by name."""
+
+    path: Path
+    reader: GGUFReader
+    architecture: str
+    tensors: dict[str, ReaderTensor]  # by GGUF name
+
+    def field(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.architecture}.{key}", default)
+
+    @property
+    def tensor_types(self) -> str:
+        """The file's storage types, most common first, e.g. "Q4_1, F32, Q8_0"."""
+        counts: dict[str, int] = {}
+        for tensor in self.tensors.values():
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+        return ", ".join(sorted(counts, key=lambda name: -counts[name]))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Parse a GGUF file once per process (it is read for its config, tokenizer and weights)."""
+    stat = path.stat()
+    return _open_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    try:
+        reader = _Reader(path)
+    except Exception as exc:  # bad magic, a header or tensor table cut short, a bad type id
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}"
+        ) from exc
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    for tensor in reader.tensors:  # the reader maps what is there: a short file shows here
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {tensor.name} ends at byte "
+                f"{tensor.data_offset + tensor.n_bytes}, the file has {size}"
+            )
+    file = GGUFFile(path, reader, "", tensors)
+    file.architecture = str(file.field("general.architecture", ""))
+    if file.architecture not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {file.architecture or 'none given'!r} ({file.tensor_types}) "
+            f"is not supported; Tandem runs GGUF architectures {', '.join(ARCHITECTURES)}"
+        )
+    unsupported = {t.tensor_type.name for t in reader.tensors} - set(DEQUANTIZED_TYPES)
+    if unsupported:
+        raise ModelLoadError(
+            f"{path}: {file.architecture} with tensor type(s) {', '.join(sorted(unsupported))} "
+            f"is not supported; Tandem dequantizes {', '.join(DEQUANTIZED_TYPES)}"
+        )
+    return file
+
+
+class _Reader(GGUFReader):
+    """gguf's reader over a plain-array view of its memory map: parsing a vocabulary's ~100k
+    strings through np.memmap's subclass hooks costs seconds, through a plain view a second."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
+def gguf_config(file: GGUFFile) -> PretrainedConfig:
+    """The file's metadata as the transformers config of the architecture Tandem runs it as."""
+    arch, f = file.architecture, file.arch_field
+    try:
+        hidden, heads = int(f("embedding_length")), int(f("attention.head_count"))
+        values = {
+            "architectures": [ARCHITECTURES[arch]],
+            "hidden_size": hidden,
+            "intermediate_size": int(f("feed_forward_length")),
+            "num_hidden_layers": int(f("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(f("attention.head_count_kv", heads)),
+            "head_dim": int(f("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(f("context_length")),
+            "rms_norm_eps": float(f("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(f("rope.freq_base", 10000.0)),
+            "vocab_size": int(f("vocab_size", 0)) or len(file.field("tokenizer.ggml.tokens", [])),
+            "tie_word_embeddings": "output.weight" not in file.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        }
+    except (TypeError, ValueError) as exc:  # a field missing (None) or of the wrong kind
+        raise ModelLoadError(f"{file.path}: incomplete {arch} metadata: {exc}") from exc
+    scaling = str(f("rope.scaling.type", "none"))
+    if scaling == "linear":
+        values["rope_scaling"] = {"rope_type": "linear", "factor": float(f("rope.scaling.factor"))}
+    elif scaling == "yarn":
+        values["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float(f("rope.scaling.factor")),
+            "original_max_position_embeddings": int(f("rope.scaling.original_context_length")),
+        }
+    elif scaling != "none":
+        raise ModelLoadError(f"{file.path}: rope scaling {scaling!r} is not supported")
+    eos = [file.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [int(i) for i in dict.fromkeys(eos) if i is not None]
+    values["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None
+    for name, key in (("bos_token_id", "bos"), ("pad_token_id", "padding")):
+        token = file.field(f"tokenizer.ggml.{key}_token_id")
+        values[name] = None if token is None else int(token)
+    return AutoConfig.for_model(arch, **values)  # GGUF's names are transformers' model types
+
+
+def gguf_tokenizer(file: GGUFFile) -> PreTrainedTokenizerFast:
+    """The tokenizer the file describes (vocabulary, merges, special tokens, chat template), as
+    transformers rebuilds it from a GGUF."""
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(
+            file.path.parent, gguf_file=file.path.name, local_files_only=True
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot build the tokenizer of {file.path}: {exc}") from exc
+
+
+def gguf_generation_defaults(file: GGUFFile) -> dict[str, float | int]:
+    """The sampling defaults the file's metadata carries (`general.sampling.*`), if any."""
+    defaults: dict[str, float | int] = {}
+    for key, name in SAMPLING_KEYS.items():
+        value = file.field(key)
+        if value is not None:
+            defaults[name] = int(value) if name == "top_k" else float(value)
+    return defaults
+
+
+def rope_freq_factors(file: GGUFFile) -> torch.Tensor | None:
+    """Llama 3's rope divisors, one per frequency, if the file has them."""
+    tensor = file.tensors.get(ROPE_FREQS)
+    return None if tensor is None else GGUFTensor(file, tensor, None)[:]
+
+
+def gguf_tensors(file: GGUFFile, head_dim: int) -> Iterator[tuple[str, GGUFTensor]]:
+    """Every weight under its Hugging Face name, as a lazily dequantized tensor."""
+    for name, tensor in file.tensors.items():
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            continue
+        permuted = file.architecture in PERMUTED_QK and hf_name.endswith(_PERMUTED_SUFFIXES)
+        yield hf_name, GGUFTensor(file, tensor, head_dim if permuted else None)
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """llama.cpp's tensor name -> the Hugging Face checkpoint's (None: not a weight Tandem reads)."""
+    if name in _MODEL_TENSORS:
+        return _MODEL_TENSORS[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+class GGUFTensor:
+    """One tensor, indexed as a safetensors slice is (`[:]`, `[rows]`, `[:, cols]`), dequantized
+    to float32 on read. Rows are whole blocks, so a row slice reads only its rows; a column slice
+    reads only its blocks when its ends fall on block boundaries."""
+
+    def __init__(self, file: GGUFFile, tensor, unpermute_head_dim: int | None):
+        self.file = file
+        self.tensor = tensor
+        self.unpermute_head_dim = unpermute_head_dim
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # torch order
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        data = self.tensor.data[rows]
+        if cols != slice(None):
+            data, cols = self._column_blocks(data, cols)
+        values = self._dequantize(data)[..., cols]
+        if self.unpermute_head_dim is not None:
+            values = _unpermute_rows(values, self.unpermute_head_dim)
+        if not np.isfinite(values).all():  # a corrupt scale shows here, once per tensor
+            raise ModelLoadError(f"{self.file.path}: tensor {self.tensor.name} holds NaN or Inf")
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    def _column_blocks(self, data: np.ndarray, cols: slice) -> tuple[np.ndarray, slice]:
+        """Narrow quantized rows to the blocks that hold `cols`, where the ends allow it."""
+        block, type_size = GGML_QUANT_SIZES[self.tensor.tensor_type]
+        if data.dtype != np.uint8 or data.ndim != 2:  # stored as values: slice after
+            return data, cols
+        start, stop, _ = cols.indices(self.shape[-1])
+        if start % block or (stop % block and stop != self.shape[-1]):
+            return data, cols
+        first, last = start // block * type_size, -(-stop // block) * type_size
+        return data[:, first:last], slice(None)
+
+    def _dequantize(self, data: np.ndarray) -> np.ndarray:
+        kind = self.tensor.tensor_type
+        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return data.astype(np.float32)
+        try:
+            return dequantize(data, kind)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{self.file.path}: cannot dequantize {self.tensor.name} ({kind.name}): {exc}"
+            ) from exc
+
+
+def _unpermute_rows(w: np.ndarray, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation: within each head its converter interleaves the two
+    halves of the rotary dimensions (row 2i+j holds Hugging Face's row j*head_dim/2 + i)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(rows // head_dim, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
