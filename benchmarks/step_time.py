@@ -10,7 +10,11 @@ not measured.
     python benchmarks/step_time.py --plot step_time.png --json step_time.json
 
 The K/V bytes a step reads (batch x context x layers x 2 x KV heads x head_dim x element size)
-are printed beside the times: at long contexts attention reads the whole cache every step.
+are printed beside the times: at long contexts attention reads the whole cache every step. Each
+path's `GB/s` is the rate at which its steps read K/V, from the shortest context to each longer
+one (extra K/V bytes / extra step time: what attention's reading costs, the rest of the step
+being the same), printed beside what this machine streams on one core and on all of them
+(`x.sum()` over a buffer far larger than the caches).
 """
 
 from __future__ import annotations
@@ -35,6 +39,22 @@ from compare import load_model_facts, machine_info, resolve_model  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
+STREAM_MIB = 256  # the streaming figure's buffer: far beyond any CPU's caches
+
+
+def streaming_gbs(threads: int, repeats: int = 7) -> float:
+    """This machine's read bandwidth on `threads` cores: a sum over STREAM_MIB (median)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(STREAM_MIB * 2**20 // 4)
+    x.sum()  # touch every page first
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    torch.set_num_threads(before)
+    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -198,17 +218,33 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     runs = [measure(args, model.path, model.allowed_ids, path) for path in args.path_list]
+    cores = os.cpu_count() or 1
+    stream = {1: streaming_gbs(1), cores: streaming_gbs(cores)}
+    print(
+        f"this machine streams {stream[1]:.1f} GB/s on one core, {stream[cores]:.1f} GB/s on "
+        f"{cores} (x.sum() over {STREAM_MIB} MiB, median of 7)"
+    )
     header = f"{'context':>7}  {'K/V MiB/step':>12}" + "".join(
-        f"  {r['path'] + ' ms':>9}" for r in runs
+        f"  {r['path'] + ' ms':>9}  {r['path'] + ' GB/s':>10}" for r in runs
     )
     for r in runs:
         print(f"{r['path']}: {r['execution']}; the step ran on {r['threads']} thread(s)")
     print(header)
     print("-" * len(header))
+    mibs = [kv_per_token * args.batch * ctx / 2**20 for ctx in args.context_list]
+    for r in runs:  # K/V read rate from the shortest context to each longer one
+        ms = [point["ms_per_step"] for point in r["points"]]
+        for i, point in enumerate(r["points"]):
+            extra_s = (ms[i] - ms[0]) / 1e3
+            point["kv_gbs"] = (mibs[i] - mibs[0]) * 2**20 / extra_s / 1e9 if extra_s > 0 else None
     for i, ctx in enumerate(args.context_list):
-        mib = kv_per_token * args.batch * ctx / 2**20
-        cells = "".join(f"  {r['points'][i]['ms_per_step']:9.2f}" for r in runs)
-        print(f"{ctx:7d}  {mib:12.1f}{cells}")
+        cells = ""
+        for r in runs:
+            gbs = r["points"][i]["kv_gbs"]
+            cells += f"  {r['points'][i]['ms_per_step']:9.2f}  " + (
+                f"{gbs:10.1f}" if gbs is not None else f"{'-':>10}"
+            )
+        print(f"{ctx:7d}  {mibs[i]:12.1f}{cells}")
     result = {
         "machine": machine_info(),
         "model": model.name,
@@ -217,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "threads": args.threads,
         "kv_bytes_per_token": kv_per_token,
+        "streaming_gbs": {str(k): v for k, v in stream.items()},
         "runs": runs,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }

@@ -186,15 +186,16 @@ def test_submitting_a_cpu_step_frees_the_submitting_threads_openmp_team() -> Non
 
 @pytest.fixture(params=["vector", "generic"])
 def attention_kernel(request):
-    """The vector kernel (head sizes of 16s, groups of 1/2/4/8) and the generic loop, which
+    """The vector kernel (head sizes 32, 64, 128; groups of 1/2/3/4/8) and the generic loop, which
     serves every other shape: both are checked on a machine that has both."""
     before = torch.ops.tandem.set_generic_decode_attention(request.param == "generic")
     yield request.param
     torch.ops.tandem.set_generic_decode_attention(before)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 48])  # 48: the generic loop only
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3), (16, 2)])
+# 48: the generic loop only; 128 with groups of 4 and 8: the V pass in slices of a head.
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3), (9, 3), (16, 2)])
 @pytest.mark.parametrize("num_requests", [1, 3, 40])  # few: a task per kv head; many: per request
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_decode_attention_reads_the_cache_in_place(

@@ -254,41 +254,61 @@ void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t d
   }
 }
 
-// The same attention with explicit 16-lane vectors (GCC vector extensions: AVX-512 registers
-// where the CPU has them, pairs of AVX2 registers or scalar code elsewhere), for head sizes that
-// are multiples of 16 and common group sizes. Why: the generic loop above reduces every dot
-// product across its lanes on its own and keeps its sums in memory. Here a kv head's G queries
-// stay in registers, scores are made 16 tokens at a time (16 lane-vectors reduced together by a
-// shuffle tree, 30 shuffles instead of 16 full reductions) and the weighted sum of V accumulates
-// in registers (nearly twice the generic loop's speed with the cache in CPU caches).
+// The same attention with explicit vectors of one register each (GCC vector extensions), for
+// head sizes that are multiples of the width and common group sizes. Why: the generic loop above
+// reduces every dot product across its lanes on its own and keeps its sums in memory. Here a kv
+// head's G queries stay in registers, scores are made kLanes tokens at a time (kLanes
+// lane-vectors reduced together by a shuffle tree instead of kLanes full reductions) and the
+// weighted sum of V accumulates in registers (nearly twice the generic loop's speed with the
+// cache in CPU caches).
 using Vec16 = float __attribute__((vector_size(64)));
 using Lanes16 = int32_t __attribute__((vector_size(64)));
 using Vec16Unaligned = float __attribute__((vector_size(64), aligned(4), may_alias));
 
 inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16Unaligned*>(p); }
-inline void store16(float* p, Vec16 v) { *reinterpret_cast<Vec16Unaligned*>(p) = v; }
 
-// Lane t of the result is the sum of the 16 lanes of v[t]. Each level adds the two halves of
-// every token's partial sums, packing two vectors' tokens into one, in order.
-inline Vec16 sum_lanes(Vec16 v[16]) {
-  const Lanes16 lo16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const Lanes16 hi16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const Lanes16 lo8 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const Lanes16 hi8 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const Lanes16 lo4 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const Lanes16 hi4 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const Lanes16 lo2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const Lanes16 hi2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  auto level = [](Vec16* x, int pairs, Lanes16 lo, Lanes16 hi) {
+// The width is the instruction set's register: a 16-lane kernel's 16 partial dot products and
+// its queries fill AVX-512's 32 registers, and on AVX2 (16 registers of 8 lanes) the same code
+// spilled every one of them and ran 3x slower than the generic loop; 8 lanes fit there.
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRegisters = 32;
+#else
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRegisters = 16;
+#endif
+constexpr int64_t kLineFloats = 16;  // floats per 64-byte cache line
+using VecL = float __attribute__((vector_size(4 * kLanes)));
+using LanesL = int32_t __attribute__((vector_size(4 * kLanes)));
+using VecLUnaligned = float __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+
+inline VecL load_lanes(const float* p) { return *reinterpret_cast<const VecLUnaligned*>(p); }
+inline void store_lanes(float* p, VecL v) { *reinterpret_cast<VecLUnaligned*>(p) = v; }
+
+// Lane t of the result is the sum of the kLanes lanes of v[t]. Each level adds the two halves of
+// every token's partial sums, packing two vectors' tokens into one, in order. (A mask indexes
+// the two vectors side by side: lane i of the second is kLanes + i.)
+inline VecL sum_lanes(VecL v[kLanes]) {
+  auto level = [](VecL* x, int pairs, LanesL lo, LanesL hi) {
     for (int i = 0; i < pairs; ++i) {
       x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo) +
              __builtin_shuffle(x[2 * i], x[2 * i + 1], hi);
     }
   };
-  level(v, 8, lo16, hi16);
-  level(v, 4, lo8, hi8);
-  level(v, 2, lo4, hi4);
-  level(v, 1, lo2, hi2);
+#ifdef __AVX512F__
+  level(v, 8, LanesL{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        LanesL{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  level(v, 4, LanesL{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        LanesL{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  level(v, 2, LanesL{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+        LanesL{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  level(v, 1, LanesL{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+        LanesL{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+#else
+  level(v, 4, LanesL{0, 1, 2, 3, 8, 9, 10, 11}, LanesL{4, 5, 6, 7, 12, 13, 14, 15});
+  level(v, 2, LanesL{0, 1, 4, 5, 8, 9, 12, 13}, LanesL{2, 3, 6, 7, 10, 11, 14, 15});
+  level(v, 1, LanesL{0, 2, 4, 6, 8, 10, 12, 14}, LanesL{1, 3, 5, 7, 9, 11, 13, 15});
+#endif
   return v[0];
 }
 
@@ -313,7 +333,7 @@ struct LinePrefetcher {
     for (int64_t i = 0; i < lines; ++i) {
       if (block * block_size + row >= len) return;
       const float* at = cache + (blocks[block] * block_size + row) * token_stride + offset;
-      __builtin_prefetch(at + line * 16, 0, 1);
+      __builtin_prefetch(at + line * kLineFloats, 0, 1);
       if (++line == lines_per_row) {
         line = 0;
         if (++row == block_size) {
@@ -329,41 +349,51 @@ struct LinePrefetcher {
 // bandwidth for both head shapes measured (docs/experiments.md).
 constexpr int64_t kPrefetchLines = 256;
 
-// Request r's query heads of kv heads [h0, h1); D is a multiple of 16, G query heads per kv head.
-// Rows are taken 16 at a time, every kv head of a row together, so each block's rows are read as
-// one contiguous stretch. The kernel is bound by memory latency: each core keeps only 16 cache
-// line misses in flight (its line-fill buffers), and a software prefetch waits for a free one
-// before it retires. So the prefetches are spread through the arithmetic, a few lines before
-// each query's scores and each V row, kPrefetchLines ahead: issued in a burst (the same row of
-// the next block, for every row gathered), they filled the buffers, stalled retirement and left
-// the arithmetic and the memory taking turns. The spacing matters: the same lines issued a row
-// at a time, back to back, lost the whole gain. Into L2 (prefetcht2), which was faster than into
-// L1; non-temporal prefetches were slower.
+// The V pass's slice of a head, in vectors: the largest divisor of C whose G accumulators and one
+// V slice fit the registers (with two to spare). Where the whole head does not fit (AVX2), the
+// pass walks a group's rows once per slice: each slice is other cache lines of the same rows.
+constexpr int64_t v_slice(int64_t C, int64_t G) {
+  for (int64_t s = C; s > 1; --s) {
+    if (C % s == 0 && (G + 1) * s <= kRegisters - 2) return s;
+  }
+  return 1;
+}
+
+// Request r's query heads of kv heads [h0, h1); D is a multiple of kLanes, G query heads per kv
+// head. Rows are taken kLanes at a time, every kv head of a row together, so each block's rows
+// are read as one contiguous stretch. The kernel is bound by memory latency: each core keeps
+// only so many cache line misses in flight (its line-fill buffers), and a software prefetch
+// waits for a free one before it retires. So the prefetches are spread through the arithmetic,
+// a few lines before each query's scores and each V row, kPrefetchLines ahead: issued in a burst
+// (the same row of the next block, for every row gathered), they filled the buffers, stalled
+// retirement and left the arithmetic and the memory taking turns. The spacing matters: the same
+// lines issued a row at a time, back to back, lost the whole gain. Into L2 (prefetcht2), which
+// was faster than into L1; non-temporal prefetches were slower.
 template <int64_t D, int64_t G>
 void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
-                std::vector<float>& scores, std::vector<Vec16>& acc) {
-  constexpr int64_t C = D / 16;
+                std::vector<float>& scores, std::vector<VecL>& acc) {
+  constexpr int64_t W = kLanes, C = D / W, S = v_slice(C, G);
   const int64_t token_stride = p.kv_heads * D, len = p.context_lens[r];
   const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
   const int64_t n = len - first, heads = h1 - h0, nh = heads * G;
-  const int64_t stride = (n + 15) / 16 * 16;  // each head's scores, whole groups of 16
+  const int64_t stride = (n + W - 1) / W * W;  // each head's scores, whole groups of W
   scores.resize(nh * stride);
-  acc.assign(nh * C, Vec16{});
-  // Each query head's softmax max and sum, 16 lanes each (reduced after their pass).
-  std::vector<Vec16> lane_max(nh, Vec16{} - std::numeric_limits<float>::infinity());
-  std::vector<Vec16> lane_sum(nh, Vec16{});
+  acc.assign(nh * C, VecL{});
+  // Each query head's softmax max and sum, W lanes each (reduced after their pass).
+  std::vector<VecL> lane_max(nh, VecL{} - std::numeric_limits<float>::infinity());
+  std::vector<VecL> lane_sum(nh, VecL{});
   const float* qr = p.q + r * p.q_stride + h0 * G * D;
   const int64_t* blocks = p.block_tables + r * p.bt_stride;
-  const int64_t lines_per_row = heads * D / 16;
+  const int64_t lines_per_row = heads * D / kLineFloats;
   LinePrefetcher prefetch{nullptr, blocks, p.block_size, token_stride, h0 * D, len, lines_per_row};
-  // Lines per call, so that a group's calls cover its 16 rows: one call per query in the K pass,
-  // one per kv head and row in the V pass.
-  const int64_t k_lines = (16 * lines_per_row + nh - 1) / nh;
-  const int64_t v_lines = (lines_per_row + heads - 1) / heads;
-  // Calls body(rows, count, index) with up to 16 row pointers (kv head h0 of each token);
+  // Lines per call, so that a group's calls cover its W rows: one call per query in the K pass,
+  // one per kv head, slice and row in the V pass.
+  const int64_t k_lines = (W * lines_per_row + nh - 1) / nh;
+  const int64_t v_lines = (lines_per_row + heads * (C / S) - 1) / (heads * (C / S));
+  // Calls body(rows, count, index) with up to W row pointers (kv head h0 of each token);
   // a short group repeats its first row, and only `count` rows are real.
   auto for_each_group = [&](const float* cache, auto&& body) {
-    const float* rows[16];
+    const float* rows[W];
     int64_t count = 0, index = 0;
     for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
       const int64_t t0 = b * p.block_size;
@@ -371,7 +401,7 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
       const float* base = cache + (blocks[b] * p.block_size) * token_stride + h0 * D;
       for (int64_t o = lo; o < hi; ++o) {
         rows[count++] = base + o * token_stride;
-        if (count == 16) {
+        if (count == W) {
           body(rows, count, index);
           index += count;
           count = 0;
@@ -379,7 +409,7 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
       }
     }
     if (count > 0) {
-      for (int64_t t = count; t < 16; ++t) rows[t] = rows[0];
+      for (int64_t t = count; t < W; ++t) rows[t] = rows[0];
       body(rows, count, index);
     }
   };
@@ -389,18 +419,18 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
       for (int64_t j = 0; j < G; ++j) {
         prefetch.ahead(k_lines);
         const float* qj = qr + (h * G + j) * D;
-        Vec16 q[C];
-        for (int64_t c = 0; c < C; ++c) q[c] = load16(qj + c * 16);
-        Vec16 part[16];
-        for (int64_t t = 0; t < 16; ++t) {
+        VecL q[C];
+        for (int64_t c = 0; c < C; ++c) q[c] = load_lanes(qj + c * W);
+        VecL part[W];
+        for (int64_t t = 0; t < W; ++t) {
           const float* k = rows[t] + h * D;
-          Vec16 a = q[0] * load16(k);
-          for (int64_t c = 1; c < C; ++c) a += q[c] * load16(k + c * 16);
+          VecL a = q[0] * load_lanes(k);
+          for (int64_t c = 1; c < C; ++c) a += q[c] * load_lanes(k + c * W);
           part[t] = a;
         }
-        const Vec16 s = sum_lanes(part) * p.scale;
-        store16(scores.data() + (h * G + j) * stride + index, s);
-        Vec16& m = lane_max[h * G + j];  // a short group's extra lanes repeat a real row
+        const VecL s = sum_lanes(part) * p.scale;
+        store_lanes(scores.data() + (h * G + j) * stride + index, s);
+        VecL& m = lane_max[h * G + j];  // a short group's extra lanes repeat a real row
         m = s > m ? s : m;
       }
     }
@@ -408,41 +438,43 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
   std::vector<float> head_max(nh);
   for (int64_t j = 0; j < nh; ++j) {
     head_max[j] = lane_max[j][0];
-    for (int l = 1; l < 16; ++l) head_max[j] = std::max(head_max[j], lane_max[j][l]);
+    for (int l = 1; l < W; ++l) head_max[j] = std::max(head_max[j], lane_max[j][l]);
   }
   prefetch.start(p.v, first, kPrefetchLines);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
-    // The softmax's numerators of these 16 tokens, made here rather than in a pass of their own
+    // The softmax's numerators of these W tokens, made here rather than in a pass of their own
     // so that the arithmetic overlaps the V rows' arrival.
     for (int64_t j = 0; j < nh; ++j) {
       float* w = scores.data() + j * stride + index;
 #pragma omp simd
-      for (int64_t t = 0; t < 16; ++t) w[t] = fast_exp(w[t] - head_max[j]);
-      std::fill(w + count, w + 16, 0.f);
-      lane_sum[j] += load16(w);
+      for (int64_t t = 0; t < W; ++t) w[t] = fast_exp(w[t] - head_max[j]);
+      std::fill(w + count, w + W, 0.f);
+      lane_sum[j] += load_lanes(w);
     }
     for (int64_t h = 0; h < heads; ++h) {
-      Vec16 a[G][C];
-      for (int64_t j = 0; j < G; ++j)
-        for (int64_t c = 0; c < C; ++c) a[j][c] = acc[(h * G + j) * C + c];
       const float* w = scores.data() + h * G * stride + index;
-      for (int64_t t = 0; t < count; ++t) {  // each V row is loaded once for the G queries
-        prefetch.ahead(v_lines);
-        Vec16 v[C];
-        for (int64_t c = 0; c < C; ++c) v[c] = load16(rows[t] + h * D + c * 16);
+      for (int64_t c0 = 0; c0 < C; c0 += S) {
+        VecL a[G][S];
         for (int64_t j = 0; j < G; ++j)
-          for (int64_t c = 0; c < C; ++c) a[j][c] += w[j * stride + t] * v[c];
+          for (int64_t c = 0; c < S; ++c) a[j][c] = acc[(h * G + j) * C + c0 + c];
+        for (int64_t t = 0; t < count; ++t) {  // each V slice is loaded once for the G queries
+          prefetch.ahead(v_lines);
+          VecL v[S];
+          for (int64_t c = 0; c < S; ++c) v[c] = load_lanes(rows[t] + h * D + (c0 + c) * W);
+          for (int64_t j = 0; j < G; ++j)
+            for (int64_t c = 0; c < S; ++c) a[j][c] += w[j * stride + t] * v[c];
+        }
+        for (int64_t j = 0; j < G; ++j)
+          for (int64_t c = 0; c < S; ++c) acc[(h * G + j) * C + c0 + c] = a[j][c];
       }
-      for (int64_t j = 0; j < G; ++j)
-        for (int64_t c = 0; c < C; ++c) acc[(h * G + j) * C + c] = a[j][c];
     }
   });
   for (int64_t j = 0; j < nh; ++j) {
     float total = 0.f;
-    for (int l = 0; l < 16; ++l) total += lane_sum[j][l];
-    const Vec16 inv = Vec16{} + 1.f / total;
+    for (int l = 0; l < W; ++l) total += lane_sum[j][l];
+    const VecL inv = VecL{} + 1.f / total;
     for (int64_t c = 0; c < C; ++c)
-      store16(p.out + (r * p.heads + h0 * G + j) * D + c * 16, acc[j * C + c] * inv);
+      store_lanes(p.out + (r * p.heads + h0 * G + j) * D + c * W, acc[j * C + c] * inv);
   }
 }
 
@@ -461,12 +493,13 @@ bool set_generic_decode_attention(bool generic) { return portable_attention.exch
 
 // The vector kernel for this head size and group, or null where only the generic loop fits.
 using AttendVec = void (*)(const DecodeProblem&, int64_t, int64_t, int64_t, std::vector<float>&,
-                           std::vector<Vec16>&);
+                           std::vector<VecL>&);
 template <int64_t D>
 AttendVec vector_kernel_for_group(int64_t group) {
   switch (group) {
     case 1: return &attend_vec<D, 1>;
     case 2: return &attend_vec<D, 2>;
+    case 3: return &attend_vec<D, 3>;
     case 4: return &attend_vec<D, 4>;
     case 8: return &attend_vec<D, 8>;
     default: return nullptr;
@@ -515,7 +548,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   std::atomic<int64_t> next{0};
   auto work = [&] {
     std::vector<float> scores, acc;
-    std::vector<Vec16> vec_acc;
+    std::vector<VecL> vec_acc;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t r = item / tasks_per_req, h0 = (item % tasks_per_req) * heads_per_task;
       const int64_t h1 = h0 + heads_per_task;
