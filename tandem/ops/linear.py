@@ -14,6 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.ops import cpu_kernels
+
+# Up to this many rows (a decode step of that many sequences) the fast path streams the weight
+# through the fused kernels' GEMV (csrc: `gemv`, kGemvMaxRows), faster from memory than MKL's.
+GEMV_MAX_ROWS = 4
+_NO_BIAS = torch.empty(0)
+
 # The M that MKL tunes the packed layout for; any M runs correctly. 128 is as fast as a layout
 # for 32 at decode sizes and faster from 64 rows up; layouts for 2048 rows are slow at small M.
 PACK_BATCH_HINT = 128
@@ -38,9 +45,12 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, in] @ weight [out, in].T (+ bias), through the packed weight when there is one."""
+    """x [M, in] @ weight [out, in].T (+ bias), through the packed weight when there is one
+    (the fast path), or on that path through the fused GEMV for a few rows."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if 1 <= x.shape[0] <= GEMV_MAX_ROWS and cpu_kernels.loaded() and x.stride(-1) == 1:
+        return torch.ops.tandem.gemv(x, weight, _NO_BIAS if bias is None else bias)
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 

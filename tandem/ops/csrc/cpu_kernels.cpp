@@ -599,9 +599,76 @@ enum LayerWeight {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// out[m, o] = x[m] . w[o] (+ bias[o]) for the M rows of x and weight rows [o0, o1): R weight rows
+// at a time, each read once, in order, for every row of x.
+template <int64_t M, int64_t R>
+void gemv_block(const float* x, int64_t x_stride, const float* w, int64_t in, int64_t o0,
+                int64_t o1, const float* bias, float* out, int64_t out_stride) {
+  constexpr int64_t W = kLanes;
+  const int64_t vec_end = in / W * W;
+  int64_t o = o0;
+  for (; o + R <= o1; o += R) {
+    VecL acc[M][R] = {};
+    for (int64_t k = 0; k < vec_end; k += W) {
+      VecL xv[M];
+      for (int64_t m = 0; m < M; ++m) xv[m] = load_lanes(x + m * x_stride + k);
+      for (int64_t r = 0; r < R; ++r) {
+        const VecL wv = load_lanes(w + (o + r) * in + k);
+        for (int64_t m = 0; m < M; ++m) acc[m][r] += xv[m] * wv;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t r = 0; r < R; ++r) {
+        float s = 0.f;
+        for (int l = 0; l < W; ++l) s += acc[m][r][l];
+        for (int64_t k = vec_end; k < in; ++k) s += x[m * x_stride + k] * w[(o + r) * in + k];
+        out[m * out_stride + o + r] = bias != nullptr ? s + bias[o + r] : s;
+      }
+    }
+  }
+  if (o < o1) gemv_block<M, 1>(x, x_stride, w, in, o, o1, bias, out, out_stride);
+}
+
+constexpr int64_t kGemvMaxRows = 4;  // ops/linear.py's GEMV_MAX_ROWS
+
+// x [M, in] @ weight [out, in].T (+ bias) for a step of at most kGemvMaxRows sequences. Why:
+// there the product only streams the weights, and MKL's packed GEMM read them from memory at
+// 10-11 GB/s on two Zen 3 cores where this reads 14-16 (the whole batch-1 decode step of
+// SmolLM2: 43-47 against 54-68 ms); the output rows are split over torch's threads.
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows,
+              "gemv takes 1 to ", kGemvMaxRows, " rows of x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+                  weight.size(1) == x.size(1),
+              "weight must be a contiguous float32 [out, in] matching x");
+  TORCH_CHECK(!present(bias) || (bias.is_contiguous() && bias.numel() == weight.size(0) &&
+                                 bias.scalar_type() == at::kFloat),
+              "bias must be float32 [out]");
+  const int64_t rows = x.size(0), in = x.size(1), outs = weight.size(0), x_stride = x.stride(0);
+  auto out = at::empty({rows, outs}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = present(bias) ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // 64 KiB of weights per task at least: smaller tasks cost more to hand out than they save.
+  const int64_t grain = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(in, 1));
+  at::parallel_for(0, outs, grain, [&](int64_t o0, int64_t o1) {
+    switch (rows) {
+      case 1: gemv_block<1, 4>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 2: gemv_block<2, 2>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 3: gemv_block<3, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      default: gemv_block<4, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+    }
+  });
+  return out;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                   const at::Tensor& bias) {
   const c10::optional<at::Tensor> b = present(bias) ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+  if (present(packed) && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows && x.stride(-1) == 1)
+    return gemv(x, weight, bias);  // the fast path's few-row steps (packed: float32, dense)
   if (!present(packed)) return at::linear(x, weight, b);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkl::_mkl_linear", "")
@@ -935,6 +1002,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor bias) -> Tensor");
   m.def(
       "sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor seed_keys, "
       "Tensor output_index) -> Tensor");
@@ -958,6 +1026,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("gemv", &gemv);
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);
