@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` and the GGUF files that `serve_compare.py` runs it on.
+# Builds llama.cpp's `llama-server`, `llama-batched-bench` and `llama-quantize`, and the GGUF files
+# that `serve_compare.py` runs the server on.
 #
 # The C++ sources come from the llama-cpp-python sdist on PyPI (it vendors llama.cpp under
 # vendor/llama.cpp), so nothing but the Python package registry is needed. Nothing is installed
@@ -7,7 +8,7 @@
 # GGUF files beside the Hugging Face folder made by benchmarks/real_model.py.
 #
 #   bash benchmarks/setup_llama_server.sh          # build, then the GGUF files
-#   bash benchmarks/setup_llama_server.sh build    # only the binary
+#   bash benchmarks/setup_llama_server.sh build    # only the binaries
 #   bash benchmarks/setup_llama_server.sh gguf     # only the GGUF files (needs the binary's sources)
 #
 # Every step is skipped when its output is already there, so running it again is cheap.
@@ -20,7 +21,9 @@ LLAMA_CPP_DIR="${LLAMA_CPP_DIR:-$CACHE_DIR/llama.cpp}"
 MODEL_DIR="${MODEL_DIR:-$CACHE_DIR/models/smollm2-135m-instruct}"
 JOBS="${JOBS:-2}"
 PYTHON="${PYTHON:-python}"
-SERVER_BIN="$LLAMA_CPP_DIR/bin/llama-server"
+BIN_DIR="$LLAMA_CPP_DIR/bin"
+SERVER_BIN="$BIN_DIR/llama-server"
+TARGETS=(llama-server llama-batched-bench llama-quantize)
 F32_GGUF="$MODEL_DIR-f32.gguf"
 Q8_GGUF="$MODEL_DIR-q8_0.gguf"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -50,8 +53,10 @@ fetch_sources() {
 }
 
 build_server() {
-    if [[ -x "$SERVER_BIN" ]]; then
-        log "already built: $SERVER_BIN"
+    local missing=()
+    for target in "${TARGETS[@]}"; do [[ -x "$BIN_DIR/$target" ]] || missing+=("$target"); done
+    if [[ ${#missing[@]} -eq 0 ]]; then
+        log "already built: ${TARGETS[*]} in $BIN_DIR"
         return
     fi
     fetch_sources
@@ -69,13 +74,13 @@ build_server() {
         -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF \
         -DBUILD_SHARED_LIBS=OFF >&2
-    log "building llama-server with $JOBS jobs"
+    log "building ${missing[*]} with $JOBS jobs"
     local start=$SECONDS
-    nice -n 10 cmake --build "$LLAMA_CPP_DIR/build" --config Release --target llama-server \
+    nice -n 10 cmake --build "$LLAMA_CPP_DIR/build" --config Release --target "${missing[@]}" \
         -j "$JOBS" >&2
     log "build took $((SECONDS - start)) s"
-    mkdir -p "$(dirname "$SERVER_BIN")"
-    cp "$LLAMA_CPP_DIR/build/bin/llama-server" "$SERVER_BIN"
+    mkdir -p "$BIN_DIR"
+    for target in "${missing[@]}"; do cp "$LLAMA_CPP_DIR/build/bin/$target" "$BIN_DIR/$target"; done
 }
 
 # The converter imports `gguf`; the sdist's own gguf-py matches it, whatever version is installed.
@@ -106,7 +111,7 @@ case "$STAGE" in
     *) echo "usage: $0 [all|build|gguf]" >&2; exit 2 ;;
 esac
 
-echo "llama-server: $SERVER_BIN"
+echo "binaries:     $BIN_DIR (${TARGETS[*]})"
 if [[ "$STAGE" != build ]]; then
     echo "f32 gguf:     $F32_GGUF"
     echo "q8_0 gguf:    $Q8_GGUF"
