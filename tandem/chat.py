@@ -16,7 +16,7 @@ from contextlib import contextmanager, suppress
 from typing import TextIO
 
 from tandem.engine import Engine
-from tandem.engine.chat_template import chat_template_problem
+from tandem.engine.chat_template import chat_template_problem, render_chat_ids
 from tandem.request import RequestOutput, SamplingParams
 
 Message = dict[str, str]
@@ -48,16 +48,8 @@ class Conversation:
     def prompt_ids(self, text: str) -> list[int]:
         """The conversation so far plus the user's `text`, rendered by the chat template and
         ready for the assistant's turn."""
-        tokenizer = self.engine.tokenizer
         conversation = [*self.messages, {"role": "user", "content": text}]
-        try:
-            rendered = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
-            raise ValueError(f"the chat template refused the conversation: {exc}") from None
-        # The template writes any BOS itself: tokenizing with special tokens would add another.
-        return tokenizer(rendered, add_special_tokens=False).input_ids
+        return render_chat_ids(self.engine.tokenizer, conversation)
 
     def reply(self, text: str, on_delta: Callable[[str], None] | None = None) -> str:
         """The assistant's answer to `text`, each new piece passed to `on_delta` as it comes.

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
+from tandem.engine.chat_template import chat_template_problem, render_chat_ids
 
 # The experiment of transformers' blog on asynchronous batching (an 8B model on an H200, batch 32,
 # 8K generated tokens): every request at once, short prompts, each generating exactly
@@ -118,33 +119,19 @@ def chat_questions() -> list[str]:
     return [line.strip() for line in lines if line.strip()]
 
 
-def render_chat(tokenizer: Any, question: str) -> list[int]:
-    """One user turn through the chat template, with the generation prompt, as token ids.
-
-    Tokenized as the server does it: the template writes any BOS itself, so no special tokens
-    are added."""
-    messages = [{"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 def chat_prompt_ids(
     tokenizer: Any, num_requests: int, where: str = "this model"
 ) -> list[list[int]]:
     """`num_requests` rendered questions, cycling through the shipped ones. `where` names the
     model in the error raised when it cannot render a chat."""
-    if tokenizer is None:
+    problem = chat_template_problem(tokenizer)
+    if problem is not None:
         raise ValueError(
-            f"the chat workload renders questions with the model's chat template, but {where} "
-            "has no tokenizer files"
+            f"the chat workload renders questions with the model's chat template ({where}): "
+            f"{problem}"
         )
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"the chat workload renders questions with the model's chat template, but the "
-            f"tokenizer of {where} has no chat template"
-        )
-    questions = chat_questions()
-    rendered = [render_chat(tokenizer, q) for q in questions[: min(num_requests, len(questions))]]
+    questions = chat_questions()[:num_requests]
+    rendered = [render_chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     return [rendered[i % len(rendered)] for i in range(num_requests)]
 
 

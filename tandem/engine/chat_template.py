@@ -1,5 +1,6 @@
-"""Whether a tokenizer can turn a conversation into a prompt: shared by `tandem chat` and the
-server's /v1/chat/completions, which word the advice for their own users."""
+"""Turning a conversation into a prompt: whether a tokenizer can (shared by `tandem chat`, the
+benchmark's chat workload and the server's /v1/chat/completions, which word the advice for their
+own users), and the prompt's token ids."""
 
 from __future__ import annotations
 
@@ -15,3 +16,14 @@ def chat_template_problem(tokenizer) -> str | None:
     if not getattr(tokenizer, "chat_template", None):
         return NO_CHAT_TEMPLATE
     return None
+
+
+def render_chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """`messages` through the chat template, ready for the assistant's turn, as token ids.
+    Raises ValueError if the template refuses them."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
+        raise ValueError(f"the chat template refused the conversation: {exc}") from None
+    # The template writes any BOS itself: tokenizing with special tokens would add another.
+    return tokenizer(text, add_special_tokens=False).input_ids

@@ -127,8 +127,8 @@ def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
                 f"{path} is truncated: tensor {tensor.name} ends at byte "
                 f"{tensor.data_offset + tensor.n_bytes}, the file has {size}"
             )
-    file = GGUFFile(path, reader, "", tensors)
-    file.architecture = str(file.field("general.architecture", ""))
+    arch_field = reader.fields.get("general.architecture")
+    file = GGUFFile(path, reader, str(arch_field.contents()) if arch_field else "", tensors)
     if file.architecture not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: architecture {file.architecture or 'none given'!r} ({file.tensor_types}) "
