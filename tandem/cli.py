@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto: the folder's safetensors; dummy: seeded random weights made on the "
                    "device from config.json alone (no tokenizer files: token-id prompts only)")  # fmt: skip
+    g.add_argument("--quantization", "-q", default=None, choices=("none", "int8"),
+                   help="default: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K layers run in their blocks (CPU, "
+                   "float32); none: every weight dequantized; int8: per-channel int8 linear "
+                   "layers from float weights (CPU)")  # fmt: skip
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")

@@ -21,6 +21,7 @@ _DTYPES = {
 # auto: read the checkpoint's safetensors; dummy: build the model from config.json alone with
 # seeded random weights made on the device (shapes and speed of a model without its download).
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "none", "int8")  # EngineConfig.quantization
 
 
 def usable_cores() -> int:
@@ -36,6 +37,9 @@ class EngineConfig:
 
     model: str | None = None
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: seeded random weights
+    # None: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K blocks run as they are (CPU, float32; others are
+    # dequantized); "none": every weight dequantized; "int8": per-channel int8 linear layers (CPU).
+    quantization: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
@@ -74,12 +78,27 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            names = ", ".join(repr(q) for q in QUANTIZATIONS)
+            raise ValueError(f"quantization must be one of {names}, got {self.quantization!r}")
+        if self.quantization == "int8" and (
+            self.torch_device.type != "cpu" or self.torch_dtype != torch.float32
+        ):
+            raise ValueError("quantization='int8' runs on the CPU in float32 (CPU kernels)")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self.torch_device  # noqa: B018 - validates the device name
         self.torch_dtype  # noqa: B018 - validates the dtype name
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """What the loader does: an eager run dequantizes a GGUF (its kernels are the fast
+        path's)."""
+        if self.quantization is None and self.enforce_eager:
+            return "none"
+        return self.quantization
 
     @property
     def torch_device(self) -> torch.device:

@@ -26,8 +26,8 @@ AVX2_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",  # PyTorch's own kernels (transformers' side)
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
-# What runs again under the AVX2 build: every check of a fused kernel against its reference,
-# the model's logits against transformers', and greedy tokens against transformers'.
+# What runs again under the AVX2 build: every check of a fused kernel against its reference
+# (the quantized linear layers' too), the model's logits and greedy tokens against transformers'.
 AVX2_CHECKS = [
     f"tests/test_kernels.py::{name}"
     for name in (
@@ -40,7 +40,7 @@ AVX2_CHECKS = [
         "test_fast_path_logits_stay_close_to_transformers",
         "test_fast_path_greedy_tokens_match_transformers",
     )
-]
+] + ["tests/test_quantized.py::test_the_kernel_is_the_dequantized_product"]
 # Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.
 RUN_PYTEST = (
     "import sys, pytest, torch; print('ATen:', torch.backends.cpu.get_cpu_capability()); "
@@ -109,14 +109,15 @@ def test_the_avx512_build_compiles(tmp_path) -> None:
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
-    assembly = tmp_path / "cpu_kernels.s"
-    result = subprocess.run(
-        [
-            os.environ.get("CXX", "c++"), "-std=c++20", "-fPIC", "-O3", "-march=sapphirerapids",
-            "-fopenmp", "-Wno-psabi", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S",
-            str(cpu_kernels.SOURCE), "-o", str(assembly),
-        ],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "zmm" in assembly.read_text()
+    for source in cpu_kernels.SOURCES:
+        assembly = tmp_path / f"{source.stem}.s"
+        result = subprocess.run(
+            [
+                os.environ.get("CXX", "c++"), "-std=c++20", "-fPIC", "-O3", "-march=sapphirerapids",
+                "-fopenmp", "-Wno-psabi", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S",
+                str(source), "-o", str(assembly),
+            ],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, source.name + ": " + result.stderr[-4000:]
+        assert "zmm" in assembly.read_text(), source.name

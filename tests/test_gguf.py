@@ -22,8 +22,11 @@ from tandem.cli import main as cli_main
 from tandem.models import load_model
 from tandem.models.catalog import PACKAGED_MODELS, PackagedModel, resolve_model
 from tandem.models.errors import ModelLoadError
+from tandem.models.gguf_blocks import NATIVE_TYPES
 from tandem.models.loader import build_model, read_config
 from tandem.models.parallel import SINGLE, TensorParallel
+from tandem.ops.linear import Linear
+from tandem.ops.quantized import dequantize
 
 from gguf_files import K_QUANTS, TENSOR_TYPES, tiny_hf_folder, write_gguf
 from helpers import greedy
@@ -55,10 +58,17 @@ def hf_state(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
+def dense(linear) -> torch.Tensor:
+    """A linear layer's float32 weight: its own, or its quantized one dequantized."""
+    return linear.weight if linear.quantized is None else dequantize(linear.quantized)
+
+
 def full_weight(model, name: str) -> torch.Tensor:
-    """A Hugging Face tensor as the loaded (unsharded) Tandem model holds it."""
+    """A Hugging Face tensor as the loaded (unsharded) Tandem model holds it (a layer kept in
+    its GGUF blocks, dequantized)."""
     place = model._place(name)
-    param = model.get_parameter(place.target)
+    quantized = model._quantized_target(place.target)
+    param = model.get_parameter(place.target) if quantized is None else dense(quantized)
     if place.offset is None:
         return param
     rows = place.rows.stop - place.rows.start
@@ -72,10 +82,18 @@ def test_every_tensor_type_loads_as_the_weights_it_encodes(llama_folder, gguf_di
     whole size."""
     path = write_gguf(llama_folder, gguf_dir / f"llama-{tensor_type}.gguf", tensor_type)
     model = load_model(path, torch.float32, CPU).model
+    dequantized = load_model(path, torch.float32, CPU, quantization="none").model
+    native = tensor_type in NATIVE_TYPES
     for name, original in hf_state(llama_folder).items():
         loaded = full_weight(model, name)
         error = (loaded - original).abs().max().item()
         assert error <= TOLERANCE[tensor_type] * original.abs().max().item(), (name, error)
+        # Kept in its blocks or dequantized on load: the same float32 weights, bit for bit.
+        assert torch.equal(loaded, full_weight(dequantized, name)), name
+        target = model._place(name).target
+        module = model.get_submodule(target.rsplit(".", 1)[0])
+        is_linear = isinstance(module, Linear) and target.endswith(".weight")
+        assert (model._quantized_target(target) is not None) == (native and is_linear), name
 
 
 @pytest.mark.parametrize(
@@ -104,11 +122,12 @@ def test_greedy_equals_transformers_on_the_same_file(tmp_path, architecture, ten
                 pad_token_id=0,
             )  # fmt: skip
         expected.append(out[0, len(prompt) :].tolist())
-    for async_scheduling in (True, False):
-        llm = LLM(str(path), enforce_eager=True, async_scheduling=async_scheduling, **OPTIONS)
+    # Eager: dequantized on load; the fast path: Q8_0 and Q4_K kept in their blocks.
+    for async_scheduling, eager in ((True, True), (False, True), (True, False), (False, False)):
+        llm = LLM(str(path), enforce_eager=eager, async_scheduling=async_scheduling, **OPTIONS)
         got = [out.token_ids for out in llm.generate(PROMPTS, greedy(12))]
         llm.close()
-        assert got == expected, (async_scheduling, got, expected)
+        assert got == expected, (async_scheduling, eager, got, expected)
 
 
 def test_tokenizer_and_template_come_from_the_file(llama_folder, gguf_dir):
@@ -131,26 +150,35 @@ def test_tokenizer_and_template_come_from_the_file(llama_folder, gguf_dir):
     llm.close()
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_K", "F16"])
-def test_each_rank_dequantizes_only_its_slices(tmp_path, tensor_type):
-    """Two ranks' shards put together are the whole model, bit for bit. Q8_0's blocks of 32 fit
-    the column split of O and down (read block by block); Q4_K's 256 do not (read whole)."""
+@pytest.mark.parametrize(
+    "tensor_type, quantization",
+    [("Q8_0", None), ("Q4_K", None), ("Q4_1", None), ("Q8_0", "none"), ("Q4_K", "none"),
+     ("F16", None)],
+)  # fmt: skip
+def test_each_rank_dequantizes_only_its_slices(tmp_path, tensor_type, quantization):
+    """Two ranks' shards put together are the whole model, bit for bit, whether a rank keeps its
+    rows and blocks of columns quantized (Q8_0, Q4_K, Q4_1: the column split of O and down falls
+    on blocks of 32) or dequantizes them (Q8_0 block by block, Q4_K's blocks of 256 whole)."""
     folder = tiny_hf_folder(tmp_path / "hf", "LlamaForCausalLM")
     path, spec, hf_config = read_config(write_gguf(folder, tmp_path / "m.gguf", tensor_type))
 
     def build(tp: TensorParallel):
-        return build_model(path, spec, hf_config, torch.float32, CPU, None, tp)
+        return build_model(
+            path, spec, hf_config, torch.float32, CPU, None, tp, quantization=quantization
+        )
 
     full, ranks = build(SINGLE), [build(TensorParallel(rank, 2)) for rank in range(2)]
     assert torch.equal(torch.cat([r.embed.weight for r in ranks]), full.embed.weight)
     layer, halves = full.layers[1], [r.layers[1] for r in ranks]
-    assert torch.equal(torch.cat([h.attn.o.weight for h in halves], 1), layer.attn.o.weight)
-    assert torch.equal(torch.cat([h.mlp.down.weight for h in halves], 1), layer.mlp.down.weight)
+    kept = quantization is None and tensor_type in NATIVE_TYPES
+    assert all((h.attn.o.quantized is not None) == kept for h in [layer, *halves])
+    assert torch.equal(torch.cat([dense(h.attn.o) for h in halves], 1), dense(layer.attn.o))
+    assert torch.equal(torch.cat([dense(h.mlp.down) for h in halves], 1), dense(layer.mlp.down))
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    qkv = [h.attn.qkv.weight for h in halves]
-    assert torch.equal(torch.cat([w[: q // 2] for w in qkv]), layer.attn.qkv.weight[:q])
+    qkv = [dense(h.attn.qkv) for h in halves]
+    assert torch.equal(torch.cat([w[: q // 2] for w in qkv]), dense(layer.attn.qkv)[:q])
     k_rows = torch.cat([w[q // 2 : q // 2 + kv // 2] for w in qkv])
-    assert torch.equal(k_rows, layer.attn.qkv.weight[q : q + kv])
+    assert torch.equal(k_rows, dense(layer.attn.qkv)[q : q + kv])
 
 
 # ----------------------------------------------------------------- files and names

@@ -29,6 +29,12 @@ class ExecutionPlan:
     tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
     backend: str | None = None  # their collectives: gloo or nccl
     cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
+    weight_formats: dict[str, int] = field(default_factory=dict)  # linear layers by format
+
+    def describe_weights(self) -> str:
+        """e.g. "linear layers: 120 Q4_1, 1 Q8_0" (quantized formats run by the CPU kernels)."""
+        counts = sorted(self.weight_formats.items(), key=lambda item: -item[1])
+        return "linear layers: " + ", ".join(f"{n} {name}" for name, n in counts)
 
     def describe(self) -> str:
         gemm = "MKL pre-packed GEMMs" if self.packed_gemm else "default GEMMs"
@@ -52,6 +58,8 @@ class ExecutionPlan:
                 f"; CUDA graphs for decode steps of up to {max(self.cuda_graph_sizes)} requests "
                 f"({len(self.cuda_graph_sizes)} sizes x 3 sampler variants)"
             )
+        if self.weight_formats:
+            text += "; " + self.describe_weights()
         k = self.kernels
         if k is not None and k.available:
             how = "loaded from the disk cache" if k.cached else "built and cached on disk"
@@ -62,6 +70,14 @@ class ExecutionPlan:
 
 
 def prepare(
+    model: LlamaModel, device: torch.device, dtype: torch.dtype, enforce_eager: bool
+) -> ExecutionPlan:
+    plan = _choose(model, device, dtype, enforce_eager)
+    plan.weight_formats = model.weight_formats()
+    return plan
+
+
+def _choose(
     model: LlamaModel, device: torch.device, dtype: torch.dtype, enforce_eager: bool
 ) -> ExecutionPlan:
     if not enforce_eager and device.type == "cuda" and (fused := _triton_elementwise()):

@@ -62,7 +62,7 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
         torch.set_num_threads(config.cpu_threads)
     model = build_model(
         path, spec, hf_config, dtype, device, config.max_model_len,
-        load_format=config.load_format, seed=config.seed,
+        load_format=config.load_format, seed=config.seed, quantization=config.weight_quantization,
     )  # fmt: skip
     plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
     return LoadedExecution(config, cache_capacity(model, config, device), model, None, plan)

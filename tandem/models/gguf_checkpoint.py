@@ -20,7 +20,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTenso
 from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
 
+from tandem.models import gguf_blocks
 from tandem.models.errors import ModelLoadError
+from tandem.ops.quantized import QuantizedWeight, pack
 
 # A GGUF's `general.architecture` -> the transformers architecture Tandem runs it as. llama.cpp
 # stores Mistral's dense models as "llama".
@@ -267,6 +269,33 @@ class GGUFTensor:
         if not np.isfinite(values).all():  # a corrupt scale shows here, once per tensor
             raise ModelLoadError(f"{self.file.path}: tensor {self.tensor.name} holds NaN or Inf")
         return torch.from_numpy(np.ascontiguousarray(values))
+
+    @property
+    def native_format(self) -> str | None:
+        """The type's name if the CPU kernels run it in its blocks (`quantized`), else None."""
+        name = self.tensor.tensor_type.name
+        return name if name in gguf_blocks.NATIVE_TYPES else None
+
+    def quantized(self, rows: slice | None, cols: slice | None) -> QuantizedWeight:
+        """Rows and columns of the tensor in the kernels' layout, its blocks as they are (the
+        columns on block boundaries)."""
+        kind = self.native_format
+        data = self.tensor.data if rows is None else self.tensor.data[rows]
+        codes, scales, offsets = gguf_blocks.split_blocks(data, kind, self.shape[-1])
+        if cols is not None:
+            start, stop, _ = cols.indices(self.shape[-1])
+            codes, scales = codes[:, start:stop], scales[:, start // 32 : stop // 32]
+            offsets = None if offsets is None else offsets[:, start // 32 : stop // 32]
+        if self.unpermute_head_dim is not None:
+            parts = [_unpermute_rows(t, self.unpermute_head_dim) for t in (codes, scales)]
+            codes, scales = parts
+            offsets = None if offsets is None else _unpermute_rows(offsets, self.unpermute_head_dim)
+        if not (np.isfinite(scales).all() and (offsets is None or np.isfinite(offsets).all())):
+            raise ModelLoadError(f"{self.file.path}: tensor {self.tensor.name} holds NaN or Inf")
+        tensors = [
+            None if t is None else torch.from_numpy(np.array(t)) for t in (codes, scales, offsets)
+        ]
+        return pack(*tensors, kind)
 
     def _column_blocks(self, data: np.ndarray, cols: slice) -> tuple[np.ndarray, slice]:
         """Narrow quantized rows to the blocks that hold `cols`, where the ends allow it."""

@@ -11,6 +11,7 @@ slice of the vocabulary for the embedding and the LM head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -23,6 +24,7 @@ from tandem.ops import elementwise
 from tandem.ops.attention import paged_attention
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
+from tandem.ops.quantized import BLOCK_COLS, GROUP_ROWS, can_quantize, quantize_int8
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +89,7 @@ class Attention(nn.Module):
         if not self.tp.enabled or o.bias is None:
             return self.tp.all_reduce(o(out))
         # Row-parallel: each rank holds part of the sum; the bias is added once, to the total.
-        return self.tp.all_reduce(linear(out, o.weight, None, o.packed)).add_(o.bias)
+        return self.tp.all_reduce(linear(out, o.weight, None, o.packed, o.quantized)).add_(o.bias)
 
 
 class MLP(nn.Module):
@@ -115,12 +117,8 @@ class DecoderLayer(nn.Module):
         a, m = self.attn, self.mlp
         q_norm = a.q_norm.weight if a.spec.qk_norm else none
         k_norm = a.k_norm.weight if a.spec.qk_norm else none
-        return [
-            self.input_norm.weight, a.qkv.weight, _or(a.qkv.packed, none), _or(a.qkv.bias, none),
-            q_norm, k_norm, a.o.weight, _or(a.o.packed, none), _or(a.o.bias, none),
-            self.post_attn_norm.weight,
-            m.gate_up.weight, _or(m.gate_up.packed, none), m.down.weight, _or(m.down.packed, none),
-        ]  # fmt: skip
+        norms = [self.input_norm.weight, q_norm, k_norm, self.post_attn_norm.weight]
+        return norms + a.qkv.flat() + a.o.flat() + m.gate_up.flat() + m.down.flat()
 
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous sublayer's output (the embeddings for the first layer, where
@@ -155,6 +153,9 @@ class LlamaModel(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, rows)
         self._packed_logits_weight: torch.Tensor | None = None
+        # Tied embeddings with quantized weights: the logits' own quantized copy of the embedding
+        # (the lookup keeps the float one).
+        self.tied_logits: Linear | None = None
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
 
     def use_fast_path(self, fused: bool) -> bool:
@@ -164,7 +165,8 @@ class LlamaModel(nn.Module):
 
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
         packed = [m.prepack() for m in self.modules() if isinstance(m, Linear)]
-        if self.spec.tie_word_embeddings and can_prepack(self.embed.weight):
+        tied = self.spec.tie_word_embeddings and self.tied_logits is None
+        if tied and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
         if fused:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
@@ -206,7 +208,9 @@ class LlamaModel(nn.Module):
         )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.spec.tie_word_embeddings:
+        if self.tied_logits is not None:
+            logits = self.tied_logits(hidden)
+        elif self.spec.tie_word_embeddings:
             logits = linear(hidden, self.embed.weight, None, self._packed_logits_weight)
         else:
             logits = self.lm_head(hidden)
@@ -223,6 +227,14 @@ class LlamaModel(nn.Module):
         place = self._place(name)
         if place is None:
             return False
+        quantized = self._quantized_target(place.target)
+        if quantized is not None:  # a planned layer: the checkpoint's blocks as they are
+            quantized.load_quantized_rows(
+                place.offset or 0, source.quantized(place.rows, place.cols)
+            )
+            return True
+        if name == "model.embed_tokens.weight" and self.tied_logits is not None:
+            self.tied_logits.load_quantized_rows(0, source.quantized(place.rows, None))
         if place.cols is not None:
             tensor = source[:, place.cols]
         elif place.rows is not None:
@@ -237,6 +249,77 @@ class LlamaModel(nn.Module):
             param.zero_()  # the last rank's padding rows past the vocabulary
         param.narrow(0, place.offset, tensor.shape[0]).copy_(tensor)
         return True
+
+    def plan_quantized_weights(self, format_of: Callable[[str], str | None]) -> int:
+        """Before the weights are allocated (on "meta"): every linear layer whose checkpoint
+        tensors all share one format the kernels run (`format_of(hf_name)`, None: none) and
+        whose shapes and shard fit the quantized layout gets no float weight; `load_weight`
+        then copies its blocks. Returns how many layers (and the tied logits) were planned."""
+        sources: dict[str, list[_Placement]] = {}
+        formats: dict[str, set[str | None]] = {}
+        for name in self.checkpoint_names():
+            place = self._place(name)
+            if place is not None and place.target.endswith(".weight"):
+                sources.setdefault(place.target, []).append(place)
+                formats.setdefault(place.target, set()).add(format_of(name))
+        planned = 0
+        for target, places in sources.items():
+            module = self.get_submodule(target.removesuffix(".weight"))
+            fits = isinstance(module, Linear) and all(map(_fits, places))
+            one_format = len(formats[target]) == 1 and None not in formats[target]
+            if fits and one_format and can_quantize(module.out_features, module.in_features):
+                module.drop_dense_weight()
+                planned += 1
+        rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
+        embed = "model.embed_tokens.weight"
+        tied = self.spec.tie_word_embeddings and format_of(embed) is not None
+        if tied and can_quantize(rows, hidden) and _fits(self._place(embed)):
+            self.tied_logits = Linear(hidden, rows)
+            self.tied_logits.drop_dense_weight()
+            planned += 1
+        return planned
+
+    def quantize_int8(self) -> int:
+        """Per-channel int8 for every linear layer (and the tied logits) whose shape fits the
+        layout, from the loaded float weights. Returns how many."""
+        count = 0
+        row_parallel = {m for layer in self.layers for m in (layer.attn.o, layer.mlp.down)}
+        for module in list(self.modules()):
+            dense = isinstance(module, Linear) and module.quantized is None
+            if dense and can_quantize(module.out_features, module.in_features):
+                absmax = module.weight.abs().amax(dim=1)
+                if module in row_parallel:  # a rank holds some columns: the whole row's largest
+                    self.tp.all_reduce_max(absmax)
+                module.set_quantized(quantize_int8(module.weight, absmax))
+                count += 1
+        rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
+        if (
+            self.spec.tie_word_embeddings
+            and self.tied_logits is None
+            and can_quantize(rows, hidden)
+        ):
+            self.tied_logits = Linear(hidden, rows)
+            self.tied_logits.set_quantized(quantize_int8(self.embed.weight))
+            count += 1
+        return count
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many linear layers (the logits' included) hold each format, e.g. {"Q4_1": 120}."""
+        counts: dict[str, int] = {}
+        for module in self.modules():
+            if isinstance(module, Linear):
+                dense = str(module.weight.dtype).removeprefix("torch.")
+                name = module.quantized.source if module.quantized else dense
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def _quantized_target(self, target: str) -> Linear | None:
+        """The linear layer `target` (a weight's name) belongs to, if it was planned quantized."""
+        if not target.endswith(".weight"):
+            return None
+        module = self.get_submodule(target.removesuffix(".weight"))
+        planned = isinstance(module, Linear) and module.weight.numel() == 0
+        return module if planned else None
 
     def checkpoint_names(self) -> set[str]:
         """The HF tensor names this model needs from a checkpoint."""
@@ -300,5 +383,10 @@ class _Placement:
     cols: slice | None = None  # columns of the checkpoint tensor (row-parallel)
 
 
-def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
-    return default if tensor is None else tensor
+def _fits(place: _Placement) -> bool:
+    """Whether a tensor's part lands on whole row groups and column blocks of the layout."""
+    rows_ok = place.rows is None or (place.rows.stop - place.rows.start) % GROUP_ROWS == 0
+    cols_ok = place.cols is None or (
+        place.cols.start % BLOCK_COLS == 0 and place.cols.stop % BLOCK_COLS == 0
+    )
+    return rows_ok and cols_ok and (place.offset or 0) % GROUP_ROWS == 0

@@ -52,9 +52,12 @@ def load_model(
     tp: TensorParallel = SINGLE,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LoadedModel:
     path, spec, hf_config = read_config(path)
-    model = build_model(path, spec, hf_config, dtype, device, max_model_len, tp, load_format, seed)
+    model = build_model(
+        path, spec, hf_config, dtype, device, max_model_len, tp, load_format, seed, quantization
+    )
     return LoadedModel(model, spec, hf_config, find_tokenizer(path), path)
 
 
@@ -108,13 +111,25 @@ def build_model(
     tp: TensorParallel = SINGLE,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LlamaModel:
     """This rank's model with its shard of the weights, read straight from the safetensors, or
     made up on the device (`load_format="dummy"`, seeded by `seed`). The parameters are allocated
-    once, in `dtype`, on `device`."""
+    once, in `dtype`, on `device`; the linear layers a GGUF's blocks fill (`quantization` None,
+    float32 on a CPU) get no float copy at all."""
+    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            "quantization='int8' runs on the CPU in float32 (its kernels are CPU ones)"
+        )
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
         model = LlamaModel(spec, tp)
+    native = quantization is None and device.type == "cpu" and dtype == torch.float32
+    if native and load_format == "auto" and gguf.is_gguf(path):
+        tensors = dict(gguf.gguf_tensors(gguf.open_gguf(path), spec.head_dim))
+        model.plan_quantized_weights(
+            lambda name: tensors[name].native_format if name in tensors else None
+        )
     model = model.to(dtype).to_empty(device=device)
     inv_freq, scaling = _inv_freq(hf_config)
     if gguf.is_gguf(path) and (factors := gguf.rope_freq_factors(gguf.open_gguf(path))) is not None:
@@ -129,6 +144,8 @@ def build_model(
         _load_weights(model, path)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    if quantization == "int8":
+        model.quantize_int8()
     return model.eval().requires_grad_(False)
 
 

@@ -38,6 +38,12 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Largest over ranks, in place."""
+        if self.enabled:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[N, C] on each rank -> [N, world * C], ranks in order (the vocabulary shards)."""
         if not self.enabled:

@@ -1,4 +1,5 @@
-"""Build (once, cached on disk) and load the fused CPU kernels in `csrc/cpu_kernels.cpp`.
+"""Build (once, cached on disk) and load the fused CPU kernels in `csrc/` (`cpu_kernels.cpp`, the
+quantized linear layers in `quantized_linear.cpp`, their shared `vectors.h`).
 
 The build is a one-time cost of some tens of seconds on a small machine; the shared library is
 kept under the Tandem cache folder, named by a hash of the source, the compiler flags, the torch
@@ -25,7 +26,9 @@ import torch
 
 logger = logging.getLogger("tandem")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized_linear.cpp")
+FILES = (*SOURCES, CSRC / "vectors.h")  # everything the build reads
 # The vector code (GCC's 64-byte vectors) compiles to AVX-512, or to pairs of AVX2 registers.
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
 
@@ -78,8 +81,10 @@ def cflags() -> list[str]:
 def build_name() -> str:
     """The build's name: a hash of everything that changes the library, the flags included."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(cflags()).encode(), torch.__version__.encode()):
-        key.update(part)
+    for file in FILES:
+        key.update(file.read_bytes())
+    key.update(" ".join(cflags()).encode())
+    key.update(torch.__version__.encode())
     key.update(_cpu_flags().encode())
     return f"tandem_cpu_kernels_{key.hexdigest()[:16]}"
 
@@ -107,18 +112,19 @@ def load() -> KernelBuild:
     build_dir = cache_root() / "kernels" / name
     cached = (build_dir / f"{name}.so").is_file()
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Compile a copy kept beside the build: the name already fixes the content, and one path for
+    # Compile copies kept beside the build: the name already fixes the content, and one path for
     # every checkout of the same source keeps ninja's command line (and its cached build) stable.
-    source = build_dir / SOURCE.name
-    if not source.is_file():
-        staging = source.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(SOURCE, staging)
-        os.replace(staging, source)
+    for file in FILES:
+        copy = build_dir / file.name
+        if not copy.is_file():
+            staging = copy.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(file, staging)
+            os.replace(staging, copy)
     start = time.perf_counter()
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(source)],
+            sources=[str(build_dir / file.name) for file in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

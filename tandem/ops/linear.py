@@ -1,4 +1,5 @@
-"""Linear layers that can run through MKL's pre-packed single-precision GEMM on a CPU.
+"""Linear layers that can run through MKL's pre-packed single-precision GEMM on a CPU, or over
+quantized weights (`quantized.py`).
 
 At decode batch sizes (tens of rows) a GEMM's time goes into streaming the weight matrix, and
 MKL's packed format (`cblas_sgemm_pack`, reached through `torch.ops.mkl._mkl_linear`, the op
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.ops import cpu_kernels
+from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, quantized_linear
 
 # Up to this many rows (a decode step of that many sequences) the fast path streams the weight
 # through the fused kernels' GEMV (csrc: `gemv`, kGemvMaxRows), faster from memory than MKL's.
@@ -44,9 +46,13 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    """x [M, in] @ weight [out, in].T (+ bias), through the packed weight when there is one
-    (the fast path), or on that path through the fused GEMV for a few rows."""
+    """x [M, in] @ weight [out, in].T (+ bias): over the quantized weight when there is one, else
+    through the packed weight when there is one (the fast path), or on that path through the
+    fused GEMV for a few rows."""
+    if quantized is not None:
+        return quantized_linear(x, quantized, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     if 1 <= x.shape[0] <= GEMV_MAX_ROWS and cpu_kernels.loaded() and x.stride(-1) == 1:
@@ -55,19 +61,63 @@ def linear(
 
 
 class Linear(nn.Module):
-    """nn.Linear's parameters (so checkpoints load unchanged), plus an optional packed weight."""
+    """nn.Linear's parameters (so checkpoints load unchanged), plus an optional packed weight, or
+    a quantized weight in place of the float one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
+
+    def drop_dense_weight(self) -> None:
+        """Keep no float weight (it is to be loaded quantized): an empty parameter in its place."""
+        self.weight = nn.Parameter(torch.empty(0, device=self.weight.device), requires_grad=False)
+
+    def set_quantized(self, q: QuantizedWeight) -> None:
+        if q.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {q.shape} for a {self.out_features} x "
+                             f"{self.in_features} layer")  # fmt: skip
+        self.quantized = q
+        self.drop_dense_weight()
+
+    def load_quantized_rows(self, first_row: int, part: QuantizedWeight) -> None:
+        """Copy rows [first_row, first_row + part's rows) of the quantized weight (a fused
+        projection's part: q, k or v; gate or up); the first part sets the format."""
+        if self.quantized is None:
+            groups = self.out_features // GROUP_ROWS
+            whole = [None if t is None else t.new_zeros((groups, *t.shape[1:])) for t in
+                     (part.values, part.scales, part.offsets)]  # fmt: skip
+            self.quantized = QuantizedWeight(*whole, part.source)
+        q = self.quantized
+        if part.values.dtype != q.values.dtype or part.scales.dtype != q.scales.dtype:
+            raise ValueError(f"parts of one layer in two formats ({q.source}, {part.source})")
+        group = first_row // GROUP_ROWS
+        for whole, piece in zip(q.flat(), part.flat(), strict=True):
+            if piece.numel():
+                whole.narrow(0, group, piece.shape[0]).copy_(piece)
 
     def prepack(self) -> bool:
         """Pack the weight for MKL where that path exists; True if it did."""
-        if can_prepack(self.weight):
+        if self.quantized is None and can_prepack(self.weight):
             self.packed = prepack(self.weight)
-        return self.packed is not None
+        return self.packed is not None or self.quantized is not None
+
+    def flat(self) -> list[torch.Tensor]:
+        """The five tensors the fused forward reads per linear layer (csrc: LayerWeight): the
+        float weight or the quantized values, MKL's packed weight, scales, offsets, bias."""
+        none = torch.empty(0)
+        packed = _or(self.packed, none)
+        if self.quantized is not None:
+            values, scales, offsets = self.quantized.flat()
+            return [values, packed, scales, offsets, _or(self.bias, none)]
+        return [self.weight, packed, none, none, _or(self.bias, none)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.quantized)
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor

@@ -14,6 +14,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "vectors.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -27,6 +29,8 @@
 #include <vector>
 
 namespace {
+
+using namespace tandem;
 
 void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -267,23 +271,7 @@ using Vec16Unaligned = float __attribute__((vector_size(64), aligned(4), may_ali
 
 inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16Unaligned*>(p); }
 
-// The width is the instruction set's register: a 16-lane kernel's 16 partial dot products and
-// its queries fill AVX-512's 32 registers, and on AVX2 (16 registers of 8 lanes) the same code
-// spilled every one of them and ran 3x slower than the generic loop; 8 lanes fit there.
-#ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
-constexpr int64_t kRegisters = 32;
-#else
-constexpr int64_t kLanes = 8;
-constexpr int64_t kRegisters = 16;
-#endif
 constexpr int64_t kLineFloats = 16;  // floats per 64-byte cache line
-using VecL = float __attribute__((vector_size(4 * kLanes)));
-using LanesL = int32_t __attribute__((vector_size(4 * kLanes)));
-using VecLUnaligned = float __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
-
-inline VecL load_lanes(const float* p) { return *reinterpret_cast<const VecLUnaligned*>(p); }
-inline void store_lanes(float* p, VecL v) { *reinterpret_cast<VecLUnaligned*>(p) = v; }
 
 // Lane t of the result is the sum of the kLanes lanes of v[t]. Each level adds the two halves of
 // every token's partial sums, packing two vectors' tokens into one, in order. (A mask indexes
@@ -591,13 +579,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 // per step releases the GIL once, so the host's work truly overlaps. The arithmetic is the
 // Python model's with the fused ops above (tandem/models/llama.py is the reference).
 
-// Per layer, in this order; a missing optional weight is an empty tensor.
+// Per layer, in this order; a missing optional weight is an empty tensor. Each linear layer is
+// five tensors (`Linear.flat()` in ops/linear.py): its float32 weight, or its quantized values,
+// then MKL's packed weight, the quantized scales and offsets, and the bias.
 enum LayerWeight {
-  kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kOBias, kPostNorm,
-  kGateUp, kGateUpPacked, kDown, kDownPacked, kWeightsPerLayer
+  kInputNorm, kQNorm, kKNorm, kPostNorm, kQkv, kO = kQkv + 5, kGateUp = kO + 5,
+  kDown = kGateUp + 5, kWeightsPerLayer = kDown + 5
 };
-
-bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // out[m, o] = x[m] . w[o] (+ bias[o]) for the M rows of x and weight rows [o0, o1): R weight rows
 // at a time, each read once, in order, for every row of x.
@@ -664,17 +652,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   return out;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
-                  const at::Tensor& bias) {
-  const c10::optional<at::Tensor> b = present(bias) ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+// The linear layer whose five tensors start at w[first]; `with_bias` false leaves the bias to the
+// caller (a row-parallel layer adds it once, after the all-reduce).
+at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t first, bool with_bias = true) {
+  const at::Tensor &weight = w[first], &packed = w[first + 1], &bias = w[first + 4];
+  const at::Tensor none;
+  const at::Tensor& b = with_bias ? bias : none;
+  if (weight.scalar_type() != at::kFloat) return quantized_linear(x, weight, w[first + 2], w[first + 3], b);
+  const c10::optional<at::Tensor> ob = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
   if (present(packed) && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows && x.stride(-1) == 1)
-    return gemv(x, weight, bias);  // the fast path's few-row steps (packed: float32, dense)
-  if (!present(packed)) return at::linear(x, weight, b);
+    return gemv(x, weight, b);  // the fast path's few-row steps (packed: float32, dense)
+  if (!present(packed)) return at::linear(x, weight, ob);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkl::_mkl_linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const c10::optional<at::Tensor>&, int64_t)>();
-  return op.call(x, packed, weight, b, x.size(0));
+  return op.call(x, packed, weight, ob, x.size(0));
 }
 
 struct ForwardShape {
@@ -719,7 +712,7 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            const at::Tensor& prefills, const ForwardShape& s, double norm_eps) {
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
-  auto qkv = linear(h, w[kQkv], w[kQkvPacked], w[kQkvBias]);
+  auto qkv = linear(h, w, kQkv);
   auto q = qkv.narrow(1, 0, q_size).view({-1, s.heads, s.head_dim});
   auto k = qkv.narrow(1, q_size, kv_size).view({-1, s.kv_heads, s.head_dim});
   auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, s.kv_heads, s.head_dim});
@@ -745,7 +738,7 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
                                v.narrow(0, seg[0], seg[1]), k_cache, v_cache,
                                block_tables.select(0, seg[3]), seg[1], seg[2], s));
   }
-  return linear(out.view({-1, q_size}), w[kO], w[kOPacked], at::Tensor());  // bias: by the caller
+  return linear(out.view({-1, q_size}), w, kO, /*with_bias=*/false);  // bias: by the caller
 }
 
 // Tensor parallelism: sum `x` over the ranks of process group `group` (registered by name by
@@ -803,10 +796,9 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
     auto a = attention_block(h, w, kv_caches[layer], positions, cos, sin, slot_mapping,
                              block_tables, context_lens, prefills, s, eps);
     all_reduce_(a, group);  // O is row-parallel: its bias is added once, to the sum
-    if (present(w[kOBias])) a.add_(w[kOBias]);
+    if (present(w[kO + 4])) a.add_(w[kO + 4]);
     h = add_rms_norm(a, residual, w[kPostNorm], eps);
-    x = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], at::Tensor())), w[kDown],
-               w[kDownPacked], at::Tensor());
+    x = linear(silu_and_mul(linear(h, w, kGateUp)), w, kDown);
     all_reduce_(x, group);  // down is row-parallel
   }
   return add_rms_norm(x, residual, final_norm, eps);
@@ -1004,6 +996,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor bias) -> Tensor");
   m.def(
+      "quantized_linear(Tensor x, Tensor values, Tensor scales, Tensor offsets, Tensor bias) "
+      "-> Tensor");
+  m.def(
       "sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor seed_keys, "
       "Tensor output_index) -> Tensor");
   m.def(
@@ -1027,6 +1022,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemv", &gemv);
+  m.impl("quantized_linear", &tandem::quantized_linear);
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);

@@ -1,0 +1,35 @@
+// The vector width of the instruction set the kernels are built for, shared by the kernel files.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace tandem {
+
+// The width is the instruction set's register: a 16-lane kernel's 16 partial dot products and
+// its queries fill AVX-512's 32 registers, and on AVX2 (16 registers of 8 lanes) the same code
+// spilled every one of them and ran 3x slower than the generic loop; 8 lanes fit there.
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRegisters = 32;
+#else
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRegisters = 16;
+#endif
+using VecL = float __attribute__((vector_size(4 * kLanes)));
+using LanesL = int32_t __attribute__((vector_size(4 * kLanes)));
+using VecLUnaligned = float __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+
+inline VecL load_lanes(const float* p) { return *reinterpret_cast<const VecLUnaligned*>(p); }
+inline void store_lanes(float* p, VecL v) { *reinterpret_cast<VecLUnaligned*>(p) = v; }
+
+// An optional tensor argument: an empty tensor stands for none.
+inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// x [M, K] @ W.T (+ bias) for W stored in quantized blocks (quantized_linear.cpp explains the
+// layout); out [M, N] float32.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                            const at::Tensor& offsets, const at::Tensor& bias);
+
+}  // namespace tandem

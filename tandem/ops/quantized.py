@@ -1,0 +1,133 @@
+"""Weights kept quantized: the layout the CPU kernels read, its reference, and int8 quantization.
+
+A quantized weight [N, K] is codes with a scale (and, for 4-bit codes, an offset) per row and
+block of 32 columns: weight = code * scale + offset. GGUF's Q8_0 (8-bit, float16 scales), Q4_0,
+Q4_1 (4-bit, float16 scales and offsets) and Q4_K (4-bit, float32: its scales are products of
+two) are all exactly this, and so is per-channel int8 (one float32 scale per row, repeated per
+block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each block's
+columns one at a time, so `pack` lays them out that way; `dequantize` is the float32 weight,
+which the kernels reproduce exactly before multiplying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.ops import cpu_kernels
+
+GROUP_ROWS = 16  # output rows per group (csrc: kGroupRows)
+BLOCK_COLS = 32  # input columns per scale (csrc: kBlockCols)
+
+
+@dataclass
+class QuantizedWeight:
+    """Packed codes, scales and offsets of one [out_features, in_features] weight."""
+
+    values: torch.Tensor  # int8 [G, B, 32, 16] (8-bit) or uint8 [G, B, 16, 16] (4-bit nibbles)
+    scales: torch.Tensor  # [G, B, 16] float16 or float32
+    offsets: torch.Tensor | None  # 4-bit: like scales; 8-bit: None
+    source: str  # what the codes came from, e.g. "Q4_1", "int8"
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.values.dtype == torch.uint8 else 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape[0] * GROUP_ROWS, self.values.shape[1] * BLOCK_COLS
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.values, self.scales, self.offsets)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def flat(self) -> list[torch.Tensor]:
+        """values, scales, offsets (an empty tensor for none), as the kernels take them."""
+        return [self.values, self.scales, _or_empty(self.offsets)]
+
+
+def can_quantize(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape fits the layout (whole groups of rows, whole blocks)."""
+    return out_features % GROUP_ROWS == 0 and in_features % BLOCK_COLS == 0 and out_features > 0
+
+
+def pack(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    source: str,
+) -> QuantizedWeight:
+    """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
+    -> the kernels' layout."""
+    n, k = codes.shape
+    if not can_quantize(n, k):
+        raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
+    groups, blocks = n // GROUP_ROWS, k // BLOCK_COLS
+    grouped = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS).permute(0, 2, 3, 1)
+    if offsets is None:
+        values = grouped.to(torch.int8).contiguous()
+    else:
+        nibbles = grouped.to(torch.uint8)
+        half = BLOCK_COLS // 2
+        values = (nibbles[:, :, :half] | (nibbles[:, :, half:] << 4)).contiguous()
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous()
+
+    return QuantizedWeight(
+        values, per_group(scales), None if offsets is None else per_group(offsets), source
+    )
+
+
+def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """pack's inverse: codes [N, K], scales and offsets [N, K / 32]."""
+    groups, blocks = q.values.shape[:2]
+    n, k = q.shape
+    nibbles = q.offsets is not None
+    grouped = torch.cat((q.values & 15, q.values >> 4), dim=2) if nibbles else q.values
+    codes = grouped.permute(0, 3, 1, 2).reshape(n, k)
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(n, blocks)
+
+    return codes, per_row(q.scales), None if q.offsets is None else per_row(q.offsets)
+
+
+def dequantize(q: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight [N, K]: code * scale + offset, rounded once (the kernels' values)."""
+    codes, scales, offsets = unpack(q)
+    scale = scales.float().repeat_interleave(BLOCK_COLS, dim=1)
+    if offsets is None:
+        return codes.float() * scale
+    offset = offsets.float().repeat_interleave(BLOCK_COLS, dim=1)
+    return torch.addcmul(offset, codes.float(), scale)
+
+
+def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> QuantizedWeight:
+    """Per-channel (per output row) symmetric int8 of a float weight [N, K]: scale = max|w| / 127,
+    code = round(w / scale). `row_absmax` [N] gives max|w| of whole rows this is a slice of (a
+    row-parallel shard), so every rank rounds as the unsharded weight would."""
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1) if row_absmax is None else row_absmax.float()
+    scale = absmax[:, None] / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    scales = scale.expand(-1, w.shape[1] // BLOCK_COLS).contiguous()
+    return pack(codes, scales, None, "int8")
+
+
+def quantized_linear(
+    x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias): the fused kernel where it is loaded, else the reference."""
+    if cpu_kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.float32:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return torch.ops.tandem.quantized_linear(x, *q.flat(), _or_empty(bias))
+    return F.linear(x, dequantize(q).to(x.dtype), bias)
+
+
+def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(0) if t is None else t
