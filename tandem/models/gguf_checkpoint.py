@@ -284,17 +284,17 @@ class GGUFTensor:
         codes, scales, offsets = gguf_blocks.split_blocks(data, kind, self.shape[-1])
         if cols is not None:
             start, stop, _ = cols.indices(self.shape[-1])
-            codes, scales = codes[:, start:stop], scales[:, start // 32 : stop // 32]
-            offsets = None if offsets is None else offsets[:, start // 32 : stop // 32]
+            per_block = slice(start // 32, stop // 32)
+            codes = codes[:, start:stop]
+            scales, offsets = (None if t is None else t[:, per_block] for t in (scales, offsets))
+        parts = [codes, scales, offsets]
         if self.unpermute_head_dim is not None:
-            parts = [_unpermute_rows(t, self.unpermute_head_dim) for t in (codes, scales)]
-            codes, scales = parts
-            offsets = None if offsets is None else _unpermute_rows(offsets, self.unpermute_head_dim)
-        if not (np.isfinite(scales).all() and (offsets is None or np.isfinite(offsets).all())):
+            parts = [
+                None if t is None else _unpermute_rows(t, self.unpermute_head_dim) for t in parts
+            ]
+        if not all(t is None or np.isfinite(t).all() for t in parts[1:]):  # scales and offsets
             raise ModelLoadError(f"{self.file.path}: tensor {self.tensor.name} holds NaN or Inf")
-        tensors = [
-            None if t is None else torch.from_numpy(np.array(t)) for t in (codes, scales, offsets)
-        ]
+        tensors = [None if t is None else torch.from_numpy(np.array(t)) for t in parts]
         return pack(*tensors, kind)
 
     def _column_blocks(self, data: np.ndarray, cols: slice) -> tuple[np.ndarray, slice]:

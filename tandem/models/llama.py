@@ -250,11 +250,11 @@ class LlamaModel(nn.Module):
         param.narrow(0, place.offset, tensor.shape[0]).copy_(tensor)
         return True
 
-    def plan_quantized_weights(self, format_of: Callable[[str], str | None]) -> int:
+    def plan_quantized_weights(self, format_of: Callable[[str], str | None]) -> None:
         """Before the weights are allocated (on "meta"): every linear layer whose checkpoint
         tensors all share one format the kernels run (`format_of(hf_name)`, None: none) and
         whose shapes and shard fit the quantized layout gets no float weight; `load_weight`
-        then copies its blocks. Returns how many layers (and the tied logits) were planned."""
+        then copies its blocks."""
         sources: dict[str, list[_Placement]] = {}
         formats: dict[str, set[str | None]] = {}
         for name in self.checkpoint_names():
@@ -262,27 +262,22 @@ class LlamaModel(nn.Module):
             if place is not None and place.target.endswith(".weight"):
                 sources.setdefault(place.target, []).append(place)
                 formats.setdefault(place.target, set()).add(format_of(name))
-        planned = 0
         for target, places in sources.items():
             module = self.get_submodule(target.removesuffix(".weight"))
             fits = isinstance(module, Linear) and all(map(_fits, places))
             one_format = len(formats[target]) == 1 and None not in formats[target]
             if fits and one_format and can_quantize(module.out_features, module.in_features):
                 module.drop_dense_weight()
-                planned += 1
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         embed = "model.embed_tokens.weight"
         tied = self.spec.tie_word_embeddings and format_of(embed) is not None
         if tied and can_quantize(rows, hidden) and _fits(self._place(embed)):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.drop_dense_weight()
-            planned += 1
-        return planned
 
-    def quantize_int8(self) -> int:
+    def quantize_int8(self) -> None:
         """Per-channel int8 for every linear layer (and the tied logits) whose shape fits the
-        layout, from the loaded float weights. Returns how many."""
-        count = 0
+        layout, from the loaded float weights."""
         row_parallel = {m for layer in self.layers for m in (layer.attn.o, layer.mlp.down)}
         for module in list(self.modules()):
             dense = isinstance(module, Linear) and module.quantized is None
@@ -291,7 +286,6 @@ class LlamaModel(nn.Module):
                 if module in row_parallel:  # a rank holds some columns: the whole row's largest
                     self.tp.all_reduce_max(absmax)
                 module.set_quantized(quantize_int8(module.weight, absmax))
-                count += 1
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         if (
             self.spec.tie_word_embeddings
@@ -300,8 +294,6 @@ class LlamaModel(nn.Module):
         ):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.set_quantized(quantize_int8(self.embed.weight))
-            count += 1
-        return count
 
     def weight_formats(self) -> dict[str, int]:
         """How many linear layers (the logits' included) hold each format, e.g. {"Q4_1": 120}."""

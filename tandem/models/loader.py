@@ -117,10 +117,6 @@ def build_model(
     made up on the device (`load_format="dummy"`, seeded by `seed`). The parameters are allocated
     once, in `dtype`, on `device`; the linear layers a GGUF's blocks fill (`quantization` None,
     float32 on a CPU) get no float copy at all."""
-    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(
-            "quantization='int8' runs on the CPU in float32 (its kernels are CPU ones)"
-        )
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
         model = LlamaModel(spec, tp)

@@ -16,12 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.ops import cpu_kernels
-from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, quantized_linear
+from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, or_empty, quantized_linear
 
 # Up to this many rows (a decode step of that many sequences) the fast path streams the weight
 # through the fused kernels' GEMV (csrc: `gemv`, kGemvMaxRows), faster from memory than MKL's.
 GEMV_MAX_ROWS = 4
-_NO_BIAS = torch.empty(0)
 
 # The M that MKL tunes the packed layout for; any M runs correctly. 128 is as fast as a layout
 # for 32 at decode sizes and faster from 64 rows up; layouts for 2048 rows are slow at small M.
@@ -56,7 +55,7 @@ def linear(
     if packed is None:
         return F.linear(x, weight, bias)
     if 1 <= x.shape[0] <= GEMV_MAX_ROWS and cpu_kernels.loaded() and x.stride(-1) == 1:
-        return torch.ops.tandem.gemv(x, weight, _NO_BIAS if bias is None else bias)
+        return torch.ops.tandem.gemv(x, weight, or_empty(bias))
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
@@ -108,16 +107,11 @@ class Linear(nn.Module):
     def flat(self) -> list[torch.Tensor]:
         """The five tensors the fused forward reads per linear layer (csrc: LayerWeight): the
         float weight or the quantized values, MKL's packed weight, scales, offsets, bias."""
-        none = torch.empty(0)
-        packed = _or(self.packed, none)
+        packed, bias = or_empty(self.packed), or_empty(self.bias)
         if self.quantized is not None:
             values, scales, offsets = self.quantized.flat()
-            return [values, packed, scales, offsets, _or(self.bias, none)]
-        return [self.weight, packed, none, none, _or(self.bias, none)]
+            return [values, packed, scales, offsets, bias]
+        return [self.weight, packed, or_empty(None), or_empty(None), bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.quantized)
-
-
-def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
-    return default if tensor is None else tensor

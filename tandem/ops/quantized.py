@@ -46,7 +46,7 @@ class QuantizedWeight:
 
     def flat(self) -> list[torch.Tensor]:
         """values, scales, offsets (an empty tensor for none), as the kernels take them."""
-        return [self.values, self.scales, _or_empty(self.offsets)]
+        return [self.values, self.scales, or_empty(self.offsets)]
 
 
 def can_quantize(out_features: int, in_features: int) -> bool:
@@ -125,9 +125,10 @@ def quantized_linear(
     """x [M, K] @ weight.T (+ bias): the fused kernel where it is loaded, else the reference."""
     if cpu_kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.float32:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return torch.ops.tandem.quantized_linear(x, *q.flat(), _or_empty(bias))
+        return torch.ops.tandem.quantized_linear(x, *q.flat(), or_empty(bias))
     return F.linear(x, dequantize(q).to(x.dtype), bias)
 
 
-def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+def or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    """An optional tensor as the kernels take it: an empty tensor for none."""
     return torch.empty(0) if t is None else t
