@@ -10,7 +10,20 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
-from tandem.request import CompletionOutput, RequestOutput, SamplingParams
+from tandem.request import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-HOST_PHASES = ("schedule", "build", "launch", "wait", "update")
+HOST_PHASES = ("schedule", "build", "launch", "grammar", "wait", "update")
 
 
 @dataclass
@@ -22,6 +22,7 @@ class StepRecord:
     num_seqs: int
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # host phases
     device: tuple[float, float] = (0.0, 0.0)
+    device_wait: float = 0.0  # seconds within `device` the device waited for a grammar bitmask
     discarded: int = 0  # sampled tokens dropped at retirement: their request had finished
 
 
@@ -99,7 +100,7 @@ def summarize(
     if after is not None:
         start = max(start, after.device[1])
     end = max(max(span[1] for span in s.spans.values()) for s in steps)
-    busy = sum(s.device[1] - s.device[0] for s in steps)
+    busy = sum(s.device[1] - s.device[0] - s.device_wait for s in steps)
     ttft = [r.token_times[0] - r.arrival for r in requests if r.token_times]
     itl = [float(x) for r in requests for x in np.diff(r.token_times)]
     host = {
@@ -150,8 +151,8 @@ def plot_timeline(runs: dict[str, list[StepRecord]], path: str | Path, max_steps
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"schedule": "#4c72b0", "build": "#55a868", "launch": "#8172b2", "wait": "#cccccc",
-              "update": "#dd8452", "device": "#c44e52"}  # fmt: skip
+    colors = {"schedule": "#4c72b0", "build": "#55a868", "launch": "#8172b2", "grammar": "#937860",
+              "wait": "#cccccc", "update": "#dd8452", "device": "#c44e52"}  # fmt: skip
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.8 * len(runs) + 0.6), squeeze=False)
     for ax, (name, steps) in zip(axes[:, 0], runs.items(), strict=True):
         steps = list(steps)

@@ -3,12 +3,72 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+# The longest schema, regex, grammar or choice list a request may carry (characters): compiling
+# grows with it, and a request is no place for a megabyte of grammar.
+MAX_GRAMMAR_CHARS = 64 * 1024
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's fields): exactly one of a JSON schema, any JSON object,
+    a regular expression, a choice among strings, an EBNF (or Lark) grammar, or an xgrammar
+    structural tag (JSON text). Invalid values raise ValueError naming the field."""
+
+    json: str | dict | None = None  # a JSON schema (dict or its text); kept as canonical text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(GRAMMAR_KINDS)}; got {', '.join(given) or 'none'}"
+            )
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json, separators=(",", ":"))  # properties keep their order
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must hold strings only")
+        if len(self.key[1]) > MAX_GRAMMAR_CHARS:
+            raise ValueError(
+                f"structured_outputs.{self.kind} is {len(self.key[1])} characters long; "
+                f"at most {MAX_GRAMMAR_CHARS} are accepted"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for requests that compile to the same grammar."""
+        kind = self.kind
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -37,6 +97,8 @@ class SamplingParams:
     # token's plus this many top alternatives per generated (or, for prompt_logprobs, prompt) token.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrained decoding: every output token keeps the text a prefix of the grammar's language.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -67,6 +129,12 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         self._check_penalties()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -177,6 +245,7 @@ class Request:
     last_step: int = -1  # id of the last launched step that involves this request
     num_preemptions: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # why the engine ended it, when that was not the request's doing
     aborted: bool = False
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -186,6 +255,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     processing: LogitsProcessing | None = None
+    # With structured outputs: the compiled grammar (shared by a request's samples), then each
+    # sample's own matcher, advanced by retired tokens only (`engine/grammar.py`).
+    compiled_grammar: Any = None
+    grammar: Any = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token; [0] None
 

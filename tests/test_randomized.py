@@ -1,22 +1,29 @@
 """Randomized schedules (hypothesis): arrivals, lengths, budgets, block sizes, aborts, shared
-prefixes, n > 1 samples, preemption and prefix-cache eviction.
+prefixes, n > 1 samples, preemption, prefix-cache eviction and grammar-constrained requests.
 
 Each schedule runs through both loops. After every step the KV block accounting is checked
 exactly: the pool's own invariants hold, every block's owners are exactly the requests (and
 deferred frees) that hold it, no request holds a block twice, a block is never handed out while
 a step that used it may still be in flight, a step never writes a shared or cached block, and a
 block joins the prefix cache only once every step that wrote it has retired. After each run:
-every sample ended exactly once, its output equals the reference (a prefix of it when aborted),
-and every block is free again. Samples that were not aborted get the same tokens from both loops.
+every sample ended exactly once, its output equals the reference (a prefix of it when aborted;
+for a constrained sample, text its grammar accepts), and every block is free again. Samples that
+were not aborted get the same tokens from both loops.
 """
 
 from __future__ import annotations
 
+import re
+
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
+from tandem.request import StructuredOutputsParams
+
 from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference_allowing_near_ties
 from helpers import assert_idle_and_balanced, greedy, make_llm
+
+WORDS = r"[a-z]{1,3}( [a-z]{1,3}){0,2}"  # short enough to end within max_tokens, often
 
 tokens = st.integers(NUM_SPECIAL_TOKENS, 1023)
 request_strategy = st.fixed_dictionaries(
@@ -27,6 +34,7 @@ request_strategy = st.fixed_dictionaries(
         "max_tokens": st.integers(1, 12),
         "arrival_step": st.integers(0, 10),
         "abort_step": st.none() | st.integers(0, 20),
+        "constrained": st.sampled_from([False, False, True]),
     }
 )
 
@@ -96,7 +104,9 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
     while len(ids) < len(requests) or engine.has_unfinished():
         for i, r in enumerate(requests):
             if r["arrival_step"] == step:
-                ids[i] = engine.add_request(prompts[i], greedy(r["max_tokens"], n=r["n"]))
+                grammar = StructuredOutputsParams(regex=WORDS) if r.get("constrained") else None
+                params = greedy(r["max_tokens"], n=r["n"], structured_outputs=grammar)
+                ids[i] = engine.add_request(prompts[i], params)
             if r["abort_step"] == step and i in ids:
                 engine.abort(ids[i])
         for out in engine.step():
@@ -173,6 +183,12 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     samples = [(p, r) for p, r in zip(prompts, requests, strict=True) for _ in range(r["n"])]
     for (prompt, r), out_sync, out_async in zip(samples, sync, async_, strict=True):
         for out in (out_sync, out_async):
+            if r.get("constrained"):  # a grammar's end stops it; its text is the grammar's
+                assert out.finish_reason in ("stop", "length", "abort")
+                if out.finish_reason == "stop":
+                    assert re.fullmatch(WORDS, out.text), out.text
+                    event("a constrained output ended by its grammar")
+                continue
             # Near ties in transformers' logits occur (see the explicit example): either id.
             reference = hf_greedy_reference_allowing_near_ties(tiny_llama, prompt, out.token_ids)
             assert out.token_ids == reference

@@ -10,6 +10,7 @@ TANDEM_REQUIRE_REAL_MODEL, so in CI these tests fail rather than skip without it
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -175,3 +176,37 @@ def test_server_answers_a_factual_question(gguf_path, tmp_path):
         assert choice.finish_reason == "stop"  # the model's own <|im_end|>
         assert reply.usage.completion_tokens < MAX_TOKENS
         assert "sampling defaults: none from the model" in server.output()
+
+
+def test_json_schema_answer_equals_transformers_under_the_same_grammar(gguf_path, engines):
+    """Constrained greedy decoding, token for token: transformers' generate with xgrammar's own
+    logits processor over the grammar Tandem compiled (the async loop on the fast path; the
+    tiny models' tests hold sync == async under constraints)."""
+    import jsonschema
+    import xgrammar
+
+    from tandem.request import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+    }
+    spec = StructuredOutputsParams(json=schema)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=spec)
+    question = "What is the capital of France? Answer in JSON."
+    tokenizer, model = _transformers(gguf_path)
+    ids = tokenizer(chat_prompt(tokenizer, question), add_special_tokens=False).input_ids
+    llm = engines("async-fast")
+    out = llm.generate([chat_prompt(llm.get_tokenizer(), question)], params)[0]
+    assert out.finish_reason == "stop"
+    answer = json.loads(out.text)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris"
+    processor = xgrammar.contrib.hf.LogitsProcessor(llm.engine.grammars.compile(spec))
+    with torch.no_grad():
+        reference = model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_TOKENS,
+            eos_token_id=END_OF_TURN, pad_token_id=2, logits_processor=[processor],
+        )[0, len(ids) :].tolist()  # fmt: skip
+    assert out.token_ids == reference

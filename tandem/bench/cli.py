@@ -7,6 +7,9 @@ transformers' blog on asynchronous batching (32 requests at once, short prompts,
 generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled down. `--workload chat` sends
 real questions through the model's chat template and lets each answer end at the model's EOS, the
 case the asynchronous loop speculates against: the report counts the tokens it discarded.
+`--workload json` runs the random workload with 0%, 25% and 100% of its requests under a shipped
+JSON schema (`--json-fractions`): throughput, device idle, the bitmask's host time and the
+device's wait for it, and the plain requests' ITL beside those of the unconstrained run.
 `--profile` (CUDA) adds the kernel-level idle figure of a window of each run (`kernel_profile.py`).
 """
 
@@ -14,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,22 +38,31 @@ from tandem.bench.workloads import (
     CHAT_OUTPUT_LEN,
     CHAT_PRESET,
     DEFAULT_SIZES,
+    JSON_FRACTIONS,
+    JSON_PRESET,
+    JSON_SCHEMA,
     PROFILE_STEPS,
     Workload,
+    constrain,
+    json_schema_spec,
     make_chat_workload,
     make_workload,
+    parse_json_fractions,
     profile_window,
     resolve_workload,
 )
 from tandem.config import EngineConfig, usable_cores
 from tandem.engine import Engine
+from tandem.engine.grammar import GrammarCompiler, tokenizer_info
 from tandem.metrics import plot_timeline, write_chrome_trace
 from tandem.models.spec import checkpoint_shapes
+from tandem.request import StructuredOutputsParams
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET),
+    g.add_argument("--workload",
+                   choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, JSON_PRESET),
                    default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
@@ -59,7 +75,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"cores); the size flags still override; {CHAT_PRESET}: real chat questions "
                    "through the model's chat template (it needs a tokenizer with one), each "
                    "answer ending at the model's EOS or at --output-len, whichever comes first; "
-                   "the report counts the speculative tokens the async loop discarded")  # fmt: skip
+                   "the report counts the speculative tokens the async loop discarded; "
+                   f"{JSON_PRESET}: the random workload run once per --json-fractions share of "
+                   f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS)")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
                    help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: {BLOG_NUM_REQUESTS})")  # fmt: skip
     g.add_argument("--prompt-len", type=int, default=None,
@@ -73,6 +91,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
                    f"{BLOG_OUTPUT_LEN['cpu']} on a CPU; {CHAT_PRESET}: a cap, default "
                    f"{CHAT_OUTPUT_LEN})")  # fmt: skip
+    g.add_argument("--json-fractions", default=JSON_FRACTIONS,
+                   help=f"{JSON_PRESET}: percentages of requests under the schema, one run each "
+                   f"(spread evenly: 25 is every 4th request); default {JSON_FRACTIONS}")  # fmt: skip
     g.add_argument("--len-spread", type=float, default=0.5,
                    help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
     g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",
@@ -169,9 +190,10 @@ def layout_text(engine: Engine) -> str:
     return f"engine + {processes} ranks x {threads} thread(s)"
 
 
-def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
-    """On a CPU, say why async can or cannot beat sync here: the figures alone don't tell."""
-    if engine.config.torch_device.type != "cpu" or not {"sync", "async"} <= results.keys():
+def cpu_overlap_note(engine: Engine, columns: Collection[str]) -> str | None:
+    """On a CPU, say why async can or cannot beat sync here: the figures alone don't tell.
+    `columns`: what the report compares (a note only where both loops are among them)."""
+    if engine.config.torch_device.type != "cpu" or not {"sync", "async"} <= set(columns):
         return None
     processes, threads_each = compute_layout(engine)
     threads = processes * threads_each
@@ -199,6 +221,174 @@ def cpu_overlap_note(engine: Engine, results: dict) -> str | None:
     )
 
 
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """A version of the workload that every mode runs, one column per mode: the plain workload,
+    prefix caching off or on (shared-prefix), or a share of its requests under a JSON schema
+    (json). Runs of one `group` feed the same requests, so their outputs must be identical."""
+
+    label: str  # the column's name, "{mode}" standing for the loop
+    workload: Workload
+    caching: bool  # enable_prefix_caching
+    group: str = ""
+    json_percent: int | None = None  # json: the share of constrained requests
+
+    def column(self, mode: str) -> str:
+        return self.label.format(mode=mode)
+
+    def unconstrained(self) -> list[int]:
+        """The requests (indices) under no grammar."""
+        return [i for i in range(len(self.workload.prompts)) if self.workload.constraint(i) is None]
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    mode: str  # "sync" or "async"
+    variant: Variant
+
+
+def bench_columns(
+    args: argparse.Namespace, caching: bool, workload: Workload, modes: list[str]
+) -> list[Column]:
+    """The runs of one repeat, in order, one column each."""
+    if args.workload == "shared-prefix" and caching:  # caching off, then on, in each mode
+        variants = [Variant("{mode}, cache off", workload, False),
+                    Variant("{mode}, cache on", workload, True)]  # fmt: skip
+        return [Column(v.column(m), m, v) for m in modes for v in variants]
+    if args.workload == JSON_PRESET:  # sync and async of one share side by side
+        spec = json_schema_spec()
+        variants = [
+            Variant(
+                f"{pct}% json, {{mode}}", constrain(workload, pct, spec), caching, str(pct), pct
+            )
+            for pct in parse_json_fractions(args.json_fractions)
+        ]
+        return [Column(v.column(m), m, v) for v in variants for m in modes]
+    plain = Variant("{mode}", workload, caching)
+    return [Column(m, m, plain) for m in modes]
+
+
+def run_columns(
+    engine: Engine,
+    columns: list[Column],
+    args: argparse.Namespace,
+    window: tuple[int, int] | None,
+    console: Console,
+) -> dict[str, list[Run]]:
+    """Every column's runs, repeats interleaved, each after a short warm-up in its settings."""
+    runs: dict[str, list[Run]] = {c.name: [] for c in columns}
+    bars = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*bars, console=console, transient=False) as progress:
+        for repeat in range(args.repeats):
+            for column in columns:
+                workload = column.variant.workload
+                engine.configure(
+                    async_scheduling=column.mode == "async",
+                    enable_prefix_caching=column.variant.caching,
+                )
+                run_workload(
+                    engine, workload.warmup(), args.temperature, None, f"warmup-{column.mode}"
+                )
+                name = column.name if args.repeats == 1 else f"{column.name} #{repeat + 1}"
+                runs[column.name].append(
+                    run_workload(engine, workload, args.temperature, progress, name, window)
+                )
+    return runs
+
+
+def identical_cells(columns: list[Column], runs: dict[str, list[Run]]) -> list[str]:
+    """Whether every run of a group gave the first one's outputs: "yes" or "NO" in the group's
+    last column (groups are contiguous), blank elsewhere."""
+    cells = []
+    for i, column in enumerate(columns):
+        group = column.variant.group
+        if i + 1 < len(columns) and columns[i + 1].variant.group == group:
+            cells.append("")
+            continue
+        members = [run for c in columns if c.variant.group == group for run in runs[c.name]]
+        cells.append("yes" if all(r.outputs == members[0].outputs for r in members) else "NO")
+    return cells
+
+
+def grammar_compile_line(engine: Engine) -> str:
+    """Time the schema's compilation on a fresh compiler like the engine's: the tokenizer info
+    (first in the process, with what it imports on first use, then again), the schema's first
+    compile (the compiler's own tokenizer info built beforehand, by a trivial regex) and a
+    cached compile. Then compile it on the engine's compiler, so that no run does."""
+    grammars, spec = engine.grammars, json_schema_spec()
+    if grammars.tokenizer is None:
+        raise ValueError(
+            f"the {JSON_PRESET} workload constrains outputs with a JSON schema, which needs the "
+            f"model's tokenizer ({engine.model_path}), and it has none"
+        )
+    args = (grammars.tokenizer, grammars.vocab_size, grammars.eos_token_ids)
+    times = [time.perf_counter()]
+
+    def timed(work) -> None:
+        work()
+        times.append(time.perf_counter())
+
+    compiler = GrammarCompiler(*args)
+    timed(lambda: tokenizer_info(*args))
+    timed(lambda: tokenizer_info(*args))
+    timed(lambda: compiler.compile(StructuredOutputsParams(regex="a")))
+    timed(lambda: compiler.compile(spec))
+    timed(lambda: compiler.compile(spec))
+    compiler.close()
+    grammars.compile(spec)
+    first, info, _, schema, cached = np.diff(times)
+    return (
+        f"grammar ({JSON_SCHEMA.name}): tokenizer info {info * 1e3:.1f} ms (first in this "
+        f"process {first * 1e3:.1f} ms, imports included), schema compile {schema * 1e3:.1f} ms, "
+        f"cached {cached * 1e6:.0f} us"
+    )
+
+
+def add_json_rows(table: Table, columns: list[Column], results: dict[str, Run]) -> None:
+    """--workload json: the grammar's cost in each run, the unconstrained requests' latency, and
+    each share against the run with none in the same loop."""
+
+    def mean_device_wait_ms(run: Run) -> float:
+        return 1e3 * float(np.mean([s.device_wait for s in run.records])) if run.records else 0.0
+
+    def plain_itl_ms(column: Column) -> float | None:
+        itl = results[column.name].itl_s(column.variant.unconstrained())
+        return 1e3 * float(np.percentile(itl, 50)) if itl else None
+
+    baseline = {c.mode: c.name for c in columns if c.variant.json_percent == 0}
+
+    def vs_baseline(values: dict[str, float | None], column: Column) -> str:
+        """The column's value over that of the 0% run of its loop."""
+        value, base = values[column.name], values.get(baseline.get(column.mode, ""))
+        return f"{value / base:.3f}x" if value is not None and base else ""
+
+    runs = [results[c.name] for c in columns]
+    grammar_ms = [r.summary.host_ms_per_step.get("grammar", 0.0) for r in runs]
+    table.add_row("host grammar / step (ms)", *(f"{ms:.3f}" for ms in grammar_ms))
+    table.add_row(
+        "device waited for bitmask / step (ms)", *(f"{mean_device_wait_ms(r):.3f}" for r in runs)
+    )
+    itl = {c.name: plain_itl_ms(c) for c in columns}
+    table.add_row(
+        "unconstrained ITL p50 (ms)",
+        *("-" if itl[c.name] is None else f"{itl[c.name]:.2f}" for c in columns),
+    )
+    if baseline:
+        table.add_row("unconstrained ITL vs 0%", *(vs_baseline(itl, c) for c in columns))
+    if "async" in baseline:
+        rates = {c.name: results[c.name].summary.tokens_per_s for c in columns}
+        table.add_row(
+            "async tokens/s vs 0% async",
+            *(vs_baseline(rates, c) if c.mode == "async" else "" for c in columns),
+        )
+
+
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     console = Console(stderr=True)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -213,53 +403,31 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         )
     if args.profile and config.tensor_parallel_size > 1:
         raise ValueError("--profile times one device: use it with --tensor-parallel-size 1")
+    if args.workload == JSON_PRESET:
+        parse_json_fractions(args.json_fractions)  # refused before the engine loads
     config = resolve_workload(args, config, config.torch_device.type)
-    # shared-prefix: caching off, then on (only off with --no-prefix-caching).
-    compare = args.workload == "shared-prefix" and config.enable_prefix_caching
-    cachings = [False, True] if compare else [config.enable_prefix_caching]
-
-    def label(mode: str, caching: bool) -> str:
-        return f"{mode}, cache {'on' if caching else 'off'}" if compare else mode
-
-    columns = [label(m, c) for m in modes for c in cachings]
     engine = Engine(config)
     try:
         workload = bench_workload(args, engine)
+        compile_line = grammar_compile_line(engine) if args.workload == JSON_PRESET else None
     except ValueError:
         engine.close()
         raise
+    columns = bench_columns(args, config.enable_prefix_caching, workload, modes)
     console.print(describe_model(engine))
+    if compile_line:
+        console.print(compile_line)
     window = profile_window(workload) if args.profile else None
     if args.profile:
         KernelProfiler.warm_up()
-    warmup = Workload(workload.prompts[:4], [4] * min(4, len(workload.prompts)), [0.0] * 4)
-    runs: dict[str, list[Run]] = {c: [] for c in columns}
-    bars = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*bars, console=console, transient=False) as progress:
-        for repeat in range(args.repeats):
-            for mode in modes:
-                for caching in cachings:
-                    engine.configure(
-                        async_scheduling=mode == "async", enable_prefix_caching=caching
-                    )
-                    run_workload(engine, warmup, args.temperature, None, f"warmup-{mode}")
-                    column = label(mode, caching)
-                    name = column if args.repeats == 1 else f"{column} #{repeat + 1}"
-                    runs[column].append(
-                        run_workload(engine, workload, args.temperature, progress, name, window)
-                    )
+    runs = run_columns(engine, columns, args, window, console)
     engine.close()
     # Interleaved repeats and medians: a shared machine's noise is larger than the effect.
     results = {
         c: sorted(r, key=lambda run: run.summary.wall_s)[len(r) // 2] for c, r in runs.items()
     }
-    first = runs[columns[0]][0].outputs
-    identical = all(run.outputs == first for r in runs.values() for run in r)
+    identical = identical_cells(columns, runs)
+    names = [c.name for c in columns]
 
     repeats = f", median of {args.repeats}" if args.repeats > 1 else ""
     kind = ""
@@ -269,12 +437,15 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         kind = f" x {args.output_len} output tokens ({BLOG_PRESET})"
     elif args.workload == CHAT_PRESET:
         kind = f" ({CHAT_PRESET}: chat-template prompts, EOS on, at most {args.output_len} tokens)"
+    elif args.workload == JSON_PRESET:
+        shares = "/".join(str(c.variant.json_percent) for c in columns if c.mode == modes[0])
+        kind = f" ({JSON_PRESET}: {shares}% of them under {JSON_SCHEMA.name})"
     table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")
-    for column in columns:
-        table.add_column(column, justify="right")
-    table.add_row("compute processes x threads", *[layout_text(engine)] * len(columns))
+    for name in names:
+        table.add_column(name, justify="right")
+    table.add_row("compute processes x threads", *[layout_text(engine)] * len(names))
     rows = [
         ("wall time (s)", "wall_s", "{:.3f}"),
         ("device busy %", "device_busy_pct", "{:.1f}"),
@@ -290,67 +461,72 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         ("host launch / step (ms)", "host_launch_ms", "{:.3f}"),
         ("host update / step (ms)", "host_update_ms", "{:.3f}"),
     ]
-    stats = {column: run.summary.as_dict() for column, run in results.items()}
-    for name, key, fmt in rows:
-        table.add_row(name, *(fmt.format(stats[c].get(key, 0)) for c in columns))
+    stats = {name: run.summary.as_dict() for name, run in results.items()}
+    for label, key, fmt in rows:
+        table.add_row(label, *(fmt.format(stats[c].get(key, 0)) for c in names))
         if key == "device_idle_pct" and args.profile:
-            add_kernel_rows(table, [results[c].kernels for c in columns])
-    prompt_tokens = sum(len(p) for p in workload.prompts)
+            add_kernel_rows(table, [results[c].kernels for c in names])
 
-    def all_tokens_per_s(column: str) -> float:
-        summary = results[column].summary
+    def all_tokens_per_s(column: Column) -> float:
+        summary = results[column.name].summary
+        prompt_tokens = sum(len(p) for p in column.variant.workload.prompts)
         return (prompt_tokens + summary.output_tokens) / summary.wall_s
 
     table.add_row("prompt + output tokens/s", *(f"{all_tokens_per_s(c):.1f}" for c in columns))
-    table.add_row("prefill tokens computed", *(str(results[c].prefill_computed) for c in columns))
-    table.add_row("prefill tokens saved (cache)", *(str(results[c].prefill_saved) for c in columns))
+    table.add_row("prefill tokens computed", *(str(results[c].prefill_computed) for c in names))
+    table.add_row("prefill tokens saved (cache)", *(str(results[c].prefill_saved) for c in names))
 
-    def hit_rate(column: str) -> float:
-        run = results[column]
+    def hit_rate(name: str) -> float:
+        run = results[name]
         return 100 * run.prefill_saved / max(1, run.prefill_saved + run.prefill_computed)
 
-    table.add_row("prefix cache hit rate %", *(f"{hit_rate(c):.1f}" for c in columns))
-    if not workload.ignore_eos:
-        add_finish_rows(table, [results[c] for c in columns])
+    table.add_row("prefix cache hit rate %", *(f"{hit_rate(c):.1f}" for c in names))
+    if any(c.variant.workload.ends_early for c in columns):
+        add_finish_rows(table, [results[c] for c in names])
+    if args.workload == JSON_PRESET:
+        add_json_rows(table, columns, results)
 
-    def ratio_row(name: str, pairs: dict[str, tuple[str, str]]) -> None:
+    def ratio_row(label: str, pairs: dict[str, tuple[str, str]]) -> None:
         """`pairs`: column -> (numerator column, denominator column) of wall times."""
         cells = []
-        for column in columns:
-            a, b = pairs.get(column, (None, None))
+        for name in names:
+            a, b = pairs.get(name, (None, None))
             wall = results[a].summary.wall_s / results[b].summary.wall_s if a else None
             cells.append(f"{wall:.3f}x" if wall else "")
-        table.add_row(name, *cells)
+        table.add_row(label, *cells)
 
+    variants = list(dict.fromkeys(c.variant for c in columns))
     if "sync" in modes and "async" in modes:
         ratio_row(
             "speedup (sync wall / async wall)",
-            {label("async", c): (label("sync", c), label("async", c)) for c in cachings},
+            {v.column("async"): (v.column("sync"), v.column("async")) for v in variants},
         )
-    if compare:
+    if args.workload == "shared-prefix" and len(variants) == 2:
+        off, on = variants
         ratio_row(
             "speedup (cache off wall / cache on wall)",
-            {label(m, True): (label(m, False), label(m, True)) for m in modes},
+            {on.column(m): (off.column(m), on.column(m)) for m in modes},
         )
-    table.add_row(
-        "outputs identical (all runs)", *[""] * (len(columns) - 1), "yes" if identical else "NO"
-    )
+    table.add_row("outputs identical (all runs)", *identical)
     Console().print(table)
     Console().print(f"execution: {engine.execution.describe()}")
     Console().print(describe_model(engine))
+    if compile_line:
+        Console().print(compile_line)
     if not workload.ignore_eos and not any(r.finished_by("stop") for r in results.values()):
         Console().print(
             "note: no request ended on the model's EOS within --output-len (random weights "
             "rarely emit it), so the async loop had nothing to discard; a real model shows it"
         )
-    note = cpu_overlap_note(engine, results)
+    # shared-prefix's columns compare caching and get no note; json's compare the loops.
+    note = cpu_overlap_note(engine, modes if args.workload == JSON_PRESET else list(results))
     if note:
         Console().print(note)
-    timelines = {column: run.records for column, run in results.items()}
+    timelines = {name: run.records for name, run in results.items()}
     if args.trace:
         write_chrome_trace(timelines, args.trace)
         console.print(f"trace written to {args.trace}")
     if args.plot:
         plot_timeline(timelines, args.plot)
         console.print(f"timeline written to {args.plot}")
-    return 0 if identical else 1
+    return 0 if "NO" not in identical else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from rich.progress import Progress
 
 from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
@@ -23,9 +24,15 @@ class Run:
     prefill_saved: int  # prompt tokens served from the prefix cache
     kernels: KernelWindow | None = None  # --profile: the profiled window's kernel busy time
     finish_reasons: list[str] = field(default_factory=list)  # per request: "stop" or "length"
+    # Per request: when each of its tokens reached the caller (engine.step() returned it).
+    token_times: list[list[float]] = field(default_factory=list)
 
     def finished_by(self, reason: str) -> int:
         return self.finish_reasons.count(reason)
+
+    def itl_s(self, requests: list[int]) -> list[float]:
+        """The inter-token latencies of these requests (indices in the workload's order)."""
+        return [float(x) for i in requests for x in np.diff(self.token_times[i])]
 
 
 def run_workload(
@@ -43,7 +50,11 @@ def run_workload(
     before = engine.stats().prefix_cache
     params = [
         SamplingParams(
-            max_tokens=n, temperature=temperature, seed=i, ignore_eos=workload.ignore_eos
+            max_tokens=n,
+            temperature=temperature,
+            seed=i,
+            ignore_eos=workload.ignore_eos and workload.constraint(i) is None,
+            structured_outputs=workload.constraint(i),
         )
         for i, n in enumerate(workload.output_lens)
     ]
@@ -51,6 +62,7 @@ def run_workload(
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     order = [f"{label}-{i}" for i in range(len(params))]
+    times: dict[str, list[float]] = {r: [] for r in order}
     start, next_i = time.perf_counter(), 0
     steps, profiler, kernels = 0, None, None
     while next_i < len(params) or engine.has_unfinished():
@@ -64,7 +76,10 @@ def run_workload(
         if profile is not None and steps == profile[0]:
             profiler = KernelProfiler()
             profiler.start()
-        for out in engine.step():
+        step_outputs = engine.step()
+        returned = time.perf_counter()
+        for out in step_outputs:
+            times[out.request_id].extend([returned] * len(out.delta_token_ids))
             if out.finished:
                 outputs[out.request_id] = out.token_ids
                 reasons[out.request_id] = out.finish_reason
@@ -85,4 +100,5 @@ def run_workload(
         saved,
         kernels,
         [reasons[r] for r in order],
+        [times[r] for r in order],
     )

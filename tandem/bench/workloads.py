@@ -1,17 +1,20 @@
 """Benchmark workloads: the sizes of each preset, and the prompts, lengths and arrival times they
 make. Most are random token ids (nothing is tokenized, so any model with a vocabulary runs them);
-`chat` is real user questions through the model's chat template, ending at the model's own EOS."""
+`chat` is real user questions through the model's chat template, ending at the model's own EOS;
+`json` is the random workload with a share of its requests under a shipped JSON schema."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.chat_template import chat_template_problem, render_chat_ids
+from tandem.request import StructuredOutputsParams
 
 # The experiment of transformers' blog on asynchronous batching (an 8B model on an H200, batch 32,
 # 8K generated tokens): every request at once, short prompts, each generating exactly
@@ -27,6 +30,11 @@ DEFAULT_SIZES = {"num_requests": 64, "prompt_len": 128, "output_len": 128}
 CHAT_PRESET = "chat"
 CHAT_OUTPUT_LEN = 256
 CHAT_PROMPTS = Path(__file__).with_name("data") / "chat_prompts.txt"  # package data
+# The random workload run once per share of requests (percent) under a JSON schema: a product
+# record of bounded strings, integers, an enum and an array (package data).
+JSON_PRESET = "json"
+JSON_FRACTIONS = "0,25,100"
+JSON_SCHEMA = Path(__file__).with_name("data") / "product_schema.json"
 MODELS_DIR = Path(__file__).with_name("models")  # package data: config.json files only
 PROFILE_STEPS = 64  # steps per profiled window: a few tens of thousands of kernels on an 8B
 
@@ -78,6 +86,22 @@ class Workload:
     output_lens: list[int]  # max_tokens: exact when EOS is ignored, a cap otherwise
     arrival_times: list[float]  # seconds after start
     ignore_eos: bool = True  # False: a request may end early, on the model's EOS
+    # Per request (empty: none): the grammar its output must match. A constrained request
+    # honours EOS (its grammar ends it) whatever `ignore_eos` says.
+    structured: list[StructuredOutputsParams | None] = field(default_factory=list)
+
+    def constraint(self, i: int) -> StructuredOutputsParams | None:
+        return self.structured[i] if self.structured else None
+
+    @property
+    def ends_early(self) -> bool:
+        """Whether a request may finish before its max_tokens."""
+        return not self.ignore_eos or any(s is not None for s in self.structured)
+
+    def warmup(self, n: int = 4, max_tokens: int = 4) -> Workload:
+        """The first `n` requests, `max_tokens` each, all at once (constraints kept)."""
+        k = min(n, len(self.prompts))
+        return Workload(self.prompts[:k], [max_tokens] * k, [0.0] * k, True, self.structured[:k])
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
@@ -156,3 +180,30 @@ def make_chat_workload(
         arrivals.append(t)
     caps = [min(args.output_len, max_model_len - len(p)) for p in prompts]
     return Workload(prompts, caps, arrivals, ignore_eos=False)
+
+
+def json_schema_spec() -> StructuredOutputsParams:
+    """The shipped schema as a request's structured output."""
+    return StructuredOutputsParams(json=json.loads(JSON_SCHEMA.read_text(encoding="utf-8")))
+
+
+def parse_json_fractions(text: str) -> list[int]:
+    """--json-fractions: distinct percentages of constrained requests, in the order given."""
+    try:
+        fractions = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fractions = []
+    if not fractions or any(not 0 <= f <= 100 for f in fractions):
+        raise ValueError(f"--json-fractions takes percentages 0-100, e.g. 0,25,100; got {text!r}")
+    if len(set(fractions)) != len(fractions):
+        raise ValueError(f"--json-fractions has a percentage twice: {text!r}")
+    return fractions
+
+
+def constrain(workload: Workload, percent: int, spec: StructuredOutputsParams) -> Workload:
+    """The workload with `percent`% of its requests, spread evenly (25: every 4th, from the
+    first), under `spec`; the others keep ignoring EOS and run to their length."""
+    structured = [
+        spec if (i * percent) % 100 < percent else None for i in range(len(workload.prompts))
+    ]
+    return replace(workload, structured=structured)

@@ -22,9 +22,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
     ):
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(
-            ids=prompt_token_ids[-_PREFIX_TOKENS:], skip_special_tokens=skip_special_tokens
-        )
+        seed = prompt_token_ids[-_PREFIX_TOKENS:]
+        # A seed ending inside a multi-byte character would be emitted with the first output.
+        while seed and tokenizer.decode(seed, skip_special_tokens=skip_special_tokens).endswith(
+            "\ufffd"
+        ):
+            seed = seed[:-1]
+        self._stream = DecodeStream(ids=seed, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""

@@ -13,10 +13,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.engine.fan_out import fan_out
+from tandem.engine.grammar import GrammarCompiler, StepBitmasks, constrained_rows, grammar_of
 from tandem.engine.intake import RequestIntake, eos_token_ids
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.stats import EngineStats, StepHistory
@@ -28,7 +30,7 @@ from tandem.metrics import RequestTiming, RunSummary, StepRecord
 from tandem.models.catalog import resolve_model
 from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
-from tandem.request import Request, RequestOutput, SamplingParams
+from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.sampler.inputs import LogprobRows
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
 
@@ -87,6 +89,10 @@ class Engine:
             self.tokenizer, self.spec.vocab_size, eos_ids, max_model_len, config.seed
         )
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, config.detokenize)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, eos_ids)
+        self._compiling: list[tuple[list[Request], Future]] = []  # samples waiting for a grammar
+        on_cuda = config.torch_device.type == "cuda"
+        self._bitmasks = StepBitmasks(self.grammars.bitmask_width, pin_memory=on_cuda)
         self.history = StepHistory()
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
@@ -113,9 +119,18 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        compile_grammar: bool = True,
     ) -> Request:
-        """Tokenize and validate, without queuing: raises ValueError naming the problem."""
-        return self.intake.make_request(prompt, params, request_id)
+        """Tokenize and validate, without queuing: raises ValueError naming the problem.
+
+        A structured output's grammar is compiled here, in the caller's thread (a bad one is
+        refused now); with `compile_grammar=False` (input validated elsewhere: the server's front
+        end) it is compiled off the loop once the request is submitted."""
+        request = self.intake.make_request(prompt, params, request_id)
+        spec = request.params.structured_outputs
+        if spec is not None and compile_grammar:
+            request.compiled_grammar = self.grammars.compile(spec)
+        return request
 
     def submit(self, request: Request) -> str:
         with self._lock:
@@ -180,6 +195,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One turn of the loop. Async: launch the next step, then retire the previous one."""
         outputs = self._drain_inbox()
+        outputs.extend(self._admit_compiled())
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is not None:
@@ -191,6 +207,14 @@ class Engine:
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
             self._inflight.append(_InFlight(batch, handle, record, inputs.sampler.logprobs))
+            if inputs.sampler.grammar is not None:
+                # Its bitmask needs every earlier token: retire the step before it first (its
+                # forward runs meanwhile), then build the bitmask and launch the sampling.
+                while len(self._inflight) > 1:
+                    outputs.extend(self._retire(self._inflight.popleft()))
+                self._sample_constrained(self._inflight[-1])
+        elif not self._inflight and self._compiling:
+            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
             outputs.extend(self._retire(self._inflight.popleft()))
         return outputs
@@ -210,6 +234,7 @@ class Engine:
             pass  # already raised by the step that met it; what is left is to stop the ranks
         finally:
             self.runner.close()
+            self.grammars.close()
 
     # ------------------------------------------------------------- internals
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -224,12 +249,47 @@ class Engine:
                 self._requests[payload.request_id] = samples
                 for request in samples:
                     self.outputs.track(request)
+                spec = payload.params.structured_outputs
+                if spec is not None and payload.compiled_grammar is None:
+                    future = self.grammars.submit(spec)
+                    future.add_done_callback(lambda _: self._wakeup.set())
+                    self._compiling.append((samples, future))
+                    continue
+                for request in samples:
                     self.scheduler.add(request)
             elif (samples := self._requests.get(payload[0])) is not None:
                 index = payload[1]
                 for request in samples:  # every unfinished sample asked for ends here
                     if not request.finished and index in (None, request.index):
                         outputs.append(self._finish(request, "abort"))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled; end those whose grammar failed."""
+        outputs = []
+        for entry in [e for e in self._compiling if e[1].done()]:
+            self._compiling.remove(entry)
+            samples, future = entry
+            try:
+                compiled, error = future.result(), None
+            except ValueError as exc:
+                compiled, error = None, str(exc)
+            for request in samples:
+                if request.finished:
+                    continue  # aborted while its grammar compiled
+                if error is not None:
+                    request.error = error
+                    outputs.append(self._finish(request, "abort"))
+                else:
+                    request.compiled_grammar = compiled
+                    self.scheduler.add(request)
+        return outputs
+
+    def _sample_constrained(self, inflight: _InFlight) -> None:
+        """Build the newest step's bitmask (its forward is running) and launch its sampling."""
+        t0 = time.perf_counter()
+        bitmask = self._bitmasks.build(constrained_rows(inflight.batch.sampled))
+        inflight.handle = self.runner.sample_constrained(inflight.handle, bitmask)
+        inflight.record.spans["grammar"] = (t0, time.perf_counter())
 
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
         record = inflight.record
@@ -248,6 +308,8 @@ class Engine:
                 record.discarded += 1  # summed into RunSummary.discarded_tokens
                 continue  # the speculative token of a request that finished a step earlier
             reason = self.outputs.append_token(request, token, t1, lp)
+            if reason is None and request.compiled_grammar is not None:
+                reason = self._advance_grammar(request, token)
             if reason is None:
                 outputs.append(self.outputs.running_output(request, [token]))
             else:
@@ -255,11 +317,23 @@ class Engine:
         record.spans["wait"] = (t0, t1)
         record.spans["update"] = (t1, time.perf_counter())
         record.device = inflight.handle.device_span
+        record.device_wait = inflight.handle.device_wait
         self.history.add_step(record)
         return outputs
 
+    def _advance_grammar(self, request: Request, token: int) -> str | None:
+        """Feed a retired token to the sample's matcher: "stop" once the grammar has ended."""
+        grammar = grammar_of(request)
+        if not grammar.accept(token):  # only a token sampled outside its bitmask: a bug
+            request.error = f"token {token} does not match the request's grammar"
+            return "abort"
+        return "stop" if grammar.terminated else None
+
     def _finish(self, request: Request, reason: str) -> RequestOutput:
-        self.scheduler.finish(request, reason)
+        if request.status is RequestStatus.WAITING and request not in self.scheduler.waiting:
+            request.status, request.finish_reason = RequestStatus.FINISHED, reason  # compiling
+        else:
+            self.scheduler.finish(request, reason)
         self.history.add_request(RequestTiming(request.arrival_time, request.token_times))
         output = self.outputs.finished_output(request)
         samples = self._requests[request.request_id]

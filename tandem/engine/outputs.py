@@ -125,6 +125,7 @@ def _output(
         delta_token_ids=delta_ids,
         finished=finished,
         finish_reason=request.finish_reason if finished else None,
+        error=request.error if finished else None,
         index=request.index,
         logprobs=_snapshot(request.logprobs, finished),
         prompt_logprobs=_snapshot(request.prompt_logprobs, finished),

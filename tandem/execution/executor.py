@@ -47,14 +47,19 @@ class _Handle(StepHandle):
         self._executor = executor
         self._index = index
         self._span = (0.0, 0.0)
+        self._wait = 0.0
 
     def wait(self) -> torch.Tensor:
-        ids, self._span = self._executor._result(self._index)
+        ids, self._span, self._wait = self._executor._result(self._index)
         return torch.from_numpy(ids)
 
     @property
     def device_span(self) -> tuple[float, float]:
         return self._span
+
+    @property
+    def device_wait(self) -> float:
+        return self._wait
 
 
 class MultiprocExecutor:
@@ -98,7 +103,7 @@ class MultiprocExecutor:
             self._inputs.append(in_send)
             self._outputs.append(out_recv)
         self._failure: WorkerFailure | None = None
-        self._results: dict[int, tuple[np.ndarray, tuple[float, float]]] = {}
+        self._results: dict[int, tuple[np.ndarray, tuple[float, float], float]] = {}
         self._launched = 0
         self._received = 0
         self._closed = False
@@ -128,15 +133,15 @@ class MultiprocExecutor:
 
     def launch(self, inputs: StepInputs) -> StepHandle:
         self.check_health()
-        payload = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._inputs):
-            try:
-                conn.send_bytes(payload)
-            except OSError:
-                self._fail_from(rank, "its input pipe closed")
+        self._send_all(pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL))
         handle = _Handle(self, self._launched)
         self._launched += 1
         return handle
+
+    def sample_constrained(self, first: StepHandle, bitmask: torch.Tensor) -> StepHandle:
+        """Every rank finishes the step just launched with its grammar rows' bitmask."""
+        self._send_all(pickle.dumps(bitmask.numpy(), protocol=pickle.HIGHEST_PROTOCOL))
+        return first
 
     def close(self) -> None:
         """Finish the steps in flight, stop every worker and wait for them to exit."""
@@ -146,6 +151,13 @@ class MultiprocExecutor:
         self._finalizer()
 
     # ------------------------------------------------------------------ internals
+    def _send_all(self, payload: bytes) -> None:
+        for rank, conn in enumerate(self._inputs):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._fail_from(rank, "its input pipe closed")
+
     def _watch(self) -> None:
         """Wait for any worker's process to end; an idle engine learns of it at once."""
         # The rank comes from its sentinel: is_alive() can still say True for a moment after the
@@ -156,7 +168,7 @@ class MultiprocExecutor:
         if not self._closed and self.on_exit is not None:
             self.on_exit()
 
-    def _result(self, index: int) -> tuple[np.ndarray, tuple[float, float]]:
+    def _result(self, index: int) -> tuple[np.ndarray, tuple[float, float], float]:
         while index not in self._results:
             message = self._next_message()
             if message[0] != "step":

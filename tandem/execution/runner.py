@@ -9,6 +9,7 @@ table, gather input ids from the table, forward, sample, scatter the sampled ids
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,15 +18,23 @@ from tandem.config import EngineConfig
 from tandem.execution.batch import StepInputs
 from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
 from tandem.execution.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
-from tandem.execution.streams import StepHandle, make_stream
+from tandem.execution.streams import JoinedHandle, StepHandle, make_stream
 from tandem.execution.transfer import to_device
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.sampler.logprobs import pack
-from tandem.sampler.sampler import Sampler
+from tandem.sampler.sampler import PendingSample, Sampler
 
 PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
+
+
+@dataclass
+class _Pending:
+    """A step's sampling state between its two parts (set on the stream by the first)."""
+
+    sample: PendingSample | None = None
+    sample_index: torch.Tensor | None = None
 
 
 class _PinnedStaging:
@@ -131,6 +140,7 @@ class ModelRunner:
         self.sampler = Sampler(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
         self._cpu_threads: tuple[int, int] | None = None
+        self._constrained: _Pending | None = None  # the launched step awaiting its bitmask
         weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
         self._cuda = device.type == "cuda"
         if self._cuda:
@@ -149,8 +159,22 @@ class ModelRunner:
                 self.graphs.capture(self._graph_step)
 
     def launch(self, inputs: StepInputs) -> StepHandle:
-        """Enqueue the step and return at once; the handle's wait() yields the sampled ids."""
-        return self.stream.submit(lambda: self._execute(inputs))
+        """Enqueue the step and return at once; the handle's wait() yields the sampled ids.
+
+        A step with grammar rows stops before sampling them: `sample_constrained` finishes it
+        with their bitmask, which the host builds while this part runs."""
+        if inputs.sampler.grammar is None:
+            return self.stream.submit(lambda: self._execute(inputs))
+        pending = _Pending()
+        self._constrained = pending
+        return self.stream.submit(lambda: self._execute(inputs, pending))
+
+    def sample_constrained(self, first: StepHandle, bitmask: torch.Tensor) -> StepHandle:
+        """The rest of the step `launch` just returned: its grammar rows sampled under `bitmask`
+        ([rows, words] int32; on CUDA from pinned memory, copied without a sync)."""
+        pending, self._constrained = self._constrained, None
+        second = self.stream.submit(lambda: self._finish_sampling(pending, bitmask))
+        return JoinedHandle(first, second)
 
     def close(self) -> None:
         self.stream.close()
@@ -172,7 +196,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ on the stream
     @torch.inference_mode()
-    def _execute(self, x: StepInputs):
+    def _execute(self, x: StepInputs, pending: _Pending | None = None):
         if self._cpu_threads is not None:
             prefill_tokens = x.num_tokens - x.num_decodes
             wanted = self._cpu_threads[prefill_tokens >= PREFILL_TOKENS_FOR_ALL_THREADS]
@@ -195,11 +219,26 @@ class ModelRunner:
             block_size=self.block_size,
         )
         hidden = self.model(input_ids, t.positions, self.kv_caches, meta)
-        ids, logprobs = self.sampler(
+        sample = self.sampler.begin(
             hidden, t.logits_index, self.model.compute_logits, t.sampler, table
         )
-        if x.num_sampled:
-            table.index_copy_(0, t.sample_index, ids)
+        if pending is not None:  # the grammar rows' bitmask comes in the step's second part
+            pending.sample, pending.sample_index = sample, t.sample_index
+            return None
+        return self._store(t.sample_index, *self.sampler.finish(sample))
+
+    @torch.inference_mode()
+    def _finish_sampling(self, pending: _Pending, bitmask: torch.Tensor):
+        # The step's tensors are freed here, in the step: freed where the job is dropped, after
+        # the engine has woken to read the step, they would wait for the GIL the engine holds.
+        sample, pending.sample = pending.sample, None
+        ids, logprobs = self.sampler.finish(sample, bitmask)
+        return self._store(pending.sample_index, ids, logprobs)
+
+    def _store(self, sample_index: torch.Tensor, ids: torch.Tensor, logprobs: list):
+        """Sampled ids into the token table (the next step gathers them), and to the host."""
+        if len(ids):
+            self.token_table.index_copy_(0, sample_index, ids)
         return self._to_host(pack(ids, logprobs) if logprobs else ids)
 
     def _replay(self, x: StepInputs) -> torch.Tensor | None:

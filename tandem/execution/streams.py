@@ -30,6 +30,31 @@ class StepHandle:
         """(start, end) of the step on the device, perf_counter seconds; valid after wait()."""
         raise NotImplementedError
 
+    @property
+    def device_wait(self) -> float:
+        """Seconds within the span the device waited for the host (a grammar's bitmask)."""
+        return 0.0
+
+
+class JoinedHandle(StepHandle):
+    """A step launched in two parts on one stream (the second after a grammar's bitmask)."""
+
+    def __init__(self, first: StepHandle, second: StepHandle):
+        self._first = first
+        self._second = second
+
+    def wait(self) -> Any:
+        self._first.wait()
+        return self._second.wait()
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._first.device_span[0], self._second.device_span[1]
+
+    @property
+    def device_wait(self) -> float:
+        return max(0.0, self._second.device_span[0] - self._first.device_span[1])
+
 
 class _CPUHandle(StepHandle):
     def __init__(self) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -104,6 +105,7 @@ class _Worker:
         inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
         pending: deque = deque()
+        awaiting_bitmask = None  # a launched step with grammar rows: its bitmask comes next
         while True:
             try:
                 data = inbox.get(block=not pending)
@@ -112,7 +114,16 @@ class _Worker:
                 continue
             if data == STOP:
                 break
-            pending.append(runner.launch(pickle.loads(data)))
+            message = pickle.loads(data)
+            if isinstance(message, np.ndarray):  # the bitmask of the step just launched
+                handle = runner.sample_constrained(awaiting_bitmask, torch.from_numpy(message))
+                awaiting_bitmask = None
+            else:
+                handle = runner.launch(message)
+                if message.sampler.grammar is not None:
+                    awaiting_bitmask = handle
+                    continue
+            pending.append(handle)
             while len(pending) > 1:
                 self._finish(pending.popleft())
         while pending:
@@ -130,4 +141,4 @@ class _Worker:
     def _finish(self, handle) -> None:
         result = handle.wait()  # raises what the step raised
         if self.args.rank == 0:
-            self.outputs.send(("step", result.numpy(), handle.device_span))
+            self.outputs.send(("step", result.numpy(), handle.device_span, handle.device_wait))

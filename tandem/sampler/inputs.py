@@ -107,27 +107,53 @@ class LogprobRows(Generic[A]):
 
 
 @dataclass
+class GrammarRows(Generic[A]):
+    """A step with grammar-constrained rows samples in two parts: the free rows at once, the
+    constrained ones once the host has built their bitmask (`Sampler.finish`)."""
+
+    rows: A  # [G] sampling rows under a grammar, in the bitmask's row order
+    free_rows: A  # [S - G] the others
+    sampling: SamplingRows[A]  # the settings of `rows`
+    free_sampling: SamplingRows[A]  # of `free_rows`
+
+
+@dataclass
 class SamplerInputs(Generic[A]):
     sampling: SamplingRows[A]
     processing: ProcessingRows[A] | None = None  # None unless a request uses it
     logprobs: LogprobRows[A] | None = None
+    grammar: GrammarRows[A] | None = None  # None unless a request is constrained
 
     @property
     def plain(self) -> bool:
-        """Sampling alone: no penalties, bias, min_tokens or logprobs in this step."""
-        return self.processing is None and self.logprobs is None
+        """Sampling alone: no penalties, bias, min_tokens, logprobs or grammar in this step."""
+        return self.processing is None and self.logprobs is None and self.grammar is None
 
 
 def build_sampler_inputs(
-    items: list[ScheduledRequest], offsets: np.ndarray, max_len: int, extras: bool
+    items: list[ScheduledRequest],
+    offsets: np.ndarray,
+    max_len: int,
+    extras: bool,
+    constrained: bool = False,
 ) -> SamplerInputs[np.ndarray]:
     """The step's sampler inputs; `offsets`: each item's first token in the batch; `extras`:
-    whether some request of the step needs processing or logprobs."""
+    whether some request of the step needs processing or logprobs; `constrained`: whether one
+    samples under a grammar."""
     sampled = [it for it in items if it.sample]
+    rows = sampling_rows(sampled)
+    grammar = _grammar_rows(sampled) if constrained else None
+    if not extras:
+        return SamplerInputs(rows, grammar=grammar)
+    processing, logprobs = _build_extras(items, offsets, max_len)
+    return SamplerInputs(rows, processing, logprobs, grammar)
+
+
+def sampling_rows(sampled: list[ScheduledRequest]) -> SamplingRows[np.ndarray]:
     params = np.array([it.request.sampling_row for it in sampled], dtype=np.float64).reshape(-1, 5)
     # Which settings any row uses, in one pass: each is off at its neutral value.
     used = (params[:, :4].astype(np.float32) != _NEUTRAL).any(axis=0).tolist()
-    rows = SamplingRows(
+    return SamplingRows(
         temperature=params[:, 0].astype(np.float32),
         top_k=params[:, 1].astype(np.int64),
         top_p=params[:, 2].astype(np.float32),
@@ -138,10 +164,21 @@ def build_sampler_inputs(
             all_greedy=not used[0], use_top_k=used[1], use_top_p=used[2], use_min_p=used[3]
         ),
     )
-    if not extras:
-        return SamplerInputs(rows)
-    processing, logprobs = _build_extras(items, offsets, max_len)
-    return SamplerInputs(rows, processing, logprobs)
+
+
+def is_constrained(request: Request) -> bool:
+    return request.compiled_grammar is not None
+
+
+def _grammar_rows(sampled: list[ScheduledRequest]) -> GrammarRows[np.ndarray]:
+    under = np.fromiter((is_constrained(it.request) for it in sampled), bool, len(sampled))
+    rows, free = np.flatnonzero(under), np.flatnonzero(~under)
+    return GrammarRows(
+        rows=rows,
+        free_rows=free,
+        sampling=sampling_rows([sampled[i] for i in rows.tolist()]),
+        free_sampling=sampling_rows([sampled[i] for i in free.tolist()]),
+    )
 
 
 def uses_penalties(request: Request) -> bool:
@@ -199,7 +236,9 @@ def _build_extras(
                 p_repetition.append(proc.repetition)
             if len(proc.bias_ids):
                 bias.append((s, proc.bias_ids, proc.bias_values))
-            if it.output_index < proc.min_tokens and len(proc.min_tokens_ids):
+            # Under a grammar, min_tokens is folded into its bitmask (engine/grammar.py).
+            pending = it.output_index < proc.min_tokens and len(proc.min_tokens_ids)
+            if pending and not is_constrained(request):
                 mask.append((s, proc.min_tokens_ids))
         if request.logprobs is not None:
             logprob_rows.append(s)

@@ -4,16 +4,18 @@ Stages, in order: count the step's input tokens (penalties' counts, kept on the 
 logprobs (before any processing: vLLM's default "raw_logprobs"); logit_bias and min_tokens;
 penalties; sampling; then the logprobs of the sampled tokens and of prompt positions. Each stage
 runs only when its inputs are present, so a plain step is just the sampling. A grammar's bitmask
-or a draft-token verification is one more stage between processing and sampling.
+is one more stage between processing and sampling, for its rows only: `begin` runs everything up
+to it (the free rows are sampled there), `finish` applies the bitmask the host built meanwhile.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
+from tandem.sampler.grammar import apply_token_bitmask
 from tandem.sampler.inputs import LogprobRows, SamplerInputs, SamplingRows
 from tandem.sampler.logprobs import TokenLogprobsTensors, score_tokens
 from tandem.sampler.penalties import TokenCounts, apply_bias_and_mask
@@ -33,34 +35,68 @@ class Sampler:
         """The plain stage alone (what a captured decode graph replays)."""
         return sample(logits, rows)
 
-    def __call__(
+    def begin(
         self,
         hidden: torch.Tensor,
         logits_index: torch.Tensor,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
         x: SamplerInputs[torch.Tensor],
         token_table: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[TokenLogprobsTensors]]:
-        """Sampled ids of the rows `logits_index` picks from `hidden`, and the logprobs groups
-        the step asked for (see `LogprobRows.output_groups`)."""
-        p, lp = x.processing, x.logprobs
+    ) -> PendingSample:
+        """Every stage up to the grammar's: logits of the rows `logits_index` picks from
+        `hidden`, raw logprobs, processing, and the ids of rows no grammar constrains (all rows
+        in a step without grammar rows). `finish` completes it."""
+        p, lp, g = x.processing, x.logprobs, x.grammar
         if p is not None and p.flags.count_tokens:  # this step's inputs count for its own sample
             self.token_counts.record(token_table, p)
-        groups: list[TokenLogprobsTensors] = []
-        ids = torch.empty(0, dtype=torch.int64, device=self.device)
+        pending = PendingSample(x, torch.empty(0, dtype=torch.int64, device=self.device))
         if len(logits_index):
             logits = compute_logits(hidden[logits_index])
-            raw = logits[lp.rows].log_softmax(dim=-1) if lp is not None and len(lp.rows) else None
+            if lp is not None and len(lp.rows):
+                pending.raw = logits[lp.rows].log_softmax(dim=-1)
             if p is not None:
                 apply_bias_and_mask(logits, p)
                 if p.flags.use_penalties:
                     self.token_counts.apply_penalties(logits, p)
-            ids = sample(logits, x.sampling)
-            if raw is not None:
-                groups.append(score_tokens(raw, ids[lp.rows], lp.num_top))
+            if g is None:
+                pending.ids = sample(logits, x.sampling)
+            else:
+                pending.ids = torch.empty(len(logits), dtype=torch.int64, device=self.device)
+                if len(g.free_rows):
+                    pending.ids[g.free_rows] = sample(logits[g.free_rows], g.free_sampling)
+                pending.constrained = logits[g.rows]
         if lp is not None and len(lp.prompt_index):
-            groups.append(_prompt_logprobs(hidden, compute_logits, lp))
+            pending.prompt = _prompt_logprobs(hidden, compute_logits, lp)
+        return pending
+
+    def finish(
+        self, pending: PendingSample, bitmask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[TokenLogprobsTensors]]:
+        """Sample the grammar rows under `bitmask` ([G, words] int32, a bit per token id), then
+        the logprobs of the sampled tokens: the step's ids and the logprobs groups it asked for
+        (see `LogprobRows.output_groups`)."""
+        ids, x = pending.ids, pending.x
+        if pending.constrained is not None:
+            logits = pending.constrained
+            apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+            ids[x.grammar.rows] = sample(logits, x.grammar.sampling)
+        groups = []
+        if pending.raw is not None:
+            groups.append(score_tokens(pending.raw, ids[x.logprobs.rows], x.logprobs.num_top))
+        if pending.prompt is not None:
+            groups.append(pending.prompt)
         return ids, groups
+
+
+@dataclass
+class PendingSample:
+    """A step's sampling between `Sampler.begin` and `finish`: device tensors only."""
+
+    x: SamplerInputs[torch.Tensor]
+    ids: torch.Tensor  # [S]; grammar rows are filled by finish
+    raw: torch.Tensor | None = None  # raw logprobs of the rows that want them
+    constrained: torch.Tensor | None = None  # processed logits of the grammar rows
+    prompt: TokenLogprobsTensors | None = None
 
 
 def _prompt_logprobs(

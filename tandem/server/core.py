@@ -222,7 +222,10 @@ class CoreLoop:
     def _add(self, identity: bytes, adds: list[wire.NewRequest]) -> None:
         for new in adds:
             try:  # validated by the front end already; checked again against the engine's state
-                request = self.engine.make_request(new.prompt_token_ids, new.params, new.request_id)
+                # A grammar compiles off this loop, once the request is submitted.
+                request = self.engine.make_request(
+                    new.prompt_token_ids, new.params, new.request_id, compile_grammar=False
+                )
                 self.engine.submit(request)
             except ValueError as exc:
                 refusal = [

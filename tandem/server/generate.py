@@ -47,8 +47,17 @@ async def respond(
     stream, prepared = await service.submit(bulk, partial(prepare, raw, bulk))
     del raw  # a large body is not kept alive for the length of the generation
     body = prepared.body
-    fmt_cls = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
-    fmt = fmt_cls(stream.request_id, model_name, body.include_usage, prepared.logprobs)
+    fmt: ResponseFormat
+    if isinstance(body, ChatCompletionRequest):
+        fmt = ChatFormat(
+            stream.request_id,
+            model_name,
+            body.include_usage,
+            prepared.logprobs,
+            tools=prepared.tools,
+        )
+    else:
+        fmt = CompletionFormat(stream.request_id, model_name, body.include_usage, prepared.logprobs)
     if body.stream:
         return SSEResponse(_events(stream, fmt), on_close=lambda: service.abort(stream))
     try:
@@ -116,7 +125,9 @@ async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[b
             logprobs.setdefault(d.index, []).extend(d.logprobs or [])
         for index, text in texts.items():
             if text or logprobs[index]:
-                yield sse(fmt.delta(text, index, logprobs[index]))
+                chunk = fmt.delta(text, index, logprobs[index])
+                if chunk is not None:  # None: a tool-call parser holds the text back
+                    yield sse(chunk)
         for d in deltas:
             if d.finished:
                 unfinished -= 1

@@ -9,6 +9,10 @@ A completion body may hold a list of prompts: each becomes its own engine reques
 `<id>-<i>`), each is checked against the bound before any is tokenized, and an error names the
 prompt (`prompt 2: ...`). Every engine request carries the body's `n`.
 
+Structured outputs (`structured_outputs`, chat's `response_format`, or the tools of a named or
+"required" tool_choice) are compiled here too (`ServedModel.check_grammar`, cached), and an error
+names the parameter the constraint came from (`tools[1].function.parameters is invalid: ...`).
+
 A worker thread still shares the GIL, and pydantic holds it for a whole validation, whose cost
 grows with the number of JSON values (a 15 MB body of tiny chat messages takes seconds). So a bulk
 body is first counted in a helper process (`json_count.py`) and refused if it is not JSON or holds
@@ -25,12 +29,13 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from tandem.engine.chat_template import chat_template_problem
-from tandem.request import Request, SamplingParams
+from tandem.request import Request, SamplingParams, StructuredOutputsParams
 from tandem.server.errors import APIError, bad_request, validation_error
 from tandem.server.json_count import JSONCounter
 from tandem.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.server.served_model import ServedModel
 from tandem.server.token_bound import PromptBound
+from tandem.server.tool_calls import ToolPlan, plan_tools
 
 Prompt = str | list[int]
 Body = TypeVar("Body", bound=BaseModel)
@@ -49,6 +54,7 @@ class Prepared:
     body: CompletionRequest | ChatCompletionRequest
     request_id: str  # the response's id
     requests: list[Request]
+    tools: ToolPlan | None = None  # set when the output is read for tool calls
 
     @property
     def n(self) -> int:
@@ -70,6 +76,67 @@ class Prepared:
         if self.n > 1:
             return "n"
         return "messages" if isinstance(self.body, ChatCompletionRequest) else "prompt"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's structured_outputs, and how to name where it came from in an error."""
+
+    spec: StructuredOutputsParams
+    param: str
+    where: str | None = None  # in messages, in place of "structured_outputs.<kind>"
+
+
+def constraint_error(message: str, param: str, where: str | None) -> APIError:
+    if where is not None:
+        message = re.sub(r"^structured_outputs\.\w+", where, message, count=1)
+    return bad_request(message, param=param)
+
+
+def made_constraint(spec_of, param: str, where: str | None = None) -> Constraint | None:
+    """`spec_of()`'s StructuredOutputsParams (or None) as a Constraint; its ValueError as a 400."""
+    try:
+        spec = spec_of()
+    except ValueError as exc:
+        raise constraint_error(str(exc), param, where) from None
+    return None if spec is None else Constraint(spec, param, where)
+
+
+def body_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    """vLLM's structured_outputs, or OpenAI's response_format (chat): one at most."""
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type == "text":
+        fmt = None
+    if body.structured_outputs is not None:
+        if fmt is not None:
+            raise bad_request(
+                "response_format and structured_outputs cannot both constrain the output: "
+                "set one of them",
+                param="structured_outputs",
+            )
+        return made_constraint(body.structured_outputs.params, "structured_outputs")
+    if fmt is None:
+        return None
+    where = "response_format.json_schema.schema" if fmt.type == "json_schema" else None
+    return made_constraint(fmt.params, "response_format", where)
+
+
+def tool_constraint(plan: ToolPlan, other: Constraint | None) -> Constraint | None:
+    """A named or "required" tool_choice constrains the output itself, so it takes no other."""
+    if plan.choice == "auto":
+        return other
+    if other is not None:
+        choice = "a named function" if plan.choice == "named" else '"required"'
+        raise bad_request(
+            f"tool_choice {choice} constrains the output to tool calls: it cannot be combined "
+            f"with {other.param}",
+            param="tool_choice",
+        )
+    where = "tools"
+    if plan.choice == "named":
+        index = next(i for i, f in enumerate(plan.functions) if f.name == plan.name)
+        where = f"tools[{index}].function.parameters"
+    return made_constraint(plan.constraint, "tools", where)
 
 
 class Preparer:
@@ -105,7 +172,9 @@ class Preparer:
 
     def completion(self, raw: bytes, bulk: bool = False) -> Prepared:
         body = self._parse(CompletionRequest, raw, bulk)
-        params = self._common(body)
+        self._check_body(body)
+        constraint = body_constraint(body)
+        params = sampling_params(body, self.model.sampling_defaults, constraint)
         prompts = completion_prompts(body.prompt)
         self._check_seqs(len(prompts), params.n, "prompt")
         where = [f"prompt {i}: " if len(prompts) > 1 else "" for i in range(len(prompts))]
@@ -119,21 +188,31 @@ class Preparer:
             else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         requests = [
-            self._make(prompt, params, engine_id, "prompt", at)
+            self._make(prompt, params, engine_id, "prompt", at, constraint)
             for prompt, engine_id, at in zip(prompts, ids, where, strict=True)
         ]
         return Prepared(body, request_id, requests)
 
     def chat(self, raw: bytes, bulk: bool = False) -> Prepared:
         body = self._parse(ChatCompletionRequest, raw, bulk)
-        params = self._common(body)
+        self._check_body(body)
+        template = getattr(self.model.tokenizer, "chat_template", None)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+        constraint = body_constraint(body)
+        if plan is not None:
+            constraint = tool_constraint(plan, constraint)
+        params = sampling_params(body, self.model.sampling_defaults, constraint)
         self._check_seqs(1, params.n, "messages")
-        text = render_chat(self.model, body.messages)
+        text = render_chat(self.model, body.messages, plan.template_tools if plan else None)
         # The template writes any BOS itself, so the text is tokenized without special tokens.
         self._check_bound(text, add_special_tokens=False, param="messages")
+        if plan is not None:
+            self._check_tool_schemas(plan)
         token_ids = self.model.tokenizer(text, add_special_tokens=False).input_ids
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        return Prepared(body, request_id, [self._make(token_ids, params, request_id, "messages")])
+        request = self._make(token_ids, params, request_id, "messages", constraint=constraint)
+        tools = plan if plan is not None and plan.parses else None
+        return Prepared(body, request_id, [request], tools)
 
     def _parse(self, model: type[Body], raw: bytes, bulk: bool) -> Body:
         """pydantic's strict parse; a bulk body is counted out of process first."""
@@ -151,7 +230,7 @@ class Preparer:
         except ValidationError as exc:
             raise validation_error(list(exc.errors())) from None
 
-    def _common(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def _check_body(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.model not in self.accepted_names:
             raise APIError(
                 404,
@@ -163,7 +242,16 @@ class Preparer:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        return sampling_params(body, self.model.sampling_defaults)
+
+    def _check_tool_schemas(self, plan: ToolPlan) -> None:
+        """Every tool's parameters must compile, whichever tool the model then calls."""
+        for i, function in enumerate(plan.functions):
+            try:
+                self.model.check_grammar(StructuredOutputsParams(json=function.parameters))
+            except ValueError as exc:
+                raise constraint_error(
+                    str(exc), "tools", f"tools[{i}].function.parameters"
+                ) from None
 
     def _check_seqs(self, num_prompts: int, n: int, prompt_param: str) -> None:
         """Refuse, before tokenizing, a request for more sequences than the server holds."""
@@ -191,7 +279,13 @@ class Preparer:
             )
 
     def _make(
-        self, prompt: Prompt, params: SamplingParams, request_id: str, param: str, where: str = ""
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        param: str,
+        where: str = "",
+        constraint: Constraint | None = None,
     ) -> Request:
         try:
             return self.model.make_request(prompt, params, request_id)
@@ -199,6 +293,8 @@ class Preparer:
             message = str(exc)
             if message.startswith("logit_bias"):  # a token id outside the vocabulary
                 raise bad_request(message, param="logit_bias") from None
+            if constraint is not None and message.startswith("structured"):  # its grammar
+                raise constraint_error(message, constraint.param, constraint.where) from None
             raise bad_request(
                 where + message, param="max_tokens" if "plus max_tokens" in message else param
             ) from None
@@ -211,8 +307,11 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) ->
     return [prompt]
 
 
-def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str:
-    """The tokenizer's chat template applied to `messages`, as text."""
+def render_chat(
+    model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None = None
+) -> str:
+    """The tokenizer's chat template applied to `messages` (and `tools`, when any may be
+    called), as text."""
     tokenizer = model.tokenizer
     problem = chat_template_problem(tokenizer)
     if problem is not None:
@@ -225,7 +324,7 @@ def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str:
     conversation = [m.as_template_message() for m in messages]
     try:
         return tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation, tools=tools, tokenize=False, add_generation_prompt=True
         )
     except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
         raise bad_request(
@@ -234,10 +333,12 @@ def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str:
 
 
 def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, defaults: dict[str, float]
+    body: CompletionRequest | ChatCompletionRequest,
+    defaults: dict[str, float],
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     try:
-        return body.sampling_params(defaults)
+        return body.sampling_params(defaults, constraint.spec if constraint else None)
     except ValueError as exc:  # SamplingParams' messages start with the field's name
         message = str(exc)
         match = re.match(r"(\w+) must", message)

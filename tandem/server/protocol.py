@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from tandem.request import MAX_LOGPROBS, SamplingParams
+from tandem.request import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 
@@ -36,6 +36,24 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (the official client sends it in extra_body): exactly one
+    constraint, checked by `StructuredOutputsParams`."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        """Raises ValueError naming the field (from StructuredOutputsParams)."""
+        values = self.model_dump(exclude_none=True)
+        values["json"] = values.pop("json_", None)
+        return StructuredOutputsParams(**values)
 
 
 class _GenerationRequest(_Strict):
@@ -62,13 +80,19 @@ class _GenerationRequest(_Strict):
     min_tokens: int | None = None
     # Samples per prompt, sharing its KV blocks; OpenAI's bound.
     n: Annotated[int | None, Field(ge=1, le=MAX_N)] = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None  # an opaque end-user id; it changes nothing about generation
 
     def default_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
-        """The body's values over the model's sampling `defaults`. Raises ValueError (from
+    def sampling_params(
+        self,
+        defaults: dict[str, float] | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The body's values over the model's sampling `defaults`, with the output constrained
+        by `structured_outputs` (the caller resolves it from the body). Raises ValueError (from
         SamplingParams) naming the parameter that is out of range."""
         values: dict[str, Any] = {
             "max_tokens": self.default_max_tokens(),
@@ -87,6 +111,7 @@ class _GenerationRequest(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": _token_keys(self.logit_bias),
             "logprobs": self.num_logprobs(),
+            "structured_outputs": structured_outputs,
         }
         given = {k: v for k, v in values.items() if v is not None}
         return SamplingParams(**((defaults or {}) | given))
@@ -135,19 +160,95 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
 
-    def as_template_message(self) -> dict[str, str]:
+
+class MessageToolCall(_Strict):
+    """A tool call of an earlier assistant turn, as a response gave it."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only beside an assistant's tool_calls
+    tool_calls: list[MessageToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this message answers
+
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("tool_call_id is required in tool messages, and only there")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required unless an assistant message has tool_calls")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """Chat templates take tool-call arguments as objects (Hugging Face's convention), so
+        JSON text is parsed back; text that is not JSON stays as it was."""
         content = self.content
-        if not isinstance(content, str):
+        if content is None:
+            content = ""
+        elif not isinstance(content, str):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return text
+
+
+class JSONSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only there')
+        if self.json_schema is not None and self.json_schema.schema_ is None:
+            raise ValueError("json_schema.schema is required")
+        return self
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is not None:
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -158,8 +259,10 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: Logprobs = None
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict[str, Any]] | None, _only(None)] = None
-    tool_choice: Annotated[str | None, _only("none", None)] = None
+    # Checked by tool_calls.plan_tools, which names the tool at fault.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most (named or "required")
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.request import Logprob, TokenLogprobs
+from tandem.server.tool_calls import Parsed, ToolCallParser, ToolPlan, assemble, tool_finish_reason
 
 DONE = b"data: [DONE]\n\n"
 
@@ -132,13 +133,19 @@ class CompletionFormat:
 
 @dataclass
 class ChatFormat:
-    """/v1/chat/completions: a `delta` per chunk (the role first), a `message` when whole."""
+    """/v1/chat/completions: a `delta` per chunk (the role first), a `message` when whole.
+
+    With `tools` (a plan whose output is read for calls), each choice's text goes through its
+    own tool-call parser (`tool_calls.py`): a chunk may then carry `tool_calls`, hold text back
+    (no chunk), or carry text and calls flushed at the close."""
 
     request_id: str
     model: str
     include_usage: bool = False
     logprobs: int | None = None  # top_logprobs per token; None: no logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None
+    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
 
     def _chunk(
         self,
@@ -181,15 +188,35 @@ class ChatFormat:
         return {"content": content}
 
     def opening(self, index: int = 0) -> list[dict[str, Any]]:
+        if self.tools is not None:
+            parser = self._parsers[index] = self.tools.parser()
+            calls = parser.opening()
+            if calls:  # a named function: its call opens the stream, its arguments follow
+                delta = {"role": "assistant", "content": None, "tool_calls": calls}
+                return [self._chunk(delta, None, index)]
         return [self._chunk({"role": "assistant", "content": ""}, None, index)]
 
     def delta(
         self, text: str, index: int = 0, logprobs: list[TokenLogprobs] | None = None
-    ) -> dict[str, Any]:
-        return self._chunk({"content": text}, None, index, self._logprobs(logprobs or []))
+    ) -> dict[str, Any] | None:
+        """The chunk for a choice's new text; None when a tool-call parser holds it all back
+        and there are no logprobs to send."""
+        if self.tools is None:
+            return self._chunk({"content": text}, None, index, self._logprobs(logprobs or []))
+        parsed = self._parsers[index].feed(text)
+        if not (parsed.content or parsed.calls or logprobs):
+            return None
+        return self._chunk(_parsed_delta(parsed), None, index, self._logprobs(logprobs or []))
 
     def closing(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
-        return self._chunk({}, finish_reason, index)
+        """The last chunk of a choice; with tools, it carries what the parser held back."""
+        if self.tools is None:
+            return self._chunk({}, finish_reason, index)
+        parser = self._parsers.pop(index)
+        parsed = parser.finish(finish_reason)
+        reason = tool_finish_reason(finish_reason, parser.called)
+        delta = _parsed_delta(parsed) if parsed.content or parsed.calls else {}
+        return self._chunk(delta, reason, index)
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._chunk({}, None), "choices": [], "usage": counts}
@@ -203,24 +230,40 @@ class ChatFormat:
     ) -> dict[str, Any]:
         """One choice per text; `logprobs`, when given, holds each choice's tokens' logprobs."""
         logprobs = logprobs or [[] for _ in texts]
+        choices = []
+        for i, (text, reason, entries) in enumerate(
+            zip(texts, finish_reasons, logprobs, strict=True)
+        ):
+            message, reason = self._message(text, reason)
+            choice = {"index": i, "message": message, "logprobs": self._logprobs(entries)}
+            choices.append({**choice, "finish_reason": reason})
         return {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": self._logprobs(entries),
-                    "finish_reason": reason,
-                }
-                for i, (text, reason, entries) in enumerate(
-                    zip(texts, finish_reasons, logprobs, strict=True)
-                )
-            ],
+            "choices": choices,
             "usage": counts,
         }
+
+    def _message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's message and finish reason: the streaming parser, fed all at once."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        parser = self.tools.parser()
+        opening = parser.opening()
+        parsed = parser.feed(text) + parser.finish(finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+        if opening or parsed.calls:
+            message["tool_calls"] = assemble(opening + parsed.calls)
+        return message, tool_finish_reason(finish_reason, parser.called)
+
+
+def _parsed_delta(parsed: Parsed) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
+    if parsed.calls:
+        delta["tool_calls"] = parsed.calls
+    return delta or {"content": ""}
 
 
 def _token_label(token: int, lp: Logprob) -> str:

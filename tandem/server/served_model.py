@@ -2,7 +2,9 @@
 
 The front end validates and tokenizes requests, applies chat templates and detokenizes outputs,
 so it needs the tokenizer and the limits the core resolved (context length, vocabulary, stop
-ids), never the weights.
+ids), never the weights. It compiles structured outputs' grammars too, so that a bad schema,
+regex or grammar is the client's 400 from an intake lane, never a failure in the core (which
+compiles again, for its own matchers).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
+from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.intake import RequestIntake, ending_token_ids
 from tandem.models.loader import find_tokenizer
-from tandem.request import Logprob, Request, SamplingParams, TokenLogprobs
+from tandem.request import Logprob, Request, SamplingParams, StructuredOutputsParams, TokenLogprobs
 from tandem.server import wire
 
 
@@ -31,14 +34,22 @@ class ServedModel:
         self.intake = RequestIntake(
             self.tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, 0
         )
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.backend = self.tokenizer.backend_tokenizer if self.tokenizer is not None else None
         self.token_text = TokenTexts(self.backend)  # a token's text, for logprobs
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> Request:
-        """Tokenize and validate: raises ValueError naming the problem."""
-        return self.intake.make_request(prompt, params, request_id)
+        """Tokenize and validate (the grammar too): raises ValueError naming the problem."""
+        request = self.intake.make_request(prompt, params, request_id)
+        if params.structured_outputs is not None:
+            self.check_grammar(params.structured_outputs)
+        return request
+
+    def check_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile `spec` (cached by spec); raises ValueError ("structured_outputs.<kind> ...")."""
+        self.grammars.compile(spec)
 
     def choice_text(self, request: Request) -> ChoiceText:
         return ChoiceText(self, request)

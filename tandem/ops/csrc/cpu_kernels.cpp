@@ -985,6 +985,38 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   return greedy;
 }
 
+// A grammar's token bitmask (xgrammar's layout: bit t % 32 of word t / 32 allows token t) applied
+// in place: disallowed logits become -inf. Words that allow nothing, the common case, are
+// written whole; words that allow everything are skipped.
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask) {
+  check_float_rows(logits, "logits");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [rows, words] int32 matrix");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  const int64_t words = bitmask.size(1);
+  TORCH_CHECK(bitmask.size(0) == rows && words * 32 >= vocab, "one bitmask row per logits row");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = lp + r * stride;
+      const uint32_t* w = bp + r * words;
+      for (int64_t k = 0; k * 32 < vocab; ++k) {
+        const uint32_t bits = w[k];
+        if (bits == 0xFFFFFFFFu) continue;
+        float* x = row + k * 32;
+        const int64_t n = std::min<int64_t>(32, vocab - k * 32);
+        if (bits == 0) {
+          std::fill_n(x, n, minus_inf);
+          continue;
+        }
+        for (int64_t j = 0; j < n; ++j) x[j] = (bits >> j) & 1u ? x[j] : minus_inf;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -994,6 +1026,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("gemv(Tensor x, Tensor weight, Tensor bias) -> Tensor");
   m.def(
       "quantized_linear(Tensor x, Tensor values, Tensor scales, Tensor offsets, Tensor bias) "
@@ -1021,6 +1054,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("gemv", &gemv);
   m.impl("quantized_linear", &tandem::quantized_linear);
   m.impl("sample_rows", &sample_rows);

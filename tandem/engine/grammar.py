@@ -1,0 +1,256 @@
+"""Structured outputs on the host, with xgrammar: grammars compiled once (cached, off the engine
+loop), one matcher per sample advanced by retired tokens only, and each step's bitmask.
+
+The asynchronous loop's rule: a step's bitmask is built after the step before it retires (so
+every matcher has seen every token before the one sampled), while that step's forward runs. A
+request that finished in the step before holds a discarded token in this one: its row is left
+unconstrained and its matcher is never advanced again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from tandem.request import Request, StructuredOutputsParams
+
+if TYPE_CHECKING:  # imported where first used: it adds most of a second to every start-up
+    import xgrammar as xgr
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+# xgrammar's errors start with "[time] /path/file.cc:line: ": the rest is the message.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+
+
+class GrammarCompiler:
+    """Compiles a request's `StructuredOutputsParams` for one tokenizer; the same spec gives the
+    same compiled grammar (a bounded cache). Thread-safe; `submit` compiles on a worker thread."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: list[int]
+    ):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._compile_key = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile_key_now)
+
+    @property
+    def bitmask_width(self) -> int:
+        """int32 words per row of a step's bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec`; raises ValueError naming what is wrong with it."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and it has none")
+        return self._compile_key(*spec.key)
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """Compile on this compiler's thread: the engine loop never waits for a grammar."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        return self._pool.submit(self.compile, spec)
+
+    def cache_info(self) -> functools._CacheInfo:
+        return self._compile_key.cache_info()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _xgrammar(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
+        with self._lock:  # built on first use: reading a large vocabulary takes a moment
+            if self._compiler is None:
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                # Our own cache (by spec) replaces xgrammar's; one thread leaves the device's.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _compile_key_now(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        compiler = self._xgrammar()
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(_safe_lengths(text), any_whitespace=False)
+            if kind == "json_object":  # any object (a bare JSON value is not an object)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                alternatives = " | ".join(json.dumps(c) for c in json.loads(text))
+                return compiler.compile_grammar(f"root ::= {alternatives}")
+            if kind == "grammar":  # EBNF (xgrammar's GBNF) has "::=" rules; Lark has ":" rules
+                if "::=" in text:
+                    return compiler.compile_grammar(text)
+                return compiler.compile_lark(text)
+            return compiler.compile_structural_tag(text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
+            raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
+
+
+# A JSON string's characters other than '"', '\\' and control characters, for `_safe_lengths`.
+_PLAIN_CHARACTER = '[^"\\\\\\x00-\\x1f]'
+
+
+def _safe_lengths(schema_text: str) -> str:
+    """The schema with each length-bounded string given a pattern of plain characters.
+
+    xgrammar 0.2.9 compiles minLength / maxLength to a character class that admits raw control
+    characters, which JSON forbids (mlc-ai/xgrammar#800); its patterns compile correctly. Strings
+    with a pattern, format, enum or const of their own are left alone."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text  # xgrammar names the problem
+
+    def visit(node: object) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+        if not isinstance(node, dict):
+            return
+        bounded = "minLength" in node or "maxLength" in node
+        own = any(k in node for k in ("pattern", "format", "enum", "const"))
+        if node.get("type") == "string" and bounded and not own:
+            low, high = node.get("minLength", 0), node.get("maxLength", "")
+            if isinstance(low, int) and isinstance(high, (int, str)):
+                node["pattern"] = f"^{_PLAIN_CHARACTER}{{{low},{high}}}$"
+        for value in node.values():
+            visit(value)
+
+    visit(schema)
+    return json.dumps(schema)
+
+
+def tokenizer_info(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, with special tokens other than the stop tokens never
+    allowed. xgrammar would read "<s>" or "<|im_end|>" as their literal text, which a grammar may
+    accept, though the detokenizer drops them: an empty string marks a token as special."""
+    import xgrammar as xgr
+
+    detected = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    special.difference_update(stop_token_ids)
+    vocab = [""] * max(len(tokenizer), vocab_size)
+    for token, i in tokenizer.get_vocab().items():
+        vocab[i] = "" if i in special else token
+    return xgr.TokenizerInfo(
+        vocab[:vocab_size],
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=detected.add_prefix_space,
+    )
+
+
+@dataclass
+class RequestGrammar:
+    """One sample's matcher, advanced by its retired tokens, in order, once each."""
+
+    matcher: xgr.GrammarMatcher
+    num_accepted: int = 0
+
+    @classmethod
+    def of(cls, compiled: xgr.CompiledGrammar) -> RequestGrammar:
+        import xgrammar as xgr
+
+        return cls(xgr.GrammarMatcher(compiled))
+
+    def accept(self, token: int) -> bool:
+        self.num_accepted += 1
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """Accepted a stop token after a complete output: nothing more may follow."""
+        return self.matcher.is_terminated()
+
+
+def grammar_of(request: Request) -> RequestGrammar:
+    """The sample's matcher, made on first use (samples of one request share the compiled
+    grammar, never a matcher)."""
+    if request.grammar is None:
+        request.grammar = RequestGrammar.of(request.compiled_grammar)
+    return request.grammar
+
+
+def constrained_rows(sampled: list) -> list:
+    """The items of a step's sampled rows that a grammar constrains, in sampling-row order."""
+    return [item for item in sampled if item.request.compiled_grammar is not None]
+
+
+class StepBitmasks:
+    """Builds each step's bitmask: every live row's matcher in one xgrammar call (C++, without
+    the GIL), so the host's Python work per step barely grows with the constrained rows."""
+
+    def __init__(self, width: int, pin_memory: bool = False):
+        self.width = width
+        self.pin_memory = pin_memory  # CUDA: the upload is then a non-blocking copy
+        self._batch = None
+
+    def build(self, items: list) -> torch.Tensor:
+        """[len(items), width] int32: bit t of a row allows token t for that item's sample.
+
+        Every request's retired tokens must already be accepted (its matcher is at the token
+        being sampled). min_tokens is folded in here: its stop ids are cleared unless the
+        grammar allows nothing else (then the grammar ends the output)."""
+        bitmask = torch.full(
+            (len(items), self.width), -1, dtype=torch.int32, pin_memory=self.pin_memory
+        )
+        rows, matchers = [], []
+        for i, item in enumerate(items):
+            request = item.request
+            if request.finished:
+                continue  # its token is discarded at retirement: any value will do
+            grammar = grammar_of(request)
+            if grammar.num_accepted != item.output_index:
+                raise RuntimeError(
+                    f"grammar of {request.request_id!r} is at token {grammar.num_accepted}, "
+                    f"the step samples token {item.output_index}"
+                )
+            rows.append(i)
+            matchers.append(grammar.matcher)
+        if matchers:
+            self._matcher_batch().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for i in rows:
+            item = items[i]
+            proc = item.request.processing
+            pending = proc is not None and item.output_index < proc.min_tokens
+            if pending and len(proc.min_tokens_ids):
+                _clear_unless_empty(bitmask[i].numpy(), proc.min_tokens_ids)
+        return bitmask
+
+    def _matcher_batch(self):
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the other cores compute
+        return self._batch
+
+
+def _clear_unless_empty(row: np.ndarray, ids: np.ndarray) -> None:
+    words, bits = ids // 32, (ids % 32).astype(np.uint32)
+    cleared = row.view(np.uint32).copy()
+    np.bitwise_and.at(cleared, words, ~(np.uint32(1) << bits))
+    if cleared.any():
+        row.view(np.uint32)[:] = cleared
