@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tandem.request import Request, StructuredOutputsParams
+from tandem.sampler.inputs import is_constrained
 
 if TYPE_CHECKING:  # imported where first used: it adds most of a second to every start-up
     import xgrammar as xgr
@@ -195,8 +196,9 @@ def grammar_of(request: Request) -> RequestGrammar:
 
 
 def constrained_rows(sampled: list) -> list:
-    """The items of a step's sampled rows that a grammar constrains, in sampling-row order."""
-    return [item for item in sampled if item.request.compiled_grammar is not None]
+    """The items of a step's sampled rows that a grammar constrains, in sampling-row order (the
+    order of `GrammarRows.rows`)."""
+    return [item for item in sampled if is_constrained(item.request)]
 
 
 class StepBitmasks:

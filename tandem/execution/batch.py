@@ -14,13 +14,7 @@ from itertools import chain
 import numpy as np
 
 from tandem.ops.attention_metadata import PrefillSegment
-from tandem.sampler.inputs import (
-    SamplerInputs,
-    build_sampler_inputs,
-    first_counted,
-    is_constrained,
-    ragged_arange,
-)
+from tandem.sampler.inputs import SamplerInputs, build_sampler_inputs, first_counted, ragged_arange
 from tandem.scheduling.scheduler import ScheduledBatch
 
 
@@ -117,11 +111,5 @@ class BatchBuilder:
                 PrefillSegment(int(cu[i] - counts[i]), int(counts[i]), int(ends[i]), i)
                 for i in range(d, r)
             ],
-            sampler=build_sampler_inputs(
-                items,
-                cu - counts,
-                self.max_model_len,
-                extras_needed,
-                any(it.sample and is_constrained(it.request) for it in items),
-            ),
+            sampler=build_sampler_inputs(items, cu - counts, self.max_model_len, extras_needed),
         )

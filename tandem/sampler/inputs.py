@@ -131,18 +131,13 @@ class SamplerInputs(Generic[A]):
 
 
 def build_sampler_inputs(
-    items: list[ScheduledRequest],
-    offsets: np.ndarray,
-    max_len: int,
-    extras: bool,
-    constrained: bool = False,
+    items: list[ScheduledRequest], offsets: np.ndarray, max_len: int, extras: bool
 ) -> SamplerInputs[np.ndarray]:
     """The step's sampler inputs; `offsets`: each item's first token in the batch; `extras`:
-    whether some request of the step needs processing or logprobs; `constrained`: whether one
-    samples under a grammar."""
+    whether some request of the step needs processing or logprobs."""
     sampled = [it for it in items if it.sample]
     rows = sampling_rows(sampled)
-    grammar = _grammar_rows(sampled) if constrained else None
+    grammar = _grammar_rows(sampled)
     if not extras:
         return SamplerInputs(rows, grammar=grammar)
     processing, logprobs = _build_extras(items, offsets, max_len)
@@ -170,8 +165,11 @@ def is_constrained(request: Request) -> bool:
     return request.compiled_grammar is not None
 
 
-def _grammar_rows(sampled: list[ScheduledRequest]) -> GrammarRows[np.ndarray]:
+def _grammar_rows(sampled: list[ScheduledRequest]) -> GrammarRows[np.ndarray] | None:
+    """None for a step whose rows no grammar constrains."""
     under = np.fromiter((is_constrained(it.request) for it in sampled), bool, len(sampled))
+    if not under.any():
+        return None
     rows, free = np.flatnonzero(under), np.flatnonzero(~under)
     return GrammarRows(
         rows=rows,
