@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import fields
 
-from tandem.config import LOAD_FORMATS, EngineConfig
+from tandem.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from tandem.models.generation_defaults import SAMPLING_FIELDS
 from tandem.request import SamplingParams
 
@@ -51,6 +51,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split the model over this many ranks, one process each")  # fmt: skip
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks between requests with a common prefix")  # fmt: skip
+    g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 4}' (ngram also takes prompt_lookup_max and "
+                   "prompt_lookup_min), or '{\"method\": \"draft_model\", \"model\": FOLDER, "
+                   "\"num_speculative_tokens\": 4}'; \"adaptive\": false keeps every draft "
+                   "at full length (default: off)")  # fmt: skip
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON, refused at parse time (argparse's usage line, exit 2)."""
+    try:
+        return SpeculativeConfig.of(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -204,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run one workload sync then async and compare",
                            description="Runs the same workload with the synchronous and the "
                            "asynchronous loop in one process and prints device idle time, "
-                           "throughput and latency side by side.")  # fmt: skip
+                           "throughput and latency side by side. With --speculative-config, "
+                           "each loop runs with speculation off and on (n-gram drafts, and the "
+                           "draft model when the config names one).")  # fmt: skip
     from tandem.bench import add_bench_args
 
     add_bench_args(bench)

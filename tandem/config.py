@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -22,6 +23,8 @@ _DTYPES = {
 # seeded random weights made on the device (shapes and speed of a model without its download).
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = (None, "none", "int8")  # EngineConfig.quantization
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # SpeculativeConfig.method
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def usable_cores() -> int:
@@ -29,6 +32,70 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): each step drafts up to
+    `num_speculative_tokens` tokens per request and verifies them in one forward.
+
+    ngram: drafts are the tokens that followed the latest earlier occurrence of the request's
+    last `prompt_lookup_max` .. `prompt_lookup_min` tokens (prompt and output), found on the
+    device. draft_model: a smaller checkpoint `model` with the target's vocabulary drafts them.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: a folder or GGUF file, as EngineConfig.model
+    # Adaptive draft length: a request's drafts shrink while few are accepted (down to none,
+    # retried now and then) and grow back while most are; False: always the full length.
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            names = ", ".join(SPECULATIVE_METHODS)
+            raise ValueError(
+                f"speculative_config.method must be one of {names}, got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"speculative_config.{name} must be a positive integer, got {value!r}"
+                )
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config.prompt_lookup_min must be <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} > {self.prompt_lookup_max}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model is given with method 'draft_model' only, and it needs one"
+            )
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a config, a dict of its fields, or their JSON text (the command line's)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict (or its JSON text)")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields: {', '.join(unknown)}")
+        return cls(**value)
 
 
 @dataclass
@@ -61,8 +128,16 @@ class EngineConfig:
     # Sampling defaults for what a request leaves unset: auto, the checkpoint's
     # (generation_config.json or GGUF metadata); vllm, none; or a folder's generation_config.json.
     generation_config: str = "auto"
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config method 'draft_model' runs in one process "
+                "(tensor_parallel_size 1); 'ngram' works with tensor parallelism"
+            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

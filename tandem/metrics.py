@@ -24,6 +24,36 @@ class StepRecord:
     device: tuple[float, float] = (0.0, 0.0)
     device_wait: float = 0.0  # seconds within `device` the device waited for a grammar bitmask
     discarded: int = 0  # sampled tokens dropped at retirement: their request had finished
+    # Speculative decoding: draft tokens verified, how many of them were accepted, and the
+    # requests that verified drafts (each also gains one token of its own).
+    drafted: int = 0
+    accepted: int = 0
+    verified: int = 0
+
+
+@dataclass
+class SpeculativeStats:
+    """Speculative decoding's counters (vLLM's spec_decode metrics): draft tokens verified,
+    accepted, and the (request, step) pairs that verified drafts."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    num_verified: int = 0
+
+    def add(self, record: StepRecord) -> None:
+        self.drafted_tokens += record.drafted
+        self.accepted_tokens += record.accepted
+        self.num_verified += record.verified
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per drafted one."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a request gains per verifying step: its accepted drafts plus one of its own."""
+        return 1 + self.accepted_tokens / self.num_verified if self.num_verified else 0.0
 
 
 @dataclass
@@ -54,6 +84,7 @@ class RunSummary:
     itl_s: list[float]
     host_ms_per_step: dict[str, float]
     discarded_tokens: int = 0
+    speculative: SpeculativeStats = field(default_factory=lambda: SpeculativeStats())
 
     @property
     def device_idle_fraction(self) -> float:
@@ -72,6 +103,10 @@ class RunSummary:
             "steps": self.num_steps,
             "output_tokens": self.output_tokens,
             "discarded_tokens": self.discarded_tokens,
+            "drafted_tokens": self.speculative.drafted_tokens,
+            "accepted_tokens": self.speculative.accepted_tokens,
+            "acceptance_rate": self.speculative.acceptance_rate,
+            "mean_accepted_length": self.speculative.mean_accepted_length,
             "ttft_p50_ms": _pct(self.ttft_s, 50) * 1e3,
             "ttft_p99_ms": _pct(self.ttft_s, 99) * 1e3,
             "itl_p50_ms": _pct(self.itl_s, 50) * 1e3,
@@ -111,7 +146,12 @@ def summarize(
     }
     tokens = sum(len(r.token_times) for r in requests)
     discarded = sum(s.discarded for s in steps)
-    return RunSummary(end - start, busy, len(steps), tokens, ttft, itl, host, discarded)
+    speculative = SpeculativeStats()
+    for s in steps:
+        speculative.add(s)
+    return RunSummary(
+        end - start, busy, len(steps), tokens, ttft, itl, host, discarded, speculative
+    )
 
 
 def chrome_trace(runs: dict[str, list[StepRecord]]) -> dict:

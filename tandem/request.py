@@ -226,7 +226,8 @@ class Request:
 
     Token bookkeeping in the asynchronous loop: `output_token_ids` holds retired tokens only;
     `num_inflight` counts tokens that launched steps will sample but that the host has not read
-    yet. `num_computed_tokens` counts tokens whose KV a launched step writes.
+    yet. `num_computed_tokens` counts tokens whose KV a launched step writes. With drafts in
+    flight both are upper bounds (every draft accepted), exact again once their steps retire.
     """
 
     request_id: str
@@ -240,6 +241,15 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_inflight: int = 0
     num_computed_tokens: int = 0
+    # Speculative decoding: drafts in flight (their acceptance is not known yet, so num_inflight
+    # and num_computed_tokens are upper bounds by this much), the draft length for the next step,
+    # and the running acceptance estimate (`scheduling/draft_policy.py`).
+    num_speculative: int = 0
+    num_drafts: int | None = None  # None: not verified yet (the policy's full length)
+    draft_acceptance: float = 0.5
+    steps_without_drafts: int = 0
+    draft_probe: bool = False  # its next drafts test whether drafting pays again
+    sampled_in_row: bool = False  # a step since admission sampled it: the device has its length
     block_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # row of the device token table
     last_step: int = -1  # id of the last launched step that involves this request

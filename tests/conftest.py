@@ -95,6 +95,33 @@ def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def cycling_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama whose greedy output mostly walks fixed cycles of 7 tokens (its logits favour a
+    permutation of the last token, while attention still moves them): drafts of its own history
+    are often right, so speculative decoding accepts long runs, and wrong positions or KV would
+    still change its tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_checkpoint(tmp_path_factory.mktemp("cycling-llama"))
+    weights = load_file(path / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    order = torch.randperm(len(embed), generator=torch.Generator().manual_seed(0))
+    successor = torch.empty(len(embed), dtype=torch.long)
+    for i in range(0, len(embed), 7):
+        cycle = order[i : i + 7]
+        successor[cycle] = cycle.roll(-1)
+    head = weights["lm_head.weight"] * 0.2
+    head[successor] += 2 * embed / embed.norm(dim=1, keepdim=True).clamp(min=1e-6)
+    weights["lm_head.weight"] = head
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * 0.2
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 @functools.cache
 def _load_hf_model(path: str) -> torch.nn.Module:
     """Load a checkpoint with transformers once per path, in fp32 eval mode.

@@ -1,5 +1,6 @@
 """Randomized schedules (hypothesis): arrivals, lengths, budgets, block sizes, aborts, shared
-prefixes, n > 1 samples, preemption, prefix-cache eviction and grammar-constrained requests.
+prefixes, n > 1 samples, preemption, prefix-cache eviction, grammar-constrained requests and
+speculative decoding (ngram drafts every step).
 
 Each schedule runs through both loops. After every step the KV block accounting is checked
 exactly: the pool's own invariants hold, every block's owners are exactly the requests (and
@@ -70,7 +71,10 @@ class BlockChecker:
             blocks = item.request.block_ids
             for b in blocks:
                 self.last_use[b] = batch.step_id
-            written = {blocks[p // bs] for p in range(item.start, item.start + item.num_tokens)}
+            # A verification's start is an upper bound: its request's drafts in flight may be
+            # rejected, and then it writes from as far back as that.
+            low = item.start - (item.request.num_speculative - item.num_drafts) * item.verify
+            written = {blocks[p // bs] for p in range(low, item.start + item.num_tokens)}
             for b in written:  # a step writes only blocks its request holds alone, uncached
                 assert pool.refcount(b) == 1 and not pool.is_cached(b), (b, pool.owners()[b])
                 self.last_write[b] = batch.step_id
@@ -144,6 +148,18 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
     max_num_batched_tokens=st.integers(8, 128),
     max_num_seqs=st.integers(1, 8),
     enable_prefix_caching=st.sampled_from([True, True, True, False]),
+    speculative=st.sampled_from(
+        [
+            None,
+            None,
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+                "adaptive": False,
+            },
+        ]
+    ),
 )
 # At the 9th output of the third prompt transformers' fp32 logits for ids 49 and 381 are 2.4e-7
 # apart, and which is larger depends on the CPU's instruction set and thread count; in this
@@ -157,7 +173,7 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
         for suffix, m in (([3], 2), ([3, 3], 1), ([572, 773, 174], 9))
     ],
     block_size=1, extra_blocks=0, max_num_batched_tokens=8, max_num_seqs=3,
-    enable_prefix_caching=False,
+    enable_prefix_caching=False, speculative=None,
 )  # fmt: skip
 def test_random_schedules_keep_the_invariants_in_both_loops(
     tiny_llama,
@@ -168,6 +184,7 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     max_num_batched_tokens,
     max_num_seqs,
     enable_prefix_caching,
+    speculative,
 ):
     prompts = [prefixes[r["prefix"]] + r["suffix"] for r in requests]
     longest = max(len(p) + r["max_tokens"] for p, r in zip(prompts, requests, strict=True))
@@ -177,7 +194,10 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        speculative_config=speculative,
     )
+    if speculative:
+        event("speculative decoding")
     sync = run_schedule(tiny_llama, prompts, requests, False, **options)
     async_ = run_schedule(tiny_llama, prompts, requests, True, **options)
     samples = [(p, r) for p, r in zip(prompts, requests, strict=True) for _ in range(r["n"])]

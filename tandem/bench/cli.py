@@ -7,6 +7,10 @@ transformers' blog on asynchronous batching (32 requests at once, short prompts,
 generations): on CUDA on the 8B-shaped dummy model, on a CPU scaled down. `--workload chat` sends
 real questions through the model's chat template and lets each answer end at the model's EOS, the
 case the asynchronous loop speculates against: the report counts the tokens it discarded.
+`--workload copy` asks for a shipped passage back, the case speculative decoding's drafts suit.
+`--speculative-config` runs the workload with speculation off, as n-gram drafts, and with the
+draft model when the config names one (each in every loop, switched by `Engine.configure`, one
+engine): draft and accepted tokens, and tokens/s against speculation off.
 `--workload json` runs the random workload with 0%, 25% and 100% of its requests under a shipped
 JSON schema (`--json-fractions`): throughput, device idle, the bitmask's host time and the
 device's wait for it, and the plain requests' ITL beside those of the unconstrained run.
@@ -16,10 +20,11 @@ device's wait for it, and the plain requests' ITL beside those of the unconstrai
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -37,6 +42,9 @@ from tandem.bench.workloads import (
     BLOG_PROMPT_LEN,
     CHAT_OUTPUT_LEN,
     CHAT_PRESET,
+    COPY_INSTRUCTION,
+    COPY_OUTPUT_LEN,
+    COPY_PRESET,
     DEFAULT_SIZES,
     JSON_FRACTIONS,
     JSON_PRESET,
@@ -46,12 +54,13 @@ from tandem.bench.workloads import (
     constrain,
     json_schema_spec,
     make_chat_workload,
+    make_copy_workload,
     make_workload,
     parse_json_fractions,
     profile_window,
     resolve_workload,
 )
-from tandem.config import EngineConfig, usable_cores
+from tandem.config import EngineConfig, SpeculativeConfig, usable_cores
 from tandem.engine import Engine
 from tandem.engine.grammar import GrammarCompiler, tokenizer_info
 from tandem.metrics import plot_timeline, write_chrome_trace
@@ -62,7 +71,8 @@ from tandem.request import StructuredOutputsParams
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload",
-                   choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, JSON_PRESET),
+                   choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, COPY_PRESET,
+                            JSON_PRESET),
                    default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
@@ -76,10 +86,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    "through the model's chat template (it needs a tokenizer with one), each "
                    "answer ending at the model's EOS or at --output-len, whichever comes first; "
                    "the report counts the speculative tokens the async loop discarded; "
+                   f"{COPY_PRESET}: '{COPY_INSTRUCTION.strip()}' and a shipped passage (through "
+                   "the chat template where the model has one), each answer ending at EOS or at "
+                   "--output-len; a model without a tokenizer gets random prompts whose second "
+                   "half repeats the first; "
                    f"{JSON_PRESET}: the random workload run once per --json-fractions share of "
                    f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS)")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
-                   help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: {BLOG_NUM_REQUESTS})")  # fmt: skip
+                   help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: "
+                   f"{BLOG_NUM_REQUESTS}); all arrive at once unless --arrivals poisson, and "
+                   "--max-num-seqs caps how many run at once (the batch size)")  # fmt: skip
     g.add_argument("--prompt-len", type=int, default=None,
                    help="mean prompt length (tokens; shared-prefix: after the system prompt); "
                    f"default {DEFAULT_SIZES['prompt_len']} ({BLOG_PRESET}: {BLOG_PROMPT_LEN})")  # fmt: skip
@@ -90,7 +106,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    help=f"mean output length (tokens); default {DEFAULT_SIZES['output_len']} "
                    f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
                    f"{BLOG_OUTPUT_LEN['cpu']} on a CPU; {CHAT_PRESET}: a cap, default "
-                   f"{CHAT_OUTPUT_LEN})")  # fmt: skip
+                   f"{CHAT_OUTPUT_LEN}; {COPY_PRESET}: a cap, default {COPY_OUTPUT_LEN})")  # fmt: skip
     g.add_argument("--json-fractions", default=JSON_FRACTIONS,
                    help=f"{JSON_PRESET}: percentages of requests under the schema, one run each "
                    f"(spread evenly: 25 is every 4th request); default {JSON_FRACTIONS}")  # fmt: skip
@@ -152,10 +168,14 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
 
 
 def bench_workload(args: argparse.Namespace, engine: Engine) -> Workload:
-    """The chat workload needs the model's tokenizer; the others only its vocabulary size."""
+    """The chat workload needs the model's tokenizer, copy uses it where there is one; the
+    others need only the vocabulary size."""
+    tokenizer, where = engine.tokenizer, str(engine.model_path)
     if args.workload == CHAT_PRESET:
-        tokenizer, where = engine.tokenizer, str(engine.model_path)
         return make_chat_workload(args, tokenizer, engine.max_model_len, where)
+    if args.workload == COPY_PRESET:
+        vocab = engine.spec.vocab_size
+        return make_copy_workload(args, tokenizer, vocab, engine.max_model_len, where)
     return make_workload(args, engine.spec.vocab_size, engine.max_model_len)
 
 
@@ -224,14 +244,17 @@ def cpu_overlap_note(engine: Engine, columns: Collection[str]) -> str | None:
 @dataclass(frozen=True, eq=False)
 class Variant:
     """A version of the workload that every mode runs, one column per mode: the plain workload,
-    prefix caching off or on (shared-prefix), or a share of its requests under a JSON schema
-    (json). Runs of one `group` feed the same requests, so their outputs must be identical."""
+    prefix caching off or on (shared-prefix), a share of its requests under a JSON schema
+    (json), or speculative decoding off, n-gram or draft model (--speculative-config). Runs of
+    one `group` feed the same requests, so their outputs must be identical."""
 
     label: str  # the column's name, "{mode}" standing for the loop
     workload: Workload
     caching: bool  # enable_prefix_caching
     group: str = ""
     json_percent: int | None = None  # json: the share of constrained requests
+    speculative: SpeculativeConfig | None = None  # the engine's speculation in this variant
+    speculation: str = ""  # --speculative-config's variants: "off", "ngram" or "draft"
 
     def column(self, mode: str) -> str:
         return self.label.format(mode=mode)
@@ -248,22 +271,64 @@ class Column:
     variant: Variant
 
 
+def speculation_variants(
+    workload: Workload, caching: bool, given: SpeculativeConfig, greedy: bool
+) -> list[Variant]:
+    """Speculation off, n-gram drafts (`given`, or its draft length when it names a draft
+    model), and the draft model when `given` is one. Greedy outputs are the same whatever
+    drafts them: one group; a sampled run compares each variant's loops only."""
+    ngram = given
+    if given.method != "ngram":
+        ngram = SpeculativeConfig(
+            num_speculative_tokens=given.num_speculative_tokens, adaptive=given.adaptive
+        )
+    named = [("off", None), ("ngram", ngram)]
+    if given.method == "draft_model":
+        named.append(("draft", given))
+    return [
+        Variant(
+            f"{name}, {{mode}}",
+            workload,
+            caching,
+            "spec" if greedy else name,
+            speculative=spec,
+            speculation=name,
+        )
+        for name, spec in named
+    ]
+
+
 def bench_columns(
-    args: argparse.Namespace, caching: bool, workload: Workload, modes: list[str]
+    args: argparse.Namespace,
+    caching: bool,
+    workload: Workload,
+    modes: list[str],
+    speculative: SpeculativeConfig | None = None,
 ) -> list[Column]:
-    """The runs of one repeat, in order, one column each."""
+    """The runs of one repeat, in order, one column each. `speculative`: the engine's config;
+    shared-prefix and json run under it, the other workloads compare it with speculation off."""
     if args.workload == "shared-prefix" and caching:  # caching off, then on, in each mode
-        variants = [Variant("{mode}, cache off", workload, False),
-                    Variant("{mode}, cache on", workload, True)]  # fmt: skip
+        variants = [
+            Variant(f"{{mode}}, cache {name}", workload, on, speculative=speculative)
+            for name, on in (("off", False), ("on", True))
+        ]
         return [Column(v.column(m), m, v) for m in modes for v in variants]
     if args.workload == JSON_PRESET:  # sync and async of one share side by side
         spec = json_schema_spec()
         variants = [
             Variant(
-                f"{pct}% json, {{mode}}", constrain(workload, pct, spec), caching, str(pct), pct
+                f"{pct}% json, {{mode}}",
+                constrain(workload, pct, spec),
+                caching,
+                str(pct),
+                pct,
+                speculative,
             )
             for pct in parse_json_fractions(args.json_fractions)
         ]
+        return [Column(v.column(m), m, v) for v in variants for m in modes]
+    if speculative is not None:  # sync and async of each side by side
+        variants = speculation_variants(workload, caching, speculative, args.temperature == 0)
         return [Column(v.column(m), m, v) for v in variants for m in modes]
     plain = Variant("{mode}", workload, caching)
     return [Column(m, m, plain) for m in modes]
@@ -278,6 +343,9 @@ def run_columns(
 ) -> dict[str, list[Run]]:
     """Every column's runs, repeats interleaved, each after a short warm-up in its settings."""
     runs: dict[str, list[Run]] = {c.name: [] for c in columns}
+    # Speculation is switched only where some run has it (an engine built without it is left
+    # alone: off is what it already does).
+    speculating = any(c.variant.speculative is not None for c in columns)
     bars = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -288,9 +356,11 @@ def run_columns(
         for repeat in range(args.repeats):
             for column in columns:
                 workload = column.variant.workload
+                speculation = {"speculative_config": column.variant.speculative}
                 engine.configure(
                     async_scheduling=column.mode == "async",
                     enable_prefix_caching=column.variant.caching,
+                    **(speculation if speculating else {}),
                 )
                 run_workload(
                     engine, workload.warmup(), args.temperature, None, f"warmup-{column.mode}"
@@ -389,6 +459,49 @@ def add_json_rows(table: Table, columns: list[Column], results: dict[str, Run]) 
         )
 
 
+def add_speculation_rows(table: Table, columns: list[Column], results: dict[str, Run]) -> None:
+    """Speculative decoding: its counters in each run (RunSummary.speculative), and with
+    --speculative-config each method's tokens/s over that of speculation off in the same loop."""
+
+    def cells(text) -> list[str]:
+        return [
+            text(results[c.name].summary.speculative) if c.variant.speculative else "-"
+            for c in columns
+        ]
+
+    table.add_row("spec decode: draft tokens", *cells(lambda s: str(s.drafted_tokens)))
+    table.add_row("spec decode: accepted tokens", *cells(lambda s: str(s.accepted_tokens)))
+    table.add_row(
+        "spec decode: acceptance rate %", *cells(lambda s: f"{100 * s.acceptance_rate:.1f}")
+    )
+    table.add_row(
+        "spec decode: mean accepted length", *cells(lambda s: f"{s.mean_accepted_length:.2f}")
+    )
+    off = {c.mode: results[c.name] for c in columns if c.variant.speculation == "off"}
+    for method in ("ngram", "draft"):
+        if not any(c.variant.speculation == method for c in columns) or not off:
+            continue
+        ratios = []
+        for c in columns:
+            base = off.get(c.mode)
+            if c.variant.speculation != method or base is None or not base.summary.tokens_per_s:
+                ratios.append("")
+                continue
+            ratios.append(
+                f"{results[c.name].summary.tokens_per_s / base.summary.tokens_per_s:.3f}x"
+            )
+        table.add_row(f"{method} vs off (tokens/s)", *ratios)
+
+
+def speculation_line(config: EngineConfig) -> str:
+    """What the speculating runs used, and the batch that bounds them."""
+    spec = asdict(config.speculative_config)
+    return (
+        f"speculative decoding: {json.dumps(spec)}; at most {config.max_num_seqs} requests run "
+        "at once (--max-num-seqs)"
+    )
+
+
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     console = Console(stderr=True)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -413,8 +526,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     except ValueError:
         engine.close()
         raise
-    columns = bench_columns(args, config.enable_prefix_caching, workload, modes)
+    speculative = config.speculative_config
+    columns = bench_columns(args, config.enable_prefix_caching, workload, modes, speculative)
     console.print(describe_model(engine))
+    if speculative is not None:
+        console.print(speculation_line(config))
     if compile_line:
         console.print(compile_line)
     window = profile_window(workload) if args.profile else None
@@ -437,6 +553,10 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         kind = f" x {args.output_len} output tokens ({BLOG_PRESET})"
     elif args.workload == CHAT_PRESET:
         kind = f" ({CHAT_PRESET}: chat-template prompts, EOS on, at most {args.output_len} tokens)"
+    elif args.workload == COPY_PRESET:
+        kind = (
+            f" ({COPY_PRESET}: repeat-a-passage prompts, EOS on, at most {args.output_len} tokens)"
+        )
     elif args.workload == JSON_PRESET:
         shares = "/".join(str(c.variant.json_percent) for c in columns if c.mode == modes[0])
         kind = f" ({JSON_PRESET}: {shares}% of them under {JSON_SCHEMA.name})"
@@ -485,6 +605,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         add_finish_rows(table, [results[c] for c in names])
     if args.workload == JSON_PRESET:
         add_json_rows(table, columns, results)
+    if speculative is not None:
+        add_speculation_rows(table, columns, results)
 
     def ratio_row(label: str, pairs: dict[str, tuple[str, str]]) -> None:
         """`pairs`: column -> (numerator column, denominator column) of wall times."""
@@ -511,6 +633,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     Console().print(table)
     Console().print(f"execution: {engine.execution.describe()}")
     Console().print(describe_model(engine))
+    if speculative is not None:
+        Console().print(speculation_line(config))
     if compile_line:
         Console().print(compile_line)
     if not workload.ignore_eos and not any(r.finished_by("stop") for r in results.values()):
@@ -518,8 +642,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
             "note: no request ended on the model's EOS within --output-len (random weights "
             "rarely emit it), so the async loop had nothing to discard; a real model shows it"
         )
-    # shared-prefix's columns compare caching and get no note; json's compare the loops.
-    note = cpu_overlap_note(engine, modes if args.workload == JSON_PRESET else list(results))
+    # shared-prefix's columns compare caching and get no note; the others compare the loops.
+    note = cpu_overlap_note(engine, list(results) if args.workload == "shared-prefix" else modes)
     if note:
         Console().print(note)
     timelines = {name: run.records for name, run in results.items()}

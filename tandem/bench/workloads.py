@@ -1,7 +1,9 @@
 """Benchmark workloads: the sizes of each preset, and the prompts, lengths and arrival times they
 make. Most are random token ids (nothing is tokenized, so any model with a vocabulary runs them);
 `chat` is real user questions through the model's chat template, ending at the model's own EOS;
-`json` is the random workload with a share of its requests under a shipped JSON schema."""
+`copy` asks the model to repeat a shipped passage (the case speculative decoding's drafts are
+right most often); `json` is the random workload with a share of its requests under a shipped
+JSON schema."""
 
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ DEFAULT_SIZES = {"num_requests": 64, "prompt_len": 128, "output_len": 128}
 CHAT_PRESET = "chat"
 CHAT_OUTPUT_LEN = 256
 CHAT_PROMPTS = Path(__file__).with_name("data") / "chat_prompts.txt"  # package data
+# "Repeat the following text exactly" and a shipped passage, through the chat template where the
+# model has one: the answer repeats the prompt, so an n-gram draft from the prompt is often
+# right. --output-len caps the answer (about a passage and a preamble), EOS ends it.
+COPY_PRESET = "copy"
+COPY_OUTPUT_LEN = 128
+COPY_INSTRUCTION = "Repeat the following text exactly:\n"
+COPY_PASSAGES = Path(__file__).with_name("data") / "copy_passages.txt"  # package data
 # The random workload run once per share of requests (percent) under a JSON schema: a product
 # record of bounded strings, integers, an enum and an array (package data).
 JSON_PRESET = "json"
@@ -52,6 +61,8 @@ def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str
             config = replace(config, model=str(shipped_model(BLOG_CUDA_MODEL)), load_format="dummy")
     elif args.workload == CHAT_PRESET:
         sizes = {**DEFAULT_SIZES, "output_len": CHAT_OUTPUT_LEN}  # prompt_len: unused
+    elif args.workload == COPY_PRESET:  # prompt_len: a tokenizer-less model's prompts only
+        sizes = {**DEFAULT_SIZES, "output_len": COPY_OUTPUT_LEN}
     else:
         sizes = DEFAULT_SIZES
     for name, value in sizes.items():
@@ -172,6 +183,12 @@ def make_chat_workload(
         raise ValueError(
             f"a chat prompt has {longest} tokens: no room in max_model_len {max_model_len}"
         )
+    return _answers(args, prompts, max_model_len)
+
+
+def _answers(args: argparse.Namespace, prompts: list[list[int]], max_model_len: int) -> Workload:
+    """`prompts` whose answers end at EOS or --output-len (less where the context is shorter),
+    arriving as --arrivals says."""
     rng = random.Random(args.workload_seed)
     arrivals, t = [], 0.0
     for _ in prompts:
@@ -180,6 +197,66 @@ def make_chat_workload(
         arrivals.append(t)
     caps = [min(args.output_len, max_model_len - len(p)) for p in prompts]
     return Workload(prompts, caps, arrivals, ignore_eos=False)
+
+
+def copy_passages() -> list[str]:
+    """The shipped passages, separated by blank lines."""
+    text = COPY_PASSAGES.read_text(encoding="utf-8")
+    return [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
+
+
+def copy_prompt_ids(tokenizer: Any, num_requests: int) -> list[list[int]]:
+    """`num_requests` copy requests, cycling through the passages: through the chat template
+    when the tokenizer has one, else the plain text tokenized as the engine would."""
+    texts = [COPY_INSTRUCTION + passage for passage in copy_passages()[:num_requests]]
+    if chat_template_problem(tokenizer) is None:
+        rendered = [render_chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    else:
+        rendered = [tokenizer(t).input_ids for t in texts]
+    return [rendered[i % len(rendered)] for i in range(num_requests)]
+
+
+def repeated_span_ids(
+    args: argparse.Namespace, vocab_size: int, max_model_len: int
+) -> list[list[int]]:
+    """A tokenizer-less model's copy prompts: random ids of about --prompt-len tokens, the
+    second half a repeat of the first (an n-gram lookup finds its continuation in the prompt)."""
+    rng = random.Random(args.workload_seed)
+    spread = args.len_spread
+    lo = max(2, round(args.prompt_len * (1 - spread)))
+    hi = max(lo, round(args.prompt_len * (1 + spread)))
+    prompts = []
+    for _ in range(args.num_requests):
+        n_in = min(rng.randint(lo, hi), max_model_len - 1)
+        span = [rng.randrange(3, vocab_size) for _ in range((n_in + 1) // 2)]
+        prompts.append((span + span)[:n_in])
+    return prompts
+
+
+def make_copy_workload(
+    args: argparse.Namespace,
+    tokenizer: Any,
+    vocab_size: int,
+    max_model_len: int,
+    where: str = "this model",
+) -> Workload:
+    """The copy workload: --num-requests prompts asking for a passage back (a model without a
+    tokenizer: prompts that repeat a span), answers ending at EOS or --output-len."""
+    if args.num_requests < 1 or args.output_len < 1:
+        raise ValueError("--num-requests and --output-len must be >= 1")
+    if tokenizer is None:
+        if args.prompt_len < 2:
+            raise ValueError("--prompt-len must be >= 2 (a span and its repeat)")
+        prompts = repeated_span_ids(args, vocab_size, max_model_len)
+    else:
+        prompts = copy_prompt_ids(tokenizer, args.num_requests)
+    longest = max(len(p) for p in prompts)
+    if longest >= max_model_len:
+        raise ValueError(
+            f"a copy prompt has {longest} tokens: no room in max_model_len {max_model_len} "
+            f"({where})"
+        )
+    return _answers(args, prompts, max_model_len)
 
 
 def json_schema_spec() -> StructuredOutputsParams:

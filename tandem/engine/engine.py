@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.engine.fan_out import fan_out
 from tandem.engine.grammar import GrammarCompiler, StepBitmasks, constrained_rows, grammar_of
 from tandem.engine.intake import RequestIntake, eos_token_ids
@@ -26,15 +26,23 @@ from tandem.execution.batch import BatchBuilder
 from tandem.execution.executor import WorkerFailure
 from tandem.execution.setup import load_execution
 from tandem.execution.streams import StepHandle
-from tandem.metrics import RequestTiming, RunSummary, StepRecord
+from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord
 from tandem.models.catalog import resolve_model
 from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
 from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.sampler.inputs import LogprobRows
+from tandem.scheduling.draft_policy import DraftPolicy
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tandem")
+
+
+class _Keep:
+    """`Engine.configure`'s default: leave the setting as it is."""
+
+
+KEEP = _Keep()
 
 
 @dataclass
@@ -83,6 +91,7 @@ class Engine:
             config.enable_prefix_caching,
         )
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
+        self._speculation(config.speculative_config)
         self.runner, self.execution = loaded.start(self.scheduler.slots.size, max_model_len)
         logger.info("execution: %s", self.execution.describe())
         self.intake = RequestIntake(
@@ -94,6 +103,7 @@ class Engine:
         on_cuda = config.torch_device.type == "cuda"
         self._bitmasks = StepBitmasks(self.grammars.bitmask_width, pin_memory=on_cuda)
         self.history = StepHistory()
+        self._speculative_stats = SpeculativeStats()
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -162,8 +172,9 @@ class Engine:
             return bool(self._live_ids) or bool(self._inflight)
 
     def stats(self) -> EngineStats:
-        """Running and waiting requests, KV blocks, prefix-cache counters, at this moment."""
-        return EngineStats.of(self.scheduler)
+        """Running and waiting requests, KV blocks, prefix-cache and speculation counters, at
+        this moment."""
+        return EngineStats.of(self.scheduler, self._speculative_stats)
 
     def summary(self) -> RunSummary:
         """Figures over the records kept (see `history` for windows)."""
@@ -173,11 +184,21 @@ class Engine:
     def async_scheduling(self) -> bool:
         return self._depth == 1
 
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding in use (None: off)."""
+        return self.builder.speculative
+
     def configure(
-        self, *, async_scheduling: bool | None = None, enable_prefix_caching: bool | None = None
+        self,
+        *,
+        async_scheduling: bool | None = None,
+        enable_prefix_caching: bool | None = None,
+        speculative_config: SpeculativeConfig | dict | str | None | _Keep = KEEP,
     ) -> None:
-        """Switch the loop or prefix caching while idle (a benchmark compares both on one set of
-        weights). Switching prefix caching drops the cached blocks no request holds."""
+        """Switch the loop, prefix caching or speculative decoding (None: off) while idle (a
+        benchmark compares them on one set of weights). Switching prefix caching drops the
+        cached blocks no request holds; a draft model must be the one the engine loaded."""
         if self.has_unfinished():
             raise RuntimeError("reconfigure the engine only while it is idle")
         if async_scheduling is not None:
@@ -185,6 +206,21 @@ class Engine:
         if enable_prefix_caching is not None:
             self.scheduler.enable_prefix_caching = enable_prefix_caching
             self.scheduler.reset_prefix_cache()
+        if speculative_config is not KEEP:
+            self._speculation(SpeculativeConfig.of(speculative_config))
+
+    def _speculation(self, spec: SpeculativeConfig | None) -> None:
+        loaded = self.config.speculative_config
+        same_draft = loaded is not None and loaded.model == spec.model if spec else False
+        if spec is not None and spec.method == "draft_model" and not same_draft:
+            raise ValueError(
+                "a draft model must be loaded with the engine "
+                "(EngineConfig.speculative_config): this engine has none or another"
+            )
+        self.builder.speculative = spec
+        self.scheduler.drafts = (
+            None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.adaptive)
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (only while idle)."""
@@ -297,28 +333,44 @@ class Engine:
         result = inflight.handle.wait()  # the step's one deliberate sync
         t1 = time.perf_counter()
         sampled = inflight.batch.sampled
-        sampled_ids, logprobs = self.outputs.read_step(result, sampled, inflight.logprobs)
+        kept = self.outputs.read_step(result, sampled, inflight.logprobs)
         # Before the tokens: a request that finishes on one of them still caches its full blocks.
         self.scheduler.retire_step(inflight.batch)
         outputs = []
-        for item, token, lp in zip(sampled, sampled_ids, logprobs, strict=True):
+        for item, (tokens, logprobs) in zip(sampled, kept, strict=True):
             request = item.request
-            request.num_inflight -= 1
+            self.scheduler.settle(item, len(tokens))
+            if item.num_drafts:
+                record.drafted += item.num_drafts
+                record.accepted += len(tokens) - 1
+                record.verified += 1
+                self.scheduler.drafts.observe(request, item.num_drafts, len(tokens) - 1)
             if request.finished:
-                record.discarded += 1  # summed into RunSummary.discarded_tokens
-                continue  # the speculative token of a request that finished a step earlier
-            reason = self.outputs.append_token(request, token, t1, lp)
-            if reason is None and request.compiled_grammar is not None:
-                reason = self._advance_grammar(request, token)
+                record.discarded += len(tokens)  # summed into RunSummary.discarded_tokens
+                continue  # the speculative tokens of a request that finished a step earlier
+            reason, new = None, []
+            for token, lp in zip(tokens, logprobs, strict=True):
+                reason = self.outputs.append_token(request, token, t1, lp)
+                if reason is None and request.compiled_grammar is not None:
+                    reason = self._advance_grammar(request, token)
+                new.append(token)
+                if reason is not None:
+                    record.discarded += len(tokens) - len(new)  # after the stop: never streamed
+                    break
             if reason is None:
-                outputs.append(self.outputs.running_output(request, [token]))
+                outputs.append(self.outputs.running_output(request, new))
             else:
-                outputs.append(self._finish(request, reason))
+                outputs.append(self._finish(request, reason, new if reason != "abort" else None))
         record.spans["wait"] = (t0, t1)
         record.spans["update"] = (t1, time.perf_counter())
         record.device = inflight.handle.device_span
         record.device_wait = inflight.handle.device_wait
         self.history.add_step(record)
+        self._speculative_stats.add(record)
+        batch = inflight.batch
+        if self.scheduler.drafts is not None and batch.num_decodes == len(batch.items):
+            device = record.device[1] - record.device[0] - record.device_wait
+            self.scheduler.drafts.observe_step(record.num_tokens, device)  # decodes' cost only
         return outputs
 
     def _advance_grammar(self, request: Request, token: int) -> str | None:
@@ -329,13 +381,15 @@ class Engine:
             return "abort"
         return "stop" if grammar.terminated else None
 
-    def _finish(self, request: Request, reason: str) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: str, new_ids: list[int] | None = None
+    ) -> RequestOutput:
         if request.status is RequestStatus.WAITING and request not in self.scheduler.waiting:
             request.status, request.finish_reason = RequestStatus.FINISHED, reason  # compiling
         else:
             self.scheduler.finish(request, reason)
         self.history.add_request(RequestTiming(request.arrival_time, request.token_times))
-        output = self.outputs.finished_output(request)
+        output = self.outputs.finished_output(request, new_ids)
         samples = self._requests[request.request_id]
         if all(sample.finished for sample in samples):
             del self._requests[request.request_id]

@@ -37,26 +37,36 @@ class OutputProcessor:
 
     def read_step(
         self, result, sampled: list[ScheduledRequest], lp: LogprobRows | None
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """The sampled ids and each sampled row's logprobs (None where not asked); prompt
-        logprobs are appended to their requests here."""
-        logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
-        if lp is None:
-            return result.tolist(), logprobs
-        ids, groups = unpack(np.asarray(result), len(sampled), lp.output_groups)
-        sampled_ids = ids.tolist()
-        if len(lp.rows):
+    ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """Each sampled item's tokens with their logprobs (None where not asked): one token,
+        or a verification's accepted run (its count follows the ids in the packed output).
+        Prompt logprobs are appended to their requests here."""
+        num_rows = [it.num_rows for it in sampled]
+        num_verified = sum(it.verify for it in sampled)
+        total = sum(num_rows)
+        groups = lp.output_groups if lp is not None else []
+        ids, arrays = unpack(np.asarray(result), total + num_verified, groups)
+        row_ids = ids[:total].tolist()
+        kept = iter(ids[total:].tolist())
+        logprobs: list[TokenLogprobs | None] = [None] * total
+        if lp is not None and len(lp.rows):
             rows = lp.rows.tolist()
-            entries = groups.pop(0).to_dicts(
-                [sampled_ids[s] for s in rows],
-                [sampled[s].request.params.logprobs for s in rows],
+            row_items = [it for it, n in zip(sampled, num_rows, strict=True) for _ in range(n)]
+            entries = arrays.pop(0).to_dicts(
+                [row_ids[s] for s in rows],
+                [row_items[s].request.params.logprobs for s in rows],
                 self.decode_token,
             )
             for s, entry in zip(rows, entries, strict=True):
                 logprobs[s] = entry
-        if groups:
-            self._add_prompt_logprobs(lp, groups[0])
-        return sampled_ids, logprobs
+        if arrays:
+            self._add_prompt_logprobs(lp, arrays[0])
+        out, s = [], 0
+        for it, n in zip(sampled, num_rows, strict=True):
+            keep = next(kept) if it.verify else n
+            out.append((row_ids[s : s + keep], logprobs[s : s + keep]))
+            s += n
+        return out
 
     def _add_prompt_logprobs(self, lp: LogprobRows, arrays: LogprobsArrays) -> None:
         """Append each prompt position's result; positions recomputed after a preemption that
@@ -101,10 +111,11 @@ class OutputProcessor:
         detok = self._detok[request.key]
         return _output(request, detok, detok.delta(finished=False), new_ids, finished=False)
 
-    def finished_output(self, request: Request) -> RequestOutput:
-        """The last output of a finished (or aborted) sample; forgets its detokenizer."""
+    def finished_output(self, request: Request, new_ids: list[int] | None = None) -> RequestOutput:
+        """The last output of a finished (or aborted) sample, with the tokens its last step
+        added (`new_ids`; none by default); forgets its detokenizer."""
         detok = self._detok.pop(request.key)
-        new_ids = request.output_token_ids[-1:] if request.finish_reason != "abort" else []
+        new_ids = new_ids or []
         return _output(request, detok, detok.delta(finished=True), new_ids, finished=True)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
-from tandem.metrics import RequestTiming, RunSummary, StepRecord, summarize
+from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord, summarize
 from tandem.scheduling.scheduler import CacheStats, Scheduler
 
 HISTORY_LENGTH = 100_000  # step and request records kept: bounded, so a server can run for days
@@ -24,9 +24,10 @@ class EngineStats:
     kv_blocks_cached: int  # free blocks still holding a cached prefix (reusable until evicted)
     num_preemptions: int
     prefix_cache: CacheStats  # admissions and cache hits since the engine started
+    speculative: SpeculativeStats  # drafts since the engine started (zeros without speculation)
 
     @classmethod
-    def of(cls, scheduler: Scheduler) -> EngineStats:
+    def of(cls, scheduler: Scheduler, speculative: SpeculativeStats) -> EngineStats:
         blocks = scheduler.blocks
         return cls(
             num_running=len(scheduler.running),
@@ -36,6 +37,7 @@ class EngineStats:
             kv_blocks_cached=blocks.num_free_cached,
             num_preemptions=scheduler.num_preemptions,
             prefix_cache=dataclasses.replace(scheduler.stats),
+            speculative=dataclasses.replace(speculative),
         )
 
 

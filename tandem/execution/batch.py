@@ -8,13 +8,20 @@ id from its token table by (row, position), and the host supplies only tokens it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
+from tandem.config import SpeculativeConfig
 from tandem.ops.attention_metadata import PrefillSegment
-from tandem.sampler.inputs import SamplerInputs, build_sampler_inputs, first_counted, ragged_arange
+from tandem.sampler.inputs import (
+    SamplerInputs,
+    VerifyRows,
+    build_sampler_inputs,
+    first_counted,
+    ragged_arange,
+)
 from tandem.scheduling.scheduler import ScheduledBatch
 
 
@@ -34,6 +41,11 @@ class StepInputs:
     decode_max_blocks: int
     prefills: list[PrefillSegment]
     sampler: SamplerInputs  # sampling rows; penalties and logprobs only when a request asks
+    # With speculative decoding: the device's length of each sampled row whose position the
+    # host knows (verified rows' lengths grow on the device by what they accept).
+    length_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    draft_kv: bool = False  # a draft model drafts: it computes the KV of every token too
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +61,8 @@ class BatchBuilder:
         self.block_table = block_table  # the scheduler's, [table rows, max blocks per sequence]
         self.block_size = block_size
         self.max_model_len = max_model_len
+        # Speculative decoding, when on (Engine.configure): the drafting method and ngram sizes.
+        self.speculative: SpeculativeConfig | None = None
 
     def build(self, batch: ScheduledBatch) -> StepInputs:
         items = batch.items
@@ -63,20 +77,27 @@ class BatchBuilder:
         slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs
 
         # Tokens the host knows (prompt, or outputs being recomputed): written to the table first.
-        # In flight ones are already there, put by the step that sampled them.
+        # In flight ones are already there, put by the step that sampled them. Drafts look up
+        # a request's whole history in its row, so with speculation an admission writes it all.
         extras_needed = any(it.request.needs_extras for it in items)
-        known_starts = (
-            np.fromiter((first_counted(it) for it in items), np.int64, r)
-            if extras_needed
-            else starts
-        )
+        spec = self.speculative
+        if extras_needed or spec is not None:
+            known_starts = np.fromiter(
+                (0 if it.admitted and spec is not None else first_counted(it) for it in items),
+                np.int64,
+                r,
+            )
+        else:
+            known_starts = starts
         ends = starts + counts
         retired = np.fromiter(  # tokens the host has read back: prompt and retired outputs
             (len(it.request.prompt_token_ids) + len(it.request.output_token_ids) for it in items),
             np.int64,
             r,
         )
-        known_counts = np.maximum(np.minimum(ends, retired) - known_starts, 0)
+        verify = np.fromiter((it.verify for it in items), bool, r)
+        # A verification's tokens are all in the table already (its positions are the device's).
+        known_counts = np.where(verify, 0, np.maximum(np.minimum(ends, retired) - known_starts, 0))
         known_positions = ragged_arange(known_starts, known_counts)
         known_tokens = np.fromiter(
             chain.from_iterable(
@@ -91,25 +112,97 @@ class BatchBuilder:
         )
 
         cu = np.cumsum(counts)
-        sample_mask = np.fromiter((it.sample for it in items), bool, r)
+        # Sampling rows: the last token of a sampled item, or every token of a verification
+        # (its positions and where its samples go are placeholders the device replaces).
+        num_rows = np.fromiter((it.num_rows for it in items), np.int64, r)
         width = int(-(-ends.max() // bs))
         d = batch.num_decodes
-        return StepInputs(
+        decode_tokens = int(cu[d - 1]) if d else 0  # a verification's tokens are decode rows
+        sampler = build_sampler_inputs(items, cu - counts, self.max_model_len, extras_needed)
+        step = StepInputs(
             step_id=batch.step_id,
             token_index=token_rows * self.max_model_len + positions,
             positions=positions,
             slot_mapping=slot_mapping,
             known_index=np.repeat(rows, known_counts) * self.max_model_len + known_positions,
             known_tokens=known_tokens,
-            logits_index=cu[sample_mask] - 1,
-            sample_index=rows[sample_mask] * self.max_model_len + ends[sample_mask],
-            block_tables=self.block_table[rows, :width],
-            context_lens=ends,
-            num_decodes=d,
+            logits_index=ragged_arange(cu - num_rows, num_rows),
+            sample_index=np.repeat(rows * self.max_model_len, num_rows)
+            + ragged_arange(ends - num_rows + 1, num_rows),
+            block_tables=np.concatenate(
+                [
+                    np.repeat(self.block_table[rows[:d], :width], counts[:d], axis=0),
+                    self.block_table[rows[d:], :width],
+                ]
+            ),  # fmt: skip
+            context_lens=np.concatenate([positions[:decode_tokens] + 1, ends[d:]]),
+            num_decodes=decode_tokens,
             decode_max_blocks=int(-(-ends[:d].max() // bs)) if d else 0,
             prefills=[
-                PrefillSegment(int(cu[i] - counts[i]), int(counts[i]), int(ends[i]), i)
+                PrefillSegment(
+                    int(cu[i] - counts[i]), int(counts[i]), int(ends[i]), decode_tokens + i - d
+                )
                 for i in range(d, r)
             ],
-            sampler=build_sampler_inputs(items, cu - counts, self.max_model_len, extras_needed),
+            sampler=sampler,
+        )
+        if spec is not None:
+            step.draft_kv = spec.method == "draft_model"
+            plain = ~verify & (num_rows > 0)
+            step.length_rows, step.lengths = rows[plain], ends[plain] + 1
+            if verify.any():
+                sampler.verify = self._verify_rows(
+                    items, verify, counts, cu, num_rows, ends, sampler
+                )
+        return step
+
+    def _verify_rows(
+        self,
+        items: list,
+        verify: np.ndarray,
+        counts: np.ndarray,
+        cu: np.ndarray,
+        num_rows: np.ndarray,
+        ends: np.ndarray,
+        sampler: SamplerInputs,
+    ) -> VerifyRows[np.ndarray]:
+        """Where the step's verifying requests' tokens and drafts are (batch offsets, sampling
+        rows); their positions are the device's."""
+        spec = self.speculative
+        which = np.flatnonzero(verify)
+        n = counts[which]
+        token_item = np.repeat(np.arange(len(which)), n)
+        token_offset = ragged_arange(np.zeros(len(which), np.int64), n)
+        row_starts = np.cumsum(num_rows) - num_rows
+        sample_rows = ragged_arange(row_starts[which], n)
+        is_draft = token_offset > 0
+        num_drafts = n - 1
+        passes = [np.flatnonzero(num_drafts > j) for j in range(int(num_drafts.max()))]
+        g = sampler.grammar
+        free_index = (
+            np.searchsorted(g.free_rows, sample_rows) if g is not None else np.zeros(0, np.int64)
+        )
+        return VerifyRows(
+            table_rows=np.fromiter((items[i].slot for i in which), np.int64, len(which)),
+            num_drafts=num_drafts,
+            prompt_lens=np.fromiter(
+                (items[i].request.num_prompt_tokens for i in which), np.int64, len(which)
+            ),
+            token_item=token_item,
+            token_offset=token_offset,
+            token_batch=ragged_arange(cu[which] - n, n),
+            sample_rows=sample_rows,
+            free_index=free_index,
+            draft_batch=ragged_arange(cu[which] - n, n)[is_draft],
+            draft_item=token_item[is_draft],
+            draft_index=token_offset[is_draft] - 1,
+            check_rows=sample_rows[is_draft] - 1,
+            pass_items=np.concatenate(passes) if passes else np.zeros(0, np.int64),
+            item_batch=cu[which] - n,
+            item_row=row_starts[which],
+            pass_sizes=[len(p) for p in passes],
+            max_drafts=int(n.max()) - 1,
+            history_len=int(ends[which].max()),
+            method=spec.method,
+            lookup=(spec.prompt_lookup_max, spec.prompt_lookup_min),
         )

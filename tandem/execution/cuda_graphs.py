@@ -52,7 +52,10 @@ def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) ->
 def graph_mode(x: StepInputs) -> str | None:
     """The captured variant that runs step `x` exactly as the eager path would, or None."""
     plain_decode = (
-        x.sampler.plain and not x.prefills and x.num_tokens == x.num_decodes == x.num_sampled
+        x.sampler.plain
+        and not x.prefills
+        and x.num_tokens == x.num_decodes == x.num_sampled
+        and not len(x.length_rows)  # speculation keeps row lengths on the device: eager steps
     )
     if not plain_decode or x.num_tokens == 0:
         return None

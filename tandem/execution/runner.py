@@ -17,13 +17,16 @@ import torch
 from tandem.config import EngineConfig
 from tandem.execution.batch import StepInputs
 from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
+from tandem.execution.drafting import ngram_drafts, place_tokens
 from tandem.execution.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from tandem.execution.streams import JoinedHandle, StepHandle, make_stream
 from tandem.execution.transfer import to_device
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention_metadata import AttentionMetadata
+from tandem.sampler.inputs import VerifyRows, select_rows
 from tandem.sampler.logprobs import pack
 from tandem.sampler.sampler import PendingSample, Sampler
+from tandem.sampler.verify import count_accepted
 
 PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
@@ -35,6 +38,7 @@ class _Pending:
 
     sample: PendingSample | None = None
     sample_index: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None  # where a verification's drafts are
 
 
 class _PinnedStaging:
@@ -78,17 +82,23 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
     return torch.float32 if array.dtype == np.float32 else torch.int64
 
 
-def cache_capacity(model: LlamaModel, config: EngineConfig, device: torch.device) -> int:
-    """KV blocks this process can hold: `num_kv_blocks`, else what its memory budget fits for
-    this model's (this rank's) KV heads. The engine sizes the scheduler to it (TP: the least
-    of the ranks')."""
-    if config.num_kv_blocks:
-        return config.num_kv_blocks
+def _block_bytes(model: LlamaModel, config: EngineConfig) -> int:
     spec = model.spec
-    per_block = kv_bytes_per_block(
+    return kv_bytes_per_block(
         spec.num_layers, config.block_size, model.local_spec.num_kv_heads, spec.head_dim,
         config.torch_dtype,
     )  # fmt: skip
+
+
+def cache_capacity(
+    model: LlamaModel, config: EngineConfig, device: torch.device, draft: LlamaModel | None = None
+) -> int:
+    """KV blocks this process can hold: `num_kv_blocks`, else what its memory budget fits for
+    this model's (this rank's) KV heads, and a draft model's beside them (a block id holds
+    both). The engine sizes the scheduler to it (TP: the least of the ranks')."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    per_block = _block_bytes(model, config) + (_block_bytes(draft, config) if draft else 0)
     return num_blocks_for_budget(
         per_block, device, config.kv_cache_memory_gib, config.gpu_memory_utilization
     )
@@ -101,18 +111,33 @@ def build_runner(
     num_blocks: int,
     table_rows: int,
     max_model_len: int,
+    draft: LlamaModel | None = None,
 ) -> ModelRunner:
-    """A runner with its KV cache (the scheduler's blocks and the spare ones) and, where they
-    apply, its captured decode graphs: the same for the engine's process and every TP rank."""
-    spec = model.spec
-    kv_caches = allocate_kv_cache(
-        spec.num_layers, num_blocks + SPARE_KV_BLOCKS, config.block_size,
-        model.local_spec.num_kv_heads, spec.head_dim, config.torch_dtype, device,
-    )  # fmt: skip
+    """A runner with its KV cache (the scheduler's blocks and the spare ones; a draft model's
+    in the same blocks) and, where they apply, its captured decode graphs: the same for the
+    engine's process and every TP rank."""
+
+    def cache_of(m: LlamaModel) -> list[torch.Tensor]:
+        return allocate_kv_cache(
+            m.spec.num_layers, num_blocks + SPARE_KV_BLOCKS, config.block_size,
+            m.local_spec.num_kv_heads, m.spec.head_dim, config.torch_dtype, device,
+        )  # fmt: skip
+
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
-    return ModelRunner(
-        model, kv_caches, table_rows, max_model_len, config.block_size, device, sizes
+    runner = ModelRunner(
+        model, cache_of(model), table_rows, max_model_len, config.block_size, device, sizes
     )
+    if draft is not None:
+        runner.draft = DraftModel(draft, cache_of(draft))
+    return runner
+
+
+@dataclass
+class DraftModel:
+    """Speculative decoding's draft model and its KV cache (indexed by the target's blocks)."""
+
+    model: LlamaModel
+    kv_caches: list[torch.Tensor]
 
 
 class ModelRunner:
@@ -136,6 +161,11 @@ class ModelRunner:
         # needs; one entry more, where padded graph rows put their samples.
         sink = table_rows * max_model_len
         self.token_table = torch.zeros(sink + 1, dtype=torch.int64, device=device)
+        self.max_model_len = max_model_len
+        # Speculative decoding: each row's length as the device knows it (a verification
+        # advances it by what it accepts, which the host learns only when the step retires).
+        self.lengths = torch.zeros(table_rows, dtype=torch.int64, device=device)
+        self.draft: DraftModel | None = None  # build_runner sets it
         # Everything that happens to the logits; owns penalties' per-row token counts.
         self.sampler = Sampler(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
@@ -208,6 +238,11 @@ class ModelRunner:
         table = self.token_table
         if len(x.known_index):
             table.index_copy_(0, t.known_index, t.known_tokens)
+        if len(x.length_rows):
+            self.lengths.index_copy_(0, t.length_rows, t.lengths)
+        v = t.sampler.verify
+        if v is not None:
+            self._prepare_verification(t, v)
         input_ids = table[t.token_index]
         meta = AttentionMetadata(
             slot_mapping=t.slot_mapping,
@@ -219,26 +254,85 @@ class ModelRunner:
             block_size=self.block_size,
         )
         hidden = self.model(input_ids, t.positions, self.kv_caches, meta)
+        if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
+            self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
         sample = self.sampler.begin(
             hidden, t.logits_index, self.model.compute_logits, t.sampler, table
         )
         if pending is not None:  # the grammar rows' bitmask comes in the step's second part
             pending.sample, pending.sample_index = sample, t.sample_index
+            pending.input_ids = input_ids
             return None
-        return self._store(t.sample_index, *self.sampler.finish(sample))
+        return self._store(t.sample_index, input_ids, *self.sampler.finish(sample), v)
 
     @torch.inference_mode()
     def _finish_sampling(self, pending: _Pending, bitmask: torch.Tensor):
         # The step's tensors are freed here, in the step: freed where the job is dropped, after
         # the engine has woken to read the step, they would wait for the GIL the engine holds.
         sample, pending.sample = pending.sample, None
+        input_ids, pending.input_ids = pending.input_ids, None
         ids, logprobs = self.sampler.finish(sample, bitmask)
-        return self._store(pending.sample_index, ids, logprobs)
+        return self._store(pending.sample_index, input_ids, ids, logprobs, sample.x.verify)
 
-    def _store(self, sample_index: torch.Tensor, ids: torch.Tensor, logprobs: list):
-        """Sampled ids into the token table (the next step gathers them), and to the host."""
+    def _prepare_verification(self, t: StepInputs, v: VerifyRows[torch.Tensor]) -> None:
+        """Place the verifying requests' tokens by the device's lengths and write their drafts
+        into the token table, where the step gathers its inputs."""
+        lengths = self.lengths[v.table_rows]
+        place_tokens(t, v, lengths, self.max_model_len, self.block_size)
+        if v.max_drafts == 0:
+            return
+        if v.method == "draft_model":
+            self._draft_model_drafts(t, v, lengths)
+            return
+        drafts = ngram_drafts(self.token_table, v, lengths, self.max_model_len)
+        self.token_table.index_copy_(
+            0, t.token_index[v.draft_batch], drafts[v.draft_item, v.draft_index]
+        )
+
+    def _draft_model_drafts(
+        self, t: StepInputs, v: VerifyRows[torch.Tensor], lengths: torch.Tensor
+    ) -> None:
+        """Pass j feeds each request with more than j drafts its token at `length - 1 + j` and
+        samples the next with the target's settings and seeded noise of that position (so a
+        draft that agrees with the target's draw is accepted); each draft goes into the table,
+        where the next pass and the target's forward read it."""
+        draft, table, bs, width = self.draft, self.token_table, self.block_size, t.block_tables
+        offset = 0
+        for j, size in enumerate(v.pass_sizes):
+            items = v.pass_items[offset : offset + size]
+            offset += size
+            positions = lengths[items] - 1 + j
+            at = v.table_rows[items] * self.max_model_len + positions
+            blocks = width[v.item_batch[items]]
+            slots = blocks.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=blocks, context_lens=positions + 1,
+                num_decodes=size, decode_max_blocks=t.decode_max_blocks, prefills=[],
+                block_size=bs,
+            )  # fmt: skip
+            hidden = draft.model(table[at], positions, draft.kv_caches, meta)
+            rows = select_rows(t.sampler.sampling, v.item_row[items])
+            rows.output_index = positions + 1 - v.prompt_lens[items]
+            table.index_copy_(
+                0, at + 1, self.sampler.sample(draft.model.compute_logits(hidden), rows)
+            )
+
+    def _store(
+        self,
+        sample_index: torch.Tensor,
+        input_ids: torch.Tensor,
+        ids: torch.Tensor,
+        logprobs: list,
+        verify: VerifyRows[torch.Tensor] | None = None,
+    ):
+        """Sampled ids into the token table (the next step gathers them), and to the host; a
+        verification's accepted counts advance its rows' lengths and follow the ids out."""
         if len(ids):
             self.token_table.index_copy_(0, sample_index, ids)
+        if verify is not None:
+            kept = count_accepted(ids, input_ids, verify, verify.max_drafts)
+            self.lengths.index_add_(0, verify.table_rows, kept)
+            ids = torch.cat([ids, kept])
         return self._to_host(pack(ids, logprobs) if logprobs else ids)
 
     def _replay(self, x: StepInputs) -> torch.Tensor | None:

@@ -15,8 +15,9 @@ from tandem.execution.cpu_threads import apply_cpu_threads
 from tandem.execution.executor import MultiprocExecutor
 from tandem.execution.fast_path import ExecutionPlan
 from tandem.execution.runner import ModelRunner, build_runner, cache_capacity
+from tandem.models.catalog import resolve_model
 from tandem.models.llama import LlamaModel
-from tandem.models.loader import build_model
+from tandem.models.loader import build_model, read_config
 from tandem.models.parallel import check_shardable
 from tandem.models.spec import LlamaSpec
 from tandem.ops import cpu_kernels
@@ -33,6 +34,7 @@ class LoadedExecution:
     model: LlamaModel | None  # in this process; None under tensor parallelism
     executor: MultiprocExecutor | None  # the ranks; None in one process
     plan: ExecutionPlan | None  # one process: known once loaded; TP: once started
+    draft: LlamaModel | None = None  # speculative decoding's draft model, when it has one
 
     def start(self, table_rows: int, max_model_len: int) -> tuple[Executor, ExecutionPlan]:
         config = self.config
@@ -40,7 +42,9 @@ class LoadedExecution:
             self.executor.start(self.num_kv_blocks, table_rows, max_model_len)
             return self.executor, self.executor.plan
         model, plan, device = self.model, self.plan, config.torch_device
-        runner = build_runner(model, config, device, self.num_kv_blocks, table_rows, max_model_len)
+        runner = build_runner(
+            model, config, device, self.num_kv_blocks, table_rows, max_model_len, self.draft
+        )
         plan.cuda_graph_sizes = runner.graph_sizes
         if device.type == "cpu" and (config.cpu_threads is not None or plan.kernels):
             batch = min(config.max_num_seqs, 32)
@@ -65,4 +69,25 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
         load_format=config.load_format, seed=config.seed, quantization=config.weight_quantization,
     )  # fmt: skip
     plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
-    return LoadedExecution(config, cache_capacity(model, config, device), model, None, plan)
+    draft = _load_draft_model(config, spec)
+    capacity = cache_capacity(model, config, device, draft)
+    return LoadedExecution(config, capacity, model, None, plan, draft)
+
+
+def _load_draft_model(config: EngineConfig, target: LlamaSpec) -> LlamaModel | None:
+    """The draft model of `speculative_config` (method draft_model), on the target's device and
+    dtype: it must share the target's vocabulary, since its tokens are the target's inputs."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    path, draft_spec, hf_config = read_config(resolve_model(spec.model))
+    if draft_spec.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model has a vocabulary of {draft_spec.vocab_size} tokens; "
+            f"the target's has {target.vocab_size}: a draft model must share it"
+        )
+    device, dtype = config.torch_device, config.torch_dtype
+    draft = build_model(path, draft_spec, hf_config, dtype, device, config.max_model_len,
+                        quantization=config.weight_quantization)  # fmt: skip
+    fast_path.prepare(draft, device, dtype, config.enforce_eager)
+    return draft

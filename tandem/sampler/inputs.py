@@ -118,34 +118,75 @@ class GrammarRows(Generic[A]):
 
 
 @dataclass
+class VerifyRows(Generic[A]):
+    """Requests whose position only the device knows (drafts of theirs were in flight when the
+    step was built) and the drafts they verify. Each such request's tokens are its last one and
+    its drafts; every one of them is a sampling row predicting the next position."""
+
+    table_rows: A  # [V] token-table row of each verifying request
+    num_drafts: A  # [V]
+    prompt_lens: A  # [V] (the output index of a position is position - prompt length)
+    token_item: A  # [Tv] which request (0..V-1) each of their tokens belongs to
+    token_offset: A  # [Tv] 0 for the request's last token, j for its j-th draft
+    token_batch: A  # [Tv] the token's offset in the packed batch
+    sample_rows: A  # [Tv] its sampling row
+    free_index: A  # [Tv] its index among GrammarRows.free_rows (empty without grammar rows)
+    # The drafts: batch offset of each, its request, its index (0..k-1), and the sampling row
+    # whose token must equal it for it to be accepted (the row of the token before it).
+    draft_batch: A  # [D]
+    draft_item: A  # [D]
+    draft_index: A  # [D]
+    check_rows: A  # [D]
+    # A draft model drafts in passes, the j-th for the requests with more than j drafts: their
+    # indices (0..V-1), pass after pass, and where each request's first token and row are.
+    pass_items: A  # [sum of pass sizes]
+    item_batch: A  # [V] batch offset of each request's first token
+    item_row: A  # [V] its first sampling row
+    pass_sizes: list[int]  # host
+    max_drafts: int  # host: the most drafts of one request
+    history_len: int  # host: an upper bound of every verifying request's length
+    method: str  # host: how the drafts are made ("ngram" or "draft_model")
+    lookup: tuple[int, int]  # host: ngram sizes tried, longest first (max, min)
+
+
+@dataclass
 class SamplerInputs(Generic[A]):
     sampling: SamplingRows[A]
     processing: ProcessingRows[A] | None = None  # None unless a request uses it
     logprobs: LogprobRows[A] | None = None
     grammar: GrammarRows[A] | None = None  # None unless a request is constrained
+    verify: VerifyRows[A] | None = None  # None unless a request verifies drafts
 
     @property
     def plain(self) -> bool:
         """Sampling alone: no penalties, bias, min_tokens, logprobs or grammar in this step."""
-        return self.processing is None and self.logprobs is None and self.grammar is None
+        return (
+            self.processing is None
+            and self.logprobs is None
+            and self.grammar is None
+            and self.verify is None
+        )
 
 
 def build_sampler_inputs(
     items: list[ScheduledRequest], offsets: np.ndarray, max_len: int, extras: bool
 ) -> SamplerInputs[np.ndarray]:
     """The step's sampler inputs; `offsets`: each item's first token in the batch; `extras`:
-    whether some request of the step needs processing or logprobs."""
-    sampled = [it for it in items if it.sample]
-    rows = sampling_rows(sampled)
-    grammar = _grammar_rows(sampled)
+    whether some request of the step needs processing or logprobs. Drafts to verify are added
+    by the batch builder (`SamplerInputs.verify`), which knows where their tokens are."""
+    rows = [it for it in items for _ in range(it.num_rows)]  # one per sampling row
+    sampling = sampling_rows(rows)
+    grammar = _grammar_rows(rows)
     if not extras:
-        return SamplerInputs(rows, grammar=grammar)
+        return SamplerInputs(sampling, grammar=grammar)
     processing, logprobs = _build_extras(items, offsets, max_len)
-    return SamplerInputs(rows, processing, logprobs, grammar)
+    return SamplerInputs(sampling, processing, logprobs, grammar)
 
 
-def sampling_rows(sampled: list[ScheduledRequest]) -> SamplingRows[np.ndarray]:
-    params = np.array([it.request.sampling_row for it in sampled], dtype=np.float64).reshape(-1, 5)
+def sampling_rows(rows: list[ScheduledRequest]) -> SamplingRows[np.ndarray]:
+    """The settings of each sampling row (an item once per row: a verification has several;
+    their output index, known on the device only, is set there)."""
+    params = np.array([it.request.sampling_row for it in rows], dtype=np.float64).reshape(-1, 5)
     # Which settings any row uses, in one pass: each is off at its neutral value.
     used = (params[:, :4].astype(np.float32) != _NEUTRAL).any(axis=0).tolist()
     return SamplingRows(
@@ -154,28 +195,40 @@ def sampling_rows(sampled: list[ScheduledRequest]) -> SamplingRows[np.ndarray]:
         top_p=params[:, 2].astype(np.float32),
         min_p=params[:, 3].astype(np.float32),
         seed_keys=params[:, 4].astype(np.int64),
-        output_index=np.fromiter((it.output_index for it in sampled), np.int64, len(sampled)),
+        output_index=np.fromiter((it.output_index for it in rows), np.int64, len(rows)),
         flags=SamplingFlags(
             all_greedy=not used[0], use_top_k=used[1], use_top_p=used[2], use_min_p=used[3]
         ),
     )
 
 
+def select_rows(
+    rows: SamplingRows[torch.Tensor], index: torch.Tensor
+) -> SamplingRows[torch.Tensor]:
+    """Some rows' settings (the flags stay the step's: a row a filter does not use is left
+    as it is by it, so a superset of flags samples the same tokens)."""
+    return SamplingRows(
+        temperature=rows.temperature[index], top_k=rows.top_k[index], top_p=rows.top_p[index],
+        min_p=rows.min_p[index], seed_keys=rows.seed_keys[index],
+        output_index=rows.output_index[index], flags=rows.flags,
+    )  # fmt: skip
+
+
 def is_constrained(request: Request) -> bool:
     return request.compiled_grammar is not None
 
 
-def _grammar_rows(sampled: list[ScheduledRequest]) -> GrammarRows[np.ndarray] | None:
+def _grammar_rows(rows: list[ScheduledRequest]) -> GrammarRows[np.ndarray] | None:
     """None for a step whose rows no grammar constrains."""
-    under = np.fromiter((is_constrained(it.request) for it in sampled), bool, len(sampled))
+    under = np.fromiter((is_constrained(it.request) for it in rows), bool, len(rows))
     if not under.any():
         return None
-    rows, free = np.flatnonzero(under), np.flatnonzero(~under)
+    constrained, free = np.flatnonzero(under), np.flatnonzero(~under)
     return GrammarRows(
-        rows=rows,
+        rows=constrained,
         free_rows=free,
-        sampling=sampling_rows([sampled[i] for i in rows.tolist()]),
-        free_sampling=sampling_rows([sampled[i] for i in free.tolist()]),
+        sampling=sampling_rows([rows[i] for i in constrained.tolist()]),
+        free_sampling=sampling_rows([rows[i] for i in free.tolist()]),
     )
 
 
@@ -223,25 +276,26 @@ def _build_extras(
             hi = min(end, len(request.prompt_token_ids) - 1)
             if hi > lo:
                 prompt_lp.append((request, lo, hi, offset - it.start))
-        if not it.sample:
-            continue
-        if proc is not None:
-            if proc.uses_penalties:
-                p_row.append(s)
-                p_table_row.append(it.slot)
-                p_presence.append(proc.presence)
-                p_frequency.append(proc.frequency)
-                p_repetition.append(proc.repetition)
-            if len(proc.bias_ids):
-                bias.append((s, proc.bias_ids, proc.bias_values))
-            # Under a grammar, min_tokens is folded into its bitmask (engine/grammar.py).
-            pending = it.output_index < proc.min_tokens and len(proc.min_tokens_ids)
-            if pending and not is_constrained(request):
-                mask.append((s, proc.min_tokens_ids))
-        if request.logprobs is not None:
-            logprob_rows.append(s)
-            top_k = max(top_k, request.params.logprobs)
-        s += 1
+        # A verification's rows (it never has penalties, min_tokens pending or a grammar:
+        # draft_policy.can_draft) each get the request's bias and logprobs.
+        for _ in range(it.num_rows):
+            if proc is not None:
+                if proc.uses_penalties:
+                    p_row.append(s)
+                    p_table_row.append(it.slot)
+                    p_presence.append(proc.presence)
+                    p_frequency.append(proc.frequency)
+                    p_repetition.append(proc.repetition)
+                if len(proc.bias_ids):
+                    bias.append((s, proc.bias_ids, proc.bias_values))
+                # Under a grammar, min_tokens is folded into its bitmask (engine/grammar.py).
+                pending = it.output_index < proc.min_tokens and len(proc.min_tokens_ids)
+                if pending and not is_constrained(request):
+                    mask.append((s, proc.min_tokens_ids))
+            if request.logprobs is not None:
+                logprob_rows.append(s)
+                top_k = max(top_k, request.params.logprobs)
+            s += 1
 
     # A group nobody in the step uses is left out (None): its stages do nothing anyway.
     processing = logprobs = None

@@ -21,6 +21,7 @@ import numpy as np
 
 from tandem.request import Request, RequestStatus
 from tandem.scheduling.block_pool import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
+from tandem.scheduling.draft_policy import DraftPolicy, can_draft
 
 
 @dataclass
@@ -34,6 +35,16 @@ class ScheduledRequest:
     # First step in this table row (the row's device state starts here). Every admission sets it:
     # first arrival, a cached prefix (start > 0), an n > 1 sample, re-admission after preemption.
     admitted: bool = False
+    # Speculative decoding: tokens drafted after the request's last one (num_tokens is 1 + this),
+    # and whether the device places the step's tokens: the request had drafts in flight, so its
+    # position is known on the device only (`start` is then the host's upper bound).
+    num_drafts: int = 0
+    verify: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        """Sampling rows: one per token of a verification (each predicts the next), else one."""
+        return self.num_tokens if self.verify else int(self.sample)
 
 
 @dataclass
@@ -86,8 +97,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool = True,
+        drafts: DraftPolicy | None = None,
     ):
         self.block_size = block_size
+        self.drafts = drafts  # None: no speculative decoding
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -135,6 +148,7 @@ class Scheduler:
         # Running requests, decodes first so they keep streaming while long prompts prefill.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        drafts = self._allot_drafts(decodes, budget)
         for group in (decodes, prefills):
             for request in group:
                 if budget == 0:
@@ -144,9 +158,10 @@ class Scheduler:
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self._reserve_blocks(request, n, scheduled):
                     continue
-                items.append(self._schedule(request, n, step_id))
+                k = self._fit_drafts(request, n, drafts.get(request, 0), budget - n)
+                items.append(self._schedule(request, n + k, step_id, drafts=k))
                 scheduled.add(request)
-                budget -= n
+                budget -= n + k
             if group is decodes:
                 num_decodes = len(items)
 
@@ -181,6 +196,7 @@ class Scheduler:
     def _admit(self, request: Request, hits: list[int]) -> None:
         request.status = RequestStatus.RUNNING
         request.slot = self.slots.allocate(1, request.key)[0]
+        request.sampled_in_row = False
         self.running.append(request)
         self.blocks.share(hits, request.key)
         request.block_ids = list(hits)
@@ -272,19 +288,65 @@ class Scheduler:
         self.blocks.reset_cache()
 
     def _schedule(
-        self, request: Request, n: int, step_id: int, admitted: bool = False
+        self, request: Request, n: int, step_id: int, admitted: bool = False, drafts: int = 0
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
-        sample = start + n == request.num_tokens
+        sample = start + n - drafts == request.num_tokens
+        verify = bool(drafts or request.num_speculative)
         item = ScheduledRequest(
-            request, request.slot, start, n, sample, request.num_scheduled_outputs, admitted
-        )
-        if (start + n) // self.block_size > start // self.block_size:  # a block fills up
-            self._mark_in_progress(request, start, start + n, step_id)
+            request, request.slot, start, n, sample, request.num_scheduled_outputs, admitted,
+            drafts, verify,
+        )  # fmt: skip
+        if not verify and (start + n) // self.block_size > start // self.block_size:
+            self._mark_in_progress(request, start, start + n, step_id)  # a block fills up
         request.num_computed_tokens += n
-        request.num_inflight += int(sample)
+        request.num_inflight += item.num_rows
+        request.num_speculative += drafts
+        request.sampled_in_row |= sample
         request.last_step = step_id
         return item
+
+    # ------------------------------------------------------------ speculation
+    def _allot_drafts(self, decodes: list[Request], budget: int) -> dict[Request, int]:
+        """Drafts each decoding request wants this step (the policy's per-step allotment)."""
+        if self.drafts is None or not decodes:
+            return {}
+        # Only a request whose row's length is on the device (a step since its admission
+        # sampled it) drafts: a last prefill chunk of one token is no decode yet.
+        wanted = [(r, self.drafts.wanted(r)) for r in decodes if r.sampled_in_row and can_draft(r)]
+        wanted = [(r, k) for r, k in wanted if k]
+        if not wanted:
+            return {}
+        allotted = self.drafts.allot(wanted, min(len(decodes), budget))
+        return {r: k for (r, _), k in zip(wanted, allotted, strict=True) if k}
+
+    def _fit_drafts(self, request: Request, n: int, k: int, budget: int) -> int:
+        """Drafts the request can take after its `n` tokens (their blocks reserved): within the
+        step's budget, short of max_tokens, in blocks it holds or free ones (drafts never
+        preempt anyone); their blocks are allocated here."""
+        k = min(k, budget, request.max_tokens - request.num_scheduled_outputs - 1)
+        while k > 0 and self._blocks_needed(request, n + k) > self.blocks.num_free:
+            k -= 1
+        if k > 0:
+            self._allocate_blocks(request, n + k)
+        return max(k, 0)
+
+    def settle(self, item: ScheduledRequest, num_sampled: int) -> None:
+        """At retirement: the item's step kept `num_sampled` of its sampled tokens (a
+        verification: its accepted drafts plus one). The bounds become exact again, and blocks
+        held only for rejected drafts are given back (after the request's last launched step)."""
+        request = item.request
+        request.num_inflight -= item.num_rows
+        if not item.verify:
+            return
+        request.num_speculative -= item.num_drafts
+        rejected = item.num_rows - num_sampled
+        if rejected and request.status is RequestStatus.RUNNING and request.slot == item.slot:
+            request.num_computed_tokens -= rejected
+            keep = -(-request.num_computed_tokens // self.block_size)
+            if len(request.block_ids) > keep:
+                spare, request.block_ids = request.block_ids[keep:], request.block_ids[:keep]
+                self._defer_free(_PendingFree(request.last_step, request.key, spare, None))
 
     def _blocks_needed(self, request: Request, n: int) -> int:
         return -(-(request.num_computed_tokens + n) // self.block_size) - len(request.block_ids)
@@ -370,6 +432,9 @@ class Scheduler:
         request.block_ids = []
         request.num_registered_blocks = 0
         request.slot = None
+        self._defer_free(pending)
+
+    def _defer_free(self, pending: _PendingFree) -> None:
         if pending.after_step <= self.last_retired_step:
             self._free(pending)
         else:

@@ -287,7 +287,7 @@ class CoreLoop:
                 self._window_start = history.mark()
             self._window_time = now
         s = self.engine.stats()
-        cache = s.prefix_cache
+        cache, spec = s.prefix_cache, s.speculative
         return wire.CoreStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -301,6 +301,11 @@ class CoreLoop:
             prefix_hit_rate=cache.hit_rate,
             device_idle_fraction=self._device_idle,
             num_steps=history.mark().steps,
+            spec_drafts=spec.num_verified,
+            spec_draft_tokens=spec.drafted_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_acceptance_rate=spec.acceptance_rate,
+            spec_mean_accepted_length=spec.mean_accepted_length,
         )
 
 

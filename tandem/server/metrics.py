@@ -45,6 +45,13 @@ _ENGINE_GAUGES = (
      "Device idle time over the engine's busy time (first to last step) in the latest ~1 s "
      "window with work: the host overhead the async loop is meant to hide.",
      "device_idle_fraction"),
+    ("tandem_spec_decode_acceptance_rate",
+     "Speculative decoding: draft tokens accepted over draft tokens verified, since start.",
+     "spec_acceptance_rate"),
+    ("tandem_spec_decode_mean_accepted_length",
+     "Speculative decoding: tokens a request gains per step that verifies drafts (its accepted "
+     "drafts plus one of its own), since start; 0 before any.",
+     "spec_mean_accepted_length"),
 )  # fmt: skip
 _ENGINE_COUNTERS = (
     ("tandem_preemptions", "Requests preempted (their KV dropped, recomputed later).",
@@ -55,6 +62,13 @@ _ENGINE_COUNTERS = (
      "prefix_hit_tokens"),
     ("tandem_prefix_cache_hit_requests", "Admissions that reused at least one cached KV block.",
      "prefix_hit_requests"),
+    # vLLM's names (its spec_decode counters), so its dashboards read them.
+    ("vllm:spec_decode_num_drafts", "Speculative decoding: (request, step) pairs that verified "
+     "drafts.", "spec_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+     "spec_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     "spec_accepted_tokens"),
 )  # fmt: skip
 
 

@@ -196,6 +196,12 @@ def serve(
     if config.model is not None:  # a wrong path fails here in a second, before any process
         path = read_config(resolve_model(config.model))[0]
         read_generation_defaults(path, config.generation_config)
+    draft = config.speculative_config.model if config.speculative_config else None
+    if draft is not None:  # the draft model's path too
+        try:
+            read_config(resolve_model(draft))
+        except ValueError as exc:
+            raise ValueError(f"speculative_config.model: {exc}") from None
     replicas = replica_options(config, data_parallel_size)
     listener = listening_socket(host, port)
     workdir = tempfile.mkdtemp(prefix="tandem-serve-")

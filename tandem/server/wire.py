@@ -76,6 +76,13 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_hit_rate: float
     device_idle_fraction: float  # of the latest ~1 s window with steps
     num_steps: int  # steps retired since start
+    # Speculative decoding since start (zeros without it): the (request, step) pairs that
+    # verified drafts, draft tokens verified and accepted, and the two figures made of them.
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_acceptance_rate: float
+    spec_mean_accepted_length: float
 
 
 class TokenDelta(msgspec.Struct, array_like=True):

@@ -1,0 +1,66 @@
+"""Drafts made on the device, from what the device holds: no host round trip.
+
+A verifying request's tokens in a step are its last token (at position `length - 1`, `length`
+being the row's length on the device) and its drafts after it. `place_tokens` sets their
+positions, KV slots, context lengths and output indices from the device's lengths;
+`ngram_drafts` finds the drafts in the request's own history (prompt-lookup decoding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.execution.batch import StepInputs
+from tandem.sampler.inputs import VerifyRows
+
+
+def place_tokens(
+    t: StepInputs, v: VerifyRows[torch.Tensor], lengths: torch.Tensor, max_len: int, block_size: int
+) -> None:
+    """Write the verifying tokens' positions into the step's device arrays (in place), from
+    `lengths` ([V]: each verifying row's length before the step)."""
+    positions = lengths[v.token_item] - 1 + v.token_offset
+    b = v.token_batch
+    row_start = v.table_rows[v.token_item] * max_len
+    t.positions.index_copy_(0, b, positions)
+    t.token_index.index_copy_(0, b, row_start + positions)
+    blocks = t.block_tables[b].gather(1, (positions // block_size)[:, None])[:, 0]
+    t.slot_mapping.index_copy_(0, b, blocks * block_size + positions % block_size)
+    t.context_lens.index_copy_(0, b, positions + 1)
+    t.sample_index.index_copy_(0, v.sample_rows, row_start + positions + 1)
+    output_index = positions + 1 - v.prompt_lens[v.token_item]
+    t.sampler.sampling.output_index.index_copy_(0, v.sample_rows, output_index)
+    if t.sampler.grammar is not None:  # the free rows' settings are their own copy
+        t.sampler.grammar.free_sampling.output_index.index_copy_(0, v.free_index, output_index)
+
+
+def ngram_drafts(
+    token_table: torch.Tensor,
+    v: VerifyRows[torch.Tensor],
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """[V, max_drafts] drafts: the tokens that followed the latest earlier occurrence of the
+    row's last n tokens, for the longest n in `v.lookup` that occurs, continued periodically
+    past the row's end (a repeating pattern repeats). A row with no occurrence repeats its last
+    token (a guess that costs what any rejected draft costs)."""
+    span = v.history_len
+    device = token_table.device
+    columns = torch.arange(span, device=device)
+    history = token_table[(v.table_rows * max_len)[:, None] + columns[None, :]]  # [V, span]
+    latest = torch.full_like(lengths, -1)  # end position of the chosen occurrence
+    longest, shortest = v.lookup
+    for n in range(longest, shortest - 1, -1):
+        if span < n + 1:
+            continue
+        suffix_at = (lengths[:, None] - n + torch.arange(n, device=device)[None, :]).clamp(min=0)
+        suffix = history.gather(1, suffix_at)  # [V, n]
+        found = (history.unfold(1, n, 1) == suffix[:, None, :]).all(dim=-1)  # [V, span - n + 1]
+        ends = columns[n - 1 :]
+        found &= ends[None, :] <= lengths[:, None] - 2  # an earlier occurrence, not the suffix
+        end = torch.where(found, ends[None, :], -1).amax(dim=1)
+        latest = torch.where(latest < 0, end, latest)
+    latest = torch.where(latest < 0, lengths - 2, latest)
+    period = lengths - 1 - latest
+    steps = torch.arange(v.max_drafts, device=device)
+    return history.gather(1, latest[:, None] + 1 + steps[None, :] % period[:, None])

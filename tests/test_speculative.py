@@ -1,0 +1,288 @@
+"""Speculative decoding: the same tokens as decoding without drafts, in both loops.
+
+Drafts are verified by sampling every position as decoding without them would (the same seeded
+noise), so greedy and seeded outputs alike must equal the engine's without speculation, token for
+token, under any block size, chunked prefill, preemption (with drafts in flight), aborts, n > 1
+and prefix caching; stops inside an accepted run drop what follows; KV blocks and rows balance.
+`cycling_llama` makes long accepted runs; `tiny_llama` mostly rejected ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tandem.config import SpeculativeConfig
+from tandem.request import StructuredOutputsParams
+from tandem.sampler.inputs import SamplingFlags, SamplingRows
+from tandem.sampler.sampling import sample
+
+from conftest import hf_greedy_reference
+from helpers import assert_idle_and_balanced, greedy, make_llm
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+ALWAYS = {**NGRAM, "adaptive": False}  # every step drafts its full length
+
+
+def prompts_with_repeats() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    span = torch.randint(20, 1000, (9,), generator=g).tolist()
+    return [
+        span * 3 + [17],
+        torch.randint(20, 1000, (23,), generator=g).tolist(),
+        [40, 41, 42] * 5,
+        torch.randint(20, 1000, (5,), generator=g).tolist(),
+    ]
+
+
+def generate(path, prompts, params, speculative=None, **options):
+    llm = make_llm(path, speculative_config=speculative, **options)
+    outputs = llm.generate(prompts, params)
+    assert_idle_and_balanced(llm.engine)
+    stats = llm.engine.stats().speculative
+    llm.engine.close()
+    return [[c.token_ids for c in o.outputs] for o in outputs], stats
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_greedy_equals_decoding_without_drafts(cycling_llama, async_scheduling, block_size):
+    prompts = prompts_with_repeats()
+    params = greedy(40)
+    options = dict(async_scheduling=async_scheduling, block_size=block_size)
+    reference, _ = generate(cycling_llama, prompts, params, **options)
+    for speculative in (NGRAM, ALWAYS):  # adaptive drafts follow this model's cost here
+        out, stats = generate(cycling_llama, prompts, params, speculative, **options)
+        assert out == reference
+    assert stats.accepted_tokens > stats.drafted_tokens / 3  # long accepted runs
+    assert stats.mean_accepted_length > 2
+
+
+def test_greedy_equals_transformers(cycling_llama):
+    prompts = prompts_with_repeats()[:2]
+    out, stats = generate(cycling_llama, prompts, greedy(24), ALWAYS)
+    assert stats.accepted_tokens
+    for prompt, (tokens,) in zip(prompts, out, strict=True):
+        assert tokens == hf_greedy_reference(cycling_llama, prompt, 24)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mostly_rejected_drafts_change_nothing(tiny_llama, async_scheduling):
+    prompts = prompts_with_repeats()
+    params = greedy(24)
+    reference, _ = generate(tiny_llama, prompts, params, async_scheduling=async_scheduling)
+    out, stats = generate(tiny_llama, prompts, params, ALWAYS, async_scheduling=async_scheduling)
+    assert out == reference
+    assert stats.drafted_tokens > stats.accepted_tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_sampling_equals_decoding_without_drafts(cycling_llama, async_scheduling):
+    """Each position is sampled with its own seeded noise, whatever the drafts: the same tokens
+    in both loops, with and without speculation, at any batch composition."""
+    prompts = prompts_with_repeats()
+    params = [
+        SamplingParams(max_tokens=32, temperature=t, top_k=k, seed=i, ignore_eos=True)
+        for i, (t, k) in enumerate([(0.3, 0), (0.7, 0), (1.0, 20), (0.5, 0)])
+    ]
+    options = dict(async_scheduling=async_scheduling)
+    reference, _ = generate(cycling_llama, prompts, params, **options)
+    out, stats = generate(cycling_llama, prompts, params, ALWAYS, **options)
+    assert out == reference and stats.accepted_tokens
+    alone, _ = generate(cycling_llama, prompts[1:2], params[1:2], ALWAYS, **options)
+    assert alone[0] == reference[1]
+
+
+def test_chunked_prefill_preemption_and_prefix_caching(cycling_llama):
+    """A small cache preempts requests with drafts in flight; prompts share a prefix and chunk."""
+    shared = prompts_with_repeats()[0]
+    prompts = [shared + [5, 6], shared + [7], shared, prompts_with_repeats()[2]]
+    params = [greedy(m) for m in (30, 24, 36, 20)]
+    options = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+    for async_scheduling in (False, True):
+        reference, _ = generate(cycling_llama, prompts, params, async_scheduling=async_scheduling,
+                                **options)  # fmt: skip
+        llm = make_llm(
+            cycling_llama, speculative_config=ALWAYS, async_scheduling=async_scheduling, **options
+        )
+        out = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        assert out == reference
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats().prefix_cache.hits > 0
+        assert_idle_and_balanced(llm.engine)
+
+
+def test_n_samples_and_length_limits(cycling_llama):
+    prompts = prompts_with_repeats()[:3]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.6, seed=3, n=2, ignore_eos=True)
+        for m in (1, 2, 7)
+    ]
+    # The context limit: prompt plus outputs reach max_model_len exactly.
+    options = dict(max_model_len=len(prompts[0]) + 7)
+    for async_scheduling in (False, True):
+        reference, _ = generate(cycling_llama, prompts, params, async_scheduling=async_scheduling,
+                                **options)  # fmt: skip
+        out, _ = generate(cycling_llama, prompts, params, ALWAYS,
+                          async_scheduling=async_scheduling, **options)  # fmt: skip
+        assert out == reference
+        assert [len(o[0]) for o in out] == [1, 2, 7]
+
+
+def stream(path, prompt, params, speculative, async_scheduling):
+    llm = make_llm(path, speculative_config=speculative, async_scheduling=async_scheduling)
+    engine = llm.engine
+    engine.add_request(prompt, params)
+    deltas = [list(o.delta_token_ids) for o in engine.stream_outputs()]
+    assert_idle_and_balanced(engine)
+    return deltas
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_inside_an_accepted_run(cycling_llama, async_scheduling):
+    """A stop id inside an accepted run ends the request there: nothing after it is streamed,
+    and the tokens equal the ones without drafts. The prompt is the model's own cycle, so the
+    first verification already accepts a run, and the stop id is in it."""
+    path = generate(cycling_llama, prompts_with_repeats()[:1], greedy(21))[0][0][0]
+    prompt = path[-7:] * 3
+    continued = generate(cycling_llama, [prompt], greedy(8))[0][0][0]
+    stop = continued[3]
+    params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop])
+    expected = stream(cycling_llama, prompt, params, None, async_scheduling)
+    deltas = stream(cycling_llama, prompt, params, ALWAYS, async_scheduling)
+    tokens = sum(deltas, [])
+    assert tokens == sum(expected, []) == continued[:4]
+    assert len(deltas[-1]) > 1  # the stop came inside an accepted run
+
+
+def test_abort_with_drafts_in_flight(cycling_llama):
+    llm = make_llm(cycling_llama, speculative_config=ALWAYS)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts_with_repeats()):
+        engine.add_request(prompt, greedy(40), request_id=str(i))
+    outputs = engine.step() + engine.step() + engine.step()
+    engine.abort("0")
+    engine.abort("2")
+    while engine.has_unfinished():
+        outputs += engine.step()
+    finished = {o.request_id: o for o in outputs if o.finished}
+    assert finished["0"].finish_reason == finished["2"].finish_reason == "abort"
+    assert len(finished["1"].token_ids) == 40
+    assert_idle_and_balanced(engine)
+
+
+def test_logprobs_grammar_and_penalties_beside_drafts(cycling_llama):
+    """Requests that cannot draft (a grammar, penalties) share steps with ones that do; logprobs
+    of accepted runs are those of decoding without drafts."""
+    prompts = prompts_with_repeats()
+    params = [
+        greedy(24, logprobs=2),
+        greedy(24, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        greedy(24, repetition_penalty=1.3, presence_penalty=0.5),
+        greedy(24, logit_bias={17: 5.0}),
+    ]
+    llm_off = make_llm(cycling_llama)
+    llm_on = make_llm(cycling_llama, speculative_config=ALWAYS)
+    for async_scheduling in (False, True):
+        llm_off.engine.configure(async_scheduling=async_scheduling)
+        llm_on.engine.configure(async_scheduling=async_scheduling)
+        off, on = llm_off.generate(prompts, params), llm_on.generate(prompts, params)
+        for a, b in zip(off, on, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(off[0].outputs[0].logprobs, on[0].outputs[0].logprobs, strict=True):
+            assert list(x) == list(y)
+            for token in x:
+                assert x[token].rank == y[token].rank
+                assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
+    assert llm_on.engine.stats().speculative.accepted_tokens
+    assert_idle_and_balanced(llm_on.engine)
+
+
+def test_configure_switches_speculation(cycling_llama):
+    llm = make_llm(cycling_llama)
+    engine = llm.engine
+    assert engine.speculative_config is None
+    prompts = prompts_with_repeats()
+    off = llm.generate(prompts, greedy(20))
+    engine.configure(speculative_config=NGRAM)
+    assert engine.speculative_config == SpeculativeConfig(**NGRAM)
+    on = llm.generate(prompts, greedy(20))
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert engine.stats().speculative.drafted_tokens
+    with pytest.raises(ValueError, match="draft model"):
+        engine.configure(speculative_config={"method": "draft_model", "model": "/elsewhere"})
+    engine.configure(speculative_config=None)
+    assert engine.speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "eagle"}, "method must be one of"),
+        ({"num_speculative_tokens": 0}, "positive integer"),
+        ({"num_speculative_tokens": 99}, "at most"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "draft_model"}, "needs one"),
+        ({"speculative": 1}, "unknown fields"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_speculative_config_is_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.of(value)
+
+
+def test_verification_keeps_the_target_distribution():
+    """The accepted draft is the target's own seeded draw: over many seeds a draft is accepted
+    with its probability under the target, and the kept token follows the target exactly."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None].repeat(4000, 1)
+    n = len(logits)
+    rows = SamplingRows(
+        temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
+        top_p=torch.ones(n), min_p=torch.zeros(n),
+        seed_keys=torch.arange(n, dtype=torch.int64) * 7919, output_index=torch.zeros(n, dtype=torch.int64),
+        flags=SamplingFlags(all_greedy=False, use_top_k=False, use_top_p=False, use_min_p=False),
+    )  # fmt: skip
+    tokens = sample(logits, rows)
+    draft = 1  # a fixed guess, as an ngram draft is
+    accepted = (tokens == draft).float().mean().item()
+    assert accepted == pytest.approx(probs[draft].item(), abs=0.025)
+    frequencies = torch.bincount(tokens, minlength=4).float() / n
+    chi2 = (((frequencies - probs) ** 2) / probs).sum().item() * n
+    assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+
+
+def draft_model(path, k=3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "adaptive": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_draft_model_equals_decoding_without_drafts(cycling_llama, tiny_llama, async_scheduling):
+    """A draft model drafts with the target's settings and seeded noise: the target as its own
+    draft has every draft accepted, greedy and sampled alike; another model mostly rejected;
+    outputs equal decoding without drafts either way, through a small cache's preemptions."""
+    prompts = prompts_with_repeats()
+    params = [greedy(30), greedy(12)] + [
+        SamplingParams(max_tokens=30, temperature=0.8, seed=i, ignore_eos=True) for i in (1, 2)
+    ]
+    options = dict(async_scheduling=async_scheduling, block_size=4, num_kv_blocks=30)
+    reference, _ = generate(cycling_llama, prompts, params, **options)
+    out, stats = generate(cycling_llama, prompts, params, draft_model(cycling_llama), **options)
+    assert out == reference
+    assert stats.accepted_tokens == stats.drafted_tokens > 0
+    out, stats = generate(cycling_llama, prompts, params, draft_model(tiny_llama), **options)
+    assert out == reference
+    assert stats.accepted_tokens < stats.drafted_tokens / 4
+
+
+def test_a_draft_model_must_share_the_vocabulary(cycling_llama, tmp_path):
+    from tandem.models.default_model import build_checkpoint
+
+    other = build_checkpoint(tmp_path / "other", vocab_size=1100)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(cycling_llama, speculative_config=draft_model(other))
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        make_llm(cycling_llama, speculative_config=draft_model(other), tensor_parallel_size=2)
