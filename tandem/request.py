@@ -242,13 +242,12 @@ class Request:
     num_inflight: int = 0
     num_computed_tokens: int = 0
     # Speculative decoding: drafts in flight (their acceptance is not known yet, so num_inflight
-    # and num_computed_tokens are upper bounds by this much), the draft length for the next step,
-    # and the running acceptance estimate (`scheduling/draft_policy.py`).
+    # and num_computed_tokens are upper bounds by this much), its accepted drafts and tries
+    # (decaying counts), and steps since it last drafted (`scheduling/draft_policy.py`).
     num_speculative: int = 0
-    num_drafts: int | None = None  # None: not verified yet (the policy's full length)
-    draft_acceptance: float = 0.5
+    draft_hits: float = 0.0
+    draft_tries: float = 0.0
     steps_without_drafts: int = 0
-    draft_probe: bool = False  # its next drafts test whether drafting pays again
     sampled_in_row: bool = False  # a step since admission sampled it: the device has its length
     block_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # row of the device token table

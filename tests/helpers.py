@@ -68,3 +68,13 @@ def prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) ->
         first = model(ids[: n - 1], positions[: n - 1], caches, prefill)
         last = model(ids[n - 1 :], positions[n - 1 :], caches, decode)
         return model.compute_logits(torch.cat([first, last]))
+
+
+def bench_table(out: str) -> dict[str, list[str]]:
+    """Row name -> its cells, from `tandem bench`'s box-drawn table (one row per line)."""
+    rows = {}
+    for line in out.splitlines():
+        if "│" in line:
+            parts = [p.strip() for p in line.split("│")]
+            rows[parts[1]] = parts[2:-1]
+    return rows

@@ -30,6 +30,8 @@ from tandem.cli import build_parser, engine_config, main
 from tandem.config import SpeculativeConfig
 from tandem.metrics import RunSummary, SpeculativeStats
 
+from helpers import bench_table
+
 NGRAM3 = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
@@ -37,16 +39,6 @@ def _bench_args(*flags: str) -> argparse.Namespace:
     args = build_parser().parse_args(["bench", *flags])
     resolve_workload(args, engine_config(args), "cpu")
     return args
-
-
-def _table(out: str) -> dict[str, list[str]]:
-    """Row name -> its cells, from rich's box-drawn table (one row per line)."""
-    rows = {}
-    for line in out.splitlines():
-        if "│" in line:
-            parts = [p.strip() for p in line.split("│")]
-            rows[parts[1]] = parts[2:-1]
-    return rows
 
 
 def _header(out: str) -> list[str]:
@@ -99,7 +91,7 @@ def test_speculation_columns_and_groups():
     columns = bench_columns(_bench_args(), True, work, modes, ngram)
     assert [c.name for c in columns] == ["off, sync", "off, async", "ngram, sync", "ngram, async"]
     assert [c.variant.speculative for c in columns] == [None, None, ngram, ngram]
-    assert {c.variant.group for c in columns} == {"spec"}  # greedy: one group
+    assert {c.variant.group for c in columns} == {"spec"}  # the same outputs: one group
 
     draft = SpeculativeConfig(method="draft_model", model="/a/draft", num_speculative_tokens=5)
     columns = bench_columns(_bench_args("--temperature", "0.8"), True, work, modes, draft)
@@ -107,7 +99,7 @@ def test_speculation_columns_and_groups():
     assert columns[4].variant.speculative is draft
     n = columns[2].variant.speculative  # n-gram drafts of the draft model's length
     assert n.method == "ngram" and n.num_speculative_tokens == 5 and n.model is None
-    assert [c.variant.group for c in columns[::2]] == ["off", "ngram", "draft"]  # sampled
+    assert {c.variant.group for c in columns} == {"spec"}  # seeded sampling too
 
     plain = bench_columns(_bench_args(), True, work, modes)
     assert [c.name for c in plain] == modes and plain[0].variant.speculative is None
@@ -132,7 +124,7 @@ def test_speculation_rows_from_the_run_summaries():
     add_speculation_rows(table, columns, results)
     console = Console(file=io.StringIO(), width=300)
     console.print(table)
-    rows = _table(console.file.getvalue())
+    rows = bench_table(console.file.getvalue())
     assert rows["spec decode: draft tokens"] == ["-", "-", "40", "40"]
     assert rows["spec decode: accepted tokens"] == ["-", "-", "30", "10"]
     assert rows["spec decode: acceptance rate %"] == ["-", "-", "75.0", "25.0"]
@@ -153,7 +145,7 @@ def test_copy_bench_runs_both_loops(tiny_llama, capsys, monkeypatch):
     assert "4 requests (copy: repeat-a-passage prompts, EOS on, at most 16 tokens)" in " ".join(
         out.split()
     )
-    rows = _table(out)
+    rows = bench_table(out)
     for cell in rows["requests finished by stop / length"]:
         stop, length = map(int, cell.split(" / "))
         assert stop + length == 4
@@ -171,7 +163,7 @@ def test_copy_bench_with_speculation_off_and_ngram(tiny_llama, capsys, monkeypat
     print(out)
     assert _header(out) == ["off, sync", "off, async", "ngram, sync", "ngram, async"]
     assert '"num_speculative_tokens": 3' in out and "at most 2 requests run at once" in out
-    rows = _table(out)
+    rows = bench_table(out)
     drafted = rows["spec decode: draft tokens"]
     accepted = rows["spec decode: accepted tokens"]
     assert drafted[:2] == accepted[:2] == ["-", "-"]  # speculation off

@@ -22,17 +22,9 @@ from tandem.bench.workloads import (
 from tandem.cli import main
 from tandem.metrics import RunSummary
 
+from helpers import bench_table
+
 COLUMNS = [f"{pct}% json, {mode}" for pct in (0, 25, 100) for mode in ("sync", "async")]
-
-
-def _table(out: str) -> dict[str, list[str]]:
-    """Row name -> its cells, from rich's box-drawn table (one row per line)."""
-    rows = {}
-    for line in out.splitlines():
-        if "│" in line:
-            parts = [p.strip() for p in line.split("│")]
-            rows[parts[1]] = parts[2:-1]
-    return rows
 
 
 def test_the_shipped_schema_and_the_shares():
@@ -85,7 +77,7 @@ def test_json_bench_runs_every_share_sync_and_async(tiny_llama, capsys, monkeypa
         r"[\d.]+ ms, imports included\), schema compile [\d.]+ ms, cached \d+ us"
     )
     assert re.search(line, out) and re.search(line, captured.err)  # before the runs, and after
-    rows = _table(out)
+    rows = bench_table(out)
     grammar = [float(x) for x in rows["host grammar / step (ms)"]]
     assert grammar[:2] == [0.0, 0.0] and all(x > 0 for x in grammar[2:])
     assert all(float(x) >= 0 for x in rows["device waited for bitmask / step (ms)"])

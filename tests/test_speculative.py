@@ -199,6 +199,25 @@ def test_logprobs_grammar_and_penalties_beside_drafts(cycling_llama):
     assert_idle_and_balanced(llm_on.engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_count_accepted_tokens_only(cycling_llama, async_scheduling):
+    """Penalized requests draft too: each verifying row sees the counts of the tokens before
+    its position (drafts included), and only kept tokens stay counted."""
+    prompts = prompts_with_repeats()
+    params = [
+        greedy(30, frequency_penalty=0.4),
+        greedy(30, presence_penalty=0.8),
+        greedy(30, repetition_penalty=1.2),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=5, frequency_penalty=0.2,
+                       repetition_penalty=1.1, ignore_eos=True),
+    ]  # fmt: skip
+    options = dict(async_scheduling=async_scheduling)
+    reference, _ = generate(cycling_llama, prompts, params, **options)
+    out, stats = generate(cycling_llama, prompts, params, ALWAYS, **options)
+    assert out == reference
+    assert stats.accepted_tokens > 0
+
+
 def test_configure_switches_speculation(cycling_llama):
     llm = make_llm(cycling_llama)
     engine = llm.engine

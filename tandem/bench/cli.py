@@ -272,11 +272,11 @@ class Column:
 
 
 def speculation_variants(
-    workload: Workload, caching: bool, given: SpeculativeConfig, greedy: bool
+    workload: Workload, caching: bool, given: SpeculativeConfig
 ) -> list[Variant]:
     """Speculation off, n-gram drafts (`given`, or its draft length when it names a draft
-    model), and the draft model when `given` is one. Greedy outputs are the same whatever
-    drafts them: one group; a sampled run compares each variant's loops only."""
+    model), and the draft model when `given` is one. Outputs, greedy or seeded, are the same
+    whatever drafts them: one group."""
     ngram = given
     if given.method != "ngram":
         ngram = SpeculativeConfig(
@@ -290,7 +290,7 @@ def speculation_variants(
             f"{name}, {{mode}}",
             workload,
             caching,
-            "spec" if greedy else name,
+            "spec",
             speculative=spec,
             speculation=name,
         )
@@ -328,7 +328,7 @@ def bench_columns(
         ]
         return [Column(v.column(m), m, v) for v in variants for m in modes]
     if speculative is not None:  # sync and async of each side by side
-        variants = speculation_variants(workload, caching, speculative, args.temperature == 0)
+        variants = speculation_variants(workload, caching, speculative)
         return [Column(v.column(m), m, v) for v in variants for m in modes]
     plain = Variant("{mode}", workload, caching)
     return [Column(m, m, plain) for m in modes]

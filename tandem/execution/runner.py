@@ -23,10 +23,9 @@ from tandem.execution.streams import JoinedHandle, StepHandle, make_stream
 from tandem.execution.transfer import to_device
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention_metadata import AttentionMetadata
-from tandem.sampler.inputs import VerifyRows, select_rows
+from tandem.sampler.inputs import SamplerInputs, VerifyRows, select_rows
 from tandem.sampler.logprobs import pack
 from tandem.sampler.sampler import PendingSample, Sampler
-from tandem.sampler.verify import count_accepted
 
 PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
@@ -257,13 +256,13 @@ class ModelRunner:
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
         sample = self.sampler.begin(
-            hidden, t.logits_index, self.model.compute_logits, t.sampler, table
+            hidden, t.logits_index, self.model.compute_logits, t.sampler, table, input_ids
         )
         if pending is not None:  # the grammar rows' bitmask comes in the step's second part
             pending.sample, pending.sample_index = sample, t.sample_index
             pending.input_ids = input_ids
             return None
-        return self._store(t.sample_index, input_ids, *self.sampler.finish(sample), v)
+        return self._store(t.sample_index, input_ids, *self.sampler.finish(sample), t.sampler)
 
     @torch.inference_mode()
     def _finish_sampling(self, pending: _Pending, bitmask: torch.Tensor):
@@ -272,7 +271,7 @@ class ModelRunner:
         sample, pending.sample = pending.sample, None
         input_ids, pending.input_ids = pending.input_ids, None
         ids, logprobs = self.sampler.finish(sample, bitmask)
-        return self._store(pending.sample_index, input_ids, ids, logprobs, sample.x.verify)
+        return self._store(pending.sample_index, input_ids, ids, logprobs, sample.x)
 
     def _prepare_verification(self, t: StepInputs, v: VerifyRows[torch.Tensor]) -> None:
         """Place the verifying requests' tokens by the device's lengths and write their drafts
@@ -323,15 +322,15 @@ class ModelRunner:
         input_ids: torch.Tensor,
         ids: torch.Tensor,
         logprobs: list,
-        verify: VerifyRows[torch.Tensor] | None = None,
+        x: SamplerInputs[torch.Tensor],
     ):
         """Sampled ids into the token table (the next step gathers them), and to the host; a
-        verification's accepted counts advance its rows' lengths and follow the ids out."""
+        verification's kept counts advance its rows' lengths and follow the ids out."""
         if len(ids):
             self.token_table.index_copy_(0, sample_index, ids)
-        if verify is not None:
-            kept = count_accepted(ids, input_ids, verify, verify.max_drafts)
-            self.lengths.index_add_(0, verify.table_rows, kept)
+        if x.verify is not None:
+            kept = self.sampler.keep_verified(ids, input_ids, x)
+            self.lengths.index_add_(0, x.verify.table_rows, kept)
             ids = torch.cat([ids, kept])
         return self._to_host(pack(ids, logprobs) if logprobs else ids)
 

@@ -87,7 +87,10 @@ def _load_draft_model(config: EngineConfig, target: LlamaSpec) -> LlamaModel | N
             f"the target's has {target.vocab_size}: a draft model must share it"
         )
     device, dtype = config.torch_device, config.torch_dtype
+    # In its checkpoint's own format (a GGUF's blocks run as they are): a draft is meant to be
+    # cheap, whatever the target's `quantization` does to the target.
+    quantization = "none" if config.enforce_eager else None
     draft = build_model(path, draft_spec, hf_config, dtype, device, config.max_model_len,
-                        quantization=config.weight_quantization)  # fmt: skip
+                        quantization=quantization)  # fmt: skip
     fast_path.prepare(draft, device, dtype, config.enforce_eager)
     return draft

@@ -20,7 +20,7 @@ from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, or_empty, quantize
 
 # Up to this many rows (a decode step of that many sequences) the fast path streams the weight
 # through the fused kernels' GEMV (csrc: `gemv`, kGemvMaxRows), faster from memory than MKL's.
-GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = 8
 
 # The M that MKL tunes the packed layout for; any M runs correctly. 128 is as fast as a layout
 # for 32 at decode sizes and faster from 64 rows up; layouts for 2048 rows are slow at small M.

@@ -80,6 +80,16 @@ class ProcessingRows(Generic[A]):
     mask_rows: A
     mask_ids: A
     flags: ProcessingFlags
+    # Penalized verifications (their inputs are counted only once accepted): the input tokens
+    # (batch offsets) each of their penalty rows counts on top of the row's counts, its own
+    # position's and earlier ones; and every input with its table row, request (index among
+    # the step's verifications) and offset, counted after the step if that request kept it.
+    pair_rows: A = None  # [Q] penalty rows
+    pair_batch: A = None  # [Q]
+    accept_rows: A = None  # [U] table rows
+    accept_batch: A = None  # [U]
+    accept_item: A = None  # [U]
+    accept_offset: A = None  # [U]
 
 
 @dataclass
@@ -260,12 +270,20 @@ def _build_extras(
     bias, mask = [], []  # (sampling row, ids[, values])
     logprob_rows: list[int] = []
     prompt_lp: list[tuple[Request, int, int, int]] = []  # request, first, end, batch offset shift
+    pair_rows, pair_batch, accepts = [], [], []  # penalized verifications' inputs
     top_k = 0
     s = 0  # index among sampling rows
+    v = -1  # index among verifications
     for it, offset in zip(items, offsets.tolist(), strict=True):
         request, end = it.request, it.start + it.num_tokens
         proc = request.processing
-        if proc is not None and proc.uses_penalties:
+        v += it.verify
+        if it.verify and proc is not None and proc.uses_penalties:
+            for j in range(it.num_tokens):  # row j sees inputs 0..j; input j counts if kept
+                pair_rows.extend([len(p_row) + j] * (j + 1))
+                pair_batch.extend(range(offset, offset + j + 1))
+                accepts.append((it.slot, offset + j, v, j))
+        elif proc is not None and proc.uses_penalties:
             c_row.append(it.slot)
             c_first.append(first_counted(it))
             c_end.append(end)
@@ -276,8 +294,8 @@ def _build_extras(
             hi = min(end, len(request.prompt_token_ids) - 1)
             if hi > lo:
                 prompt_lp.append((request, lo, hi, offset - it.start))
-        # A verification's rows (it never has penalties, min_tokens pending or a grammar:
-        # draft_policy.can_draft) each get the request's bias and logprobs.
+        # A verification's rows (never with min_tokens pending or a grammar:
+        # draft_policy.can_draft) each get the request's penalties, bias and logprobs.
         for _ in range(it.num_rows):
             if proc is not None:
                 if proc.uses_penalties:
@@ -300,6 +318,7 @@ def _build_extras(
     # A group nobody in the step uses is left out (None): its stages do nothing anyway.
     processing = logprobs = None
     if c_row or p_row or bias or mask:
+        accept = np.array(accepts, dtype=np.int64).reshape(-1, 4)
         rows, first, end = _ints(c_row), _ints(c_first), _ints(c_end)
         split = np.minimum(np.maximum(first, _ints(c_prompt)), end)
         repetition = np.array(p_repetition, dtype=np.float32)
@@ -324,6 +343,12 @@ def _build_extras(
             bias_values=_concat([b[2] for b in bias], np.float32),
             mask_rows=_repeat_rows(mask),
             mask_ids=_concat([m[1] for m in mask], np.int64),
+            pair_rows=_ints(pair_rows),
+            pair_batch=_ints(pair_batch),
+            accept_rows=np.ascontiguousarray(accept[:, 0]),
+            accept_batch=np.ascontiguousarray(accept[:, 1]),
+            accept_item=np.ascontiguousarray(accept[:, 2]),
+            accept_offset=np.ascontiguousarray(accept[:, 3]),
             flags=ProcessingFlags(
                 count_tokens=bool(len(reset_rows) + len(prompt_tokens) + len(output_tokens)),
                 use_penalties=bool(p_row),

@@ -15,6 +15,9 @@ once per stay in its row, so the counts are exact without the host knowing any t
   again, so they are counted again, once.
 
 A speculative token sampled after a request finished is never an input, so it is never counted.
+Speculative decoding's drafts are inputs that may be rejected: a verification counts its inputs
+only once the step has kept them (`record_accepted`); until then each of its rows adds the ones
+before it on top of the row's counts.
 """
 
 from __future__ import annotations
@@ -56,7 +59,18 @@ class TokenCounts:
         flat = p.output_rows * v + table[p.output_tokens]
         counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
 
-    def apply_penalties(self, logits: torch.Tensor, p: ProcessingRows) -> None:
+    def record_accepted(
+        self, p: ProcessingRows, input_ids: torch.Tensor, kept: torch.Tensor
+    ) -> None:
+        """After a step with penalized verifications: count their inputs that were kept (the
+        last token and the accepted drafts; `kept` [V] per verification)."""
+        kept_input = (p.accept_offset < kept[p.accept_item]).to(torch.float32)
+        flat = p.accept_rows * self.vocab_size + input_ids[p.accept_batch]
+        self.output_counts.view(-1).index_add_(0, flat, kept_input)
+
+    def apply_penalties(
+        self, logits: torch.Tensor, p: ProcessingRows, input_ids: torch.Tensor
+    ) -> None:
         """In place: repetition (transformers: divide positive logits, multiply negative ones, of
         every token seen in the prompt or output), then frequency and presence (OpenAI: subtract
         frequency * count, then presence * [count > 0], over output tokens only). Each is skipped
@@ -65,6 +79,9 @@ class TokenCounts:
         rows, table_rows = p.penalty_rows, p.penalty_table_rows
         sub = logits[rows]
         counts = self.output_counts[table_rows]
+        if len(p.pair_rows):  # a verification's rows also count the inputs up to their own
+            flat = p.pair_rows * self.vocab_size + input_ids[p.pair_batch]
+            counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         if p.flags.use_repetition:
             seen = self.prompt_seen[table_rows]
             seen |= counts > 0

@@ -20,6 +20,7 @@ from tandem.sampler.inputs import LogprobRows, SamplerInputs, SamplingRows
 from tandem.sampler.logprobs import TokenLogprobsTensors, score_tokens
 from tandem.sampler.penalties import TokenCounts, apply_bias_and_mask
 from tandem.sampler.sampling import sample
+from tandem.sampler.verify import count_accepted
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per log_softmax: bounds its [rows, vocab] memory
 
@@ -42,6 +43,7 @@ class Sampler:
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
         x: SamplerInputs[torch.Tensor],
         token_table: torch.Tensor,
+        input_ids: torch.Tensor,
     ) -> PendingSample:
         """Every stage up to the grammar's: logits of the rows `logits_index` picks from
         `hidden`, raw logprobs, processing, and the ids of rows no grammar constrains (all rows
@@ -57,7 +59,7 @@ class Sampler:
             if p is not None:
                 apply_bias_and_mask(logits, p)
                 if p.flags.use_penalties:
-                    self.token_counts.apply_penalties(logits, p)
+                    self.token_counts.apply_penalties(logits, p, input_ids)
             if g is None:
                 pending.ids = sample(logits, x.sampling)
             else:
@@ -68,6 +70,17 @@ class Sampler:
         if lp is not None and len(lp.prompt_index):
             pending.prompt = _prompt_logprobs(hidden, compute_logits, lp)
         return pending
+
+    def keep_verified(
+        self, ids: torch.Tensor, input_ids: torch.Tensor, x: SamplerInputs[torch.Tensor]
+    ) -> torch.Tensor:
+        """The tokens each verification keeps ([V]: 1 + its accepted drafts); penalized ones
+        count their kept inputs now."""
+        v, p = x.verify, x.processing
+        kept = count_accepted(ids, input_ids, v, v.max_drafts)
+        if p is not None and p.accept_rows is not None and len(p.accept_rows):
+            self.token_counts.record_accepted(p, input_ids, kept)
+        return kept
 
     def finish(
         self, pending: PendingSample, bitmask: torch.Tensor | None = None

@@ -1,29 +1,37 @@
-"""How many tokens to draft for each request in the next step: adaptive, per request and per step.
+"""How many tokens to draft for each request in the next step: from what drafts cost and what
+they are worth.
 
-Per request: the draft length follows what the request's recent verifications accepted (it grows
-by two while every draft is accepted and shrinks to one more than was accepted otherwise, down
-to none; a request at none tries one draft again every `PROBE_INTERVAL` steps).
+Worth: each request estimates the chance that its next draft is accepted: its accepted drafts
+over its tries (each verification tries its accepted drafts and the one rejected after them, if
+any), both counts decaying, with `PRIOR_WEIGHT` tries at the rate over all requests added, so
+that one miss does not stop a request that copies well and a new request starts from what the
+engine has seen. Its j-th draft is then accepted with about acceptance ** j.
 
-Per step: a draft token costs device time even when it is rejected. The policy keeps a running
-least-squares fit of a decoding step's device time against its token count (time = fixed +
-per_token * tokens, refreshed from every retired step without a prefill) and drafts a token only while the chance that it is
-accepted exceeds the share of a step's output that its cost could have bought: with `D` tokens
-already in the step and `G` expected from it, a draft accepted with probability p pays off when
-p > per_token * G / (fixed + per_token * D). Where steps are bound by reading the weights (a small
-batch) the fixed part dominates and drafts are nearly free; where they are bound by compute (a
-large batch) only drafts that are almost sure to be accepted are made, so speculation does not
-slow a large batch.
+Per step: a draft token costs device time even when it is rejected, and what it costs depends
+on the step's size and the device (where a step is bound by reading the weights, a few more
+tokens are almost free; where it is bound by compute, each costs nearly a token's time; kernels
+change at some row counts). The policy measures it: the device time of decoding steps by their
+token count (a running mean per count seen often enough, a least-squares line for the others), and gives
+each step the number of drafts, taken in order of their chance of acceptance, that maximises
+the expected tokens per second of device time. So speculation does not slow a large batch: it
+drafts there only what pays. A request that got no drafts for `PROBE_INTERVAL` steps gets one
+(a probe), or it would never learn that its drafts became good.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.request import Request
 
-PROBE_INTERVAL = 8  # steps a request drafts nothing before it tries one draft again
-ACCEPTANCE_DECAY = 0.7  # weight of a request's earlier acceptance in its running estimate
+PROBE_INTERVAL = 4  # steps a request drafts nothing before it tries one draft again
+COUNT_DECAY = 0.9  # weight of a request's earlier tries in its estimate (about the last 10)
+PRIOR_WEIGHT = 4.0  # tries at the rate over all requests added to each request's own
+POOLED_DECAY = 0.95  # weight of earlier verifications in the rate over all requests
+INITIAL_ACCEPTANCE = 0.7
 FIT_DECAY = 0.98  # weight of earlier steps in the time fit (about the last 50 steps count)
+COST_DECAY = 0.8  # weight of earlier steps in a token count's running mean
+TRUSTED = 3  # measurements of a token count before its mean replaces the line
 
 
 @dataclass
@@ -54,82 +62,97 @@ class StepCostFit:
         return fixed, per_token
 
 
+@dataclass
+class StepCosts:
+    """Device seconds of a decoding step by its token count: a count measured `TRUSTED` times by
+    its running mean (an odd slow step alone does not mark a size as slow), others by the line
+    through all measurements (None until it exists)."""
+
+    by_tokens: dict[int, tuple[float, int]] = field(default_factory=dict)  # mean, times seen
+    fit: StepCostFit = field(default_factory=StepCostFit)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        mean, seen = self.by_tokens.get(tokens, (seconds, 0))
+        self.by_tokens[tokens] = (COST_DECAY * mean + (1 - COST_DECAY) * seconds, seen + 1)
+        self.fit.add(tokens, seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        return self.fit.coefficients()
+
+    def cost(self, tokens: int, line: tuple[float, float]) -> float:
+        mean, seen = self.by_tokens.get(tokens, (0.0, 0))
+        return mean if seen >= TRUSTED else line[0] + line[1] * tokens
+
+
 class DraftPolicy:
-    """The draft lengths of the next step, from each request's acceptance and the cost fit."""
+    """The draft lengths of the next step, from each request's acceptance and measured costs."""
 
     def __init__(self, max_drafts: int, adaptive: bool = True):
         self.max_drafts = max_drafts
         self.adaptive = adaptive
-        self.fit = StepCostFit()
-
-    def wanted(self, request: Request) -> int:
-        """The request's own draft length for its next step (before the step's budget)."""
-        if not self.adaptive or request.num_drafts is None:
-            return self.max_drafts
-        if request.num_drafts == 0:
-            request.steps_without_drafts += 1
-            if request.steps_without_drafts < PROBE_INTERVAL:
-                return 0
-            request.steps_without_drafts = 0
-            request.draft_probe = True
-            return 1
-        return request.num_drafts
+        self.costs = StepCosts()
+        self.acceptance = INITIAL_ACCEPTANCE  # over all requests
 
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
         """A retired verification: `accepted` of the request's `drafted` tokens were kept."""
         if drafted == 0:
             return
-        request.draft_probe = False
-        rate = accepted / drafted
-        request.draft_acceptance = (
-            ACCEPTANCE_DECAY * request.draft_acceptance + (1 - ACCEPTANCE_DECAY) * rate
-        )
-        if accepted == drafted:
-            request.num_drafts = min(self.max_drafts, max(request.num_drafts or 0, drafted) + 2)
-        else:
-            request.num_drafts = min(self.max_drafts, accepted + 1) if accepted else 0
+        # Each draft is accepted only if the ones before it were: the chance that the next one
+        # holds is estimated from the accepted ones and the one that was not (if any).
+        tries = accepted + (accepted < drafted)
+        request.draft_hits = COUNT_DECAY * request.draft_hits + accepted
+        request.draft_tries = COUNT_DECAY * request.draft_tries + tries
+        rate = accepted / tries
+        self.acceptance = POOLED_DECAY * self.acceptance + (1 - POOLED_DECAY) * rate
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.fit.add(num_tokens, seconds)
+        self.costs.add(num_tokens, seconds)
 
-    def allot(self, wanted: list[tuple[Request, int]], base_tokens: int) -> list[int]:
+    def allot(self, requests: list[Request], base_tokens: int, room: int) -> list[int]:
         """Each request's drafts for this step, given the tokens the step holds without them
-        (each of the `wanted` requests samples one of its own).
+        (each of `requests` samples one of its own) and the most drafts one may take (`room`).
 
-        Drafts are taken in order of their chance of acceptance (a request's j-th draft is
-        accepted with about acceptance ** j) while they pay for their cost; a probe (one draft
-        after a pause) is always taken, or a request that stopped drafting would never learn
-        that its drafts became good."""
-        allotted = [0] * len(wanted)
-        coefficients = self.fit.coefficients() if self.adaptive else None
-        if coefficients is None:
-            return [k for _, k in wanted]
-        fixed, per_token = coefficients
-        candidates = sorted(
+        Drafts are ranked by their chance of acceptance; the step takes the leading ones that
+        give the most expected tokens per second, and every probe. Until steps of two sizes
+        have been timed, every request drafts its full length."""
+        k = min(self.max_drafts, room)
+        line = self.costs.line() if self.adaptive else None
+        if line is None or k <= 0:
+            return [max(k, 0)] * len(requests)
+        probes = [r.steps_without_drafts >= PROBE_INTERVAL for r in requests]
+        ranked = sorted(
             (
-                (r.draft_acceptance ** (j + 1), i)
-                for i, (r, k) in enumerate(wanted)
+                (probe and j == 0, self._acceptance(r) ** (j + 1), i)
+                for i, (r, probe) in enumerate(zip(requests, probes, strict=True))
                 for j in range(k)
             ),
             reverse=True,
         )
-        tokens, gain = base_tokens, float(len(wanted))
-        for p, i in candidates:
-            if p < 1 and p * (fixed + per_token * tokens) <= per_token * gain:
-                break
+        forced = sum(probes)
+        gain = float(len(requests)) + sum(c[1] for c in ranked[:forced])
+        best, best_rate = forced, gain / max(self.costs.cost(base_tokens + forced, line), 1e-9)
+        for d in range(forced + 1, len(ranked) + 1):
+            gain += ranked[d - 1][1]
+            rate = gain / max(self.costs.cost(base_tokens + d, line), 1e-9)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        allotted = [0] * len(requests)
+        for _, _, i in ranked[:best]:
             allotted[i] += 1
-            tokens += 1
-            gain += p
+        for r, n in zip(requests, allotted, strict=True):
+            r.steps_without_drafts = 0 if n else r.steps_without_drafts + 1
         return allotted
+
+    def _acceptance(self, request: Request) -> float:
+        prior = PRIOR_WEIGHT * self.acceptance
+        return (request.draft_hits + prior) / (request.draft_tries + PRIOR_WEIGHT)
 
 
 def can_draft(request: Request) -> bool:
-    """Whether the request's tokens may be drafted: not under a grammar or penalties (their
-    state follows tokens the host has not seen), and past min_tokens (whose mask needs the
-    exact output index)."""
-    processing = request.processing
+    """Whether the request's tokens may be drafted: not under a grammar (its matcher follows
+    tokens on the host, and drafts are on the device), and past min_tokens (whose mask needs
+    the exact output index)."""
     return (
         request.compiled_grammar is None
-        and (processing is None or not processing.uses_penalties)
         and len(request.output_token_ids) >= request.params.min_tokens
     )

@@ -308,17 +308,17 @@ class Scheduler:
 
     # ------------------------------------------------------------ speculation
     def _allot_drafts(self, decodes: list[Request], budget: int) -> dict[Request, int]:
-        """Drafts each decoding request wants this step (the policy's per-step allotment)."""
+        """Drafts each decoding request gets this step (the policy's allotment)."""
         if self.drafts is None or not decodes:
             return {}
         # Only a request whose row's length is on the device (a step since its admission
         # sampled it) drafts: a last prefill chunk of one token is no decode yet.
-        wanted = [(r, self.drafts.wanted(r)) for r in decodes if r.sampled_in_row and can_draft(r)]
-        wanted = [(r, k) for r, k in wanted if k]
-        if not wanted:
+        drafting = [r for r in decodes if r.sampled_in_row and can_draft(r)]
+        if not drafting:
             return {}
-        allotted = self.drafts.allot(wanted, min(len(decodes), budget))
-        return {r: k for (r, _), k in zip(wanted, allotted, strict=True) if k}
+        base = min(len(decodes), budget)
+        allotted = self.drafts.allot(drafting, base, budget - base)
+        return {r: k for r, k in zip(drafting, allotted, strict=True) if k}
 
     def _fit_drafts(self, request: Request, n: int, k: int, budget: int) -> int:
         """Drafts the request can take after its `n` tokens (their blocks reserved): within the

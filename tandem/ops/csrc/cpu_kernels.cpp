@@ -617,10 +617,11 @@ void gemv_block(const float* x, int64_t x_stride, const float* w, int64_t in, in
   if (o < o1) gemv_block<M, 1>(x, x_stride, w, in, o, o1, bias, out, out_stride);
 }
 
-constexpr int64_t kGemvMaxRows = 4;  // ops/linear.py's GEMV_MAX_ROWS
+constexpr int64_t kGemvMaxRows = 8;  // ops/linear.py's GEMV_MAX_ROWS
 
-// x [M, in] @ weight [out, in].T (+ bias) for a step of at most kGemvMaxRows sequences. Why:
-// there the product only streams the weights, and MKL's packed GEMM read them from memory at
+// x [M, in] @ weight [out, in].T (+ bias) for a step of at most kGemvMaxRows rows (sequences,
+// or a verification's tokens under speculative decoding). Why: there the product only streams
+// the weights, and MKL's packed GEMM read them from memory at
 // 10-11 GB/s on two Zen 3 cores where this reads 14-16 (the whole batch-1 decode step of
 // SmolLM2: 43-47 against 54-68 ms); the output rows are split over torch's threads.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
@@ -646,7 +647,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
       case 1: gemv_block<1, 4>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
       case 2: gemv_block<2, 2>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
       case 3: gemv_block<3, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      default: gemv_block<4, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 4: gemv_block<4, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 5: gemv_block<5, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 6: gemv_block<6, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 7: gemv_block<7, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      default: gemv_block<8, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
     }
   });
   return out;
