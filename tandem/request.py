@@ -248,6 +248,7 @@ class Request:
     draft_hits: float = 0.0
     draft_tries: float = 0.0
     steps_without_drafts: int = 0
+    probe_backoff: int = 0  # its probes come PROBE_INTERVAL << this steps apart
     sampled_in_row: bool = False  # a step since admission sampled it: the device has its length
     block_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # row of the device token table

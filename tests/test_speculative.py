@@ -156,6 +156,22 @@ def test_stop_inside_an_accepted_run(cycling_llama, async_scheduling):
     assert len(deltas[-1]) > 1  # the stop came inside an accepted run
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_string_inside_an_accepted_run(cycling_llama, async_scheduling):
+    """A stop string found in an accepted run ends the request there, as without drafts."""
+    path = generate(cycling_llama, prompts_with_repeats()[:1], greedy(21))[0][0][0]
+    prompt = path[-7:] * 3
+    llm = make_llm(cycling_llama, speculative_config=ALWAYS, async_scheduling=async_scheduling)
+    continued = llm.generate([prompt], greedy(8))[0].outputs[0].text
+    stop = continued[len(continued) // 2 :][:3]
+    params = SamplingParams(max_tokens=40, temperature=0, stop=[stop])
+    on = llm.generate([prompt], params)[0].outputs[0]
+    off = make_llm(cycling_llama).generate([prompt], params)[0].outputs[0]
+    assert (on.text, on.token_ids, on.finish_reason) == (off.text, off.token_ids, "stop")
+    assert stop not in on.text and len(on.token_ids) < 40
+    assert_idle_and_balanced(llm.engine)
+
+
 def test_abort_with_drafts_in_flight(cycling_llama):
     llm = make_llm(cycling_llama, speculative_config=ALWAYS)
     engine = llm.engine
@@ -305,3 +321,43 @@ def test_a_draft_model_must_share_the_vocabulary(cycling_llama, tmp_path):
         make_llm(cycling_llama, speculative_config=draft_model(other))
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         make_llm(cycling_llama, speculative_config=draft_model(other), tensor_parallel_size=2)
+
+
+def reference_ngram(history: list[int], k: int, longest: int, shortest: int) -> list[int]:
+    """Prompt lookup in plain Python: the latest earlier occurrence of the longest suffix."""
+    n_tokens = len(history)
+    for n in range(longest, shortest - 1, -1):
+        if n_tokens < n + 1:
+            continue
+        suffix = history[-n:]
+        ends = [e for e in range(n - 1, n_tokens - 1) if history[e - n + 1 : e + 1] == suffix]
+        if ends:
+            end = ends[-1]
+            break
+    else:
+        end = n_tokens - 2
+    period = n_tokens - 1 - end
+    return [history[end + 1 + j % period] for j in range(k)]
+
+
+def test_ngram_drafts_equal_prompt_lookup():
+    from tandem.execution.drafting import ngram_drafts
+    from tandem.sampler.inputs import VerifyRows
+
+    g = torch.Generator().manual_seed(3)
+    max_len, rows, k = 64, 6, 5
+    table = torch.randint(0, 6, (rows * max_len + 1,), generator=g)  # few ids: many repeats
+    lengths = torch.tensor([2, 3, 9, 30, 64, 17])
+    empty = torch.zeros(0, dtype=torch.int64)
+    for longest, shortest in ((4, 2), (3, 1), (1, 1)):
+        v = VerifyRows(
+            table_rows=torch.arange(rows), num_drafts=torch.full((rows,), k), prompt_lens=empty,
+            token_item=empty, token_offset=empty, token_batch=empty, sample_rows=empty,
+            free_index=empty, draft_batch=empty, draft_item=empty, draft_index=empty,
+            check_rows=empty, pass_items=empty, item_batch=empty, item_row=empty, pass_sizes=[],
+            max_drafts=k, history_len=64, method="ngram", lookup=(longest, shortest),
+        )  # fmt: skip
+        got = ngram_drafts(table, v, lengths, max_len).tolist()
+        for r in range(rows):
+            history = table[r * max_len : r * max_len + int(lengths[r])].tolist()
+            assert got[r] == reference_ngram(history, k, longest, shortest), (r, longest)

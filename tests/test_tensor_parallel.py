@@ -141,6 +141,14 @@ def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture
         assert outputs[True] == outputs[False]
         for prompt, tokens in zip(prompts, outputs[True], strict=True):
             assert tokens == hf_greedy_reference_allowing_near_ties(path, prompt, tokens, 12)
+        # ngram drafts on every rank, from each rank's own token table: the same tokens.
+        ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                 "adaptive": False}  # fmt: skip
+        for mode in (False, True):
+            llm.engine.configure(async_scheduling=mode, speculative_config=ngram)
+            assert [o.token_ids for o in llm.generate(prompts, greedy(12))] == outputs[True]
+            assert_idle_and_balanced(llm.engine)
+        assert llm.engine.stats().speculative.drafted_tokens
     finally:
         llm.close()
 

@@ -43,24 +43,25 @@ def ngram_drafts(
     """[V, max_drafts] drafts: the tokens that followed the latest earlier occurrence of the
     row's last n tokens, for the longest n in `v.lookup` that occurs, continued periodically
     past the row's end (a repeating pattern repeats). A row with no occurrence repeats its last
-    token (a guess that costs what any rejected draft costs)."""
-    span = v.history_len
-    device = token_table.device
-    columns = torch.arange(span, device=device)
-    history = token_table[(v.table_rows * max_len)[:, None] + columns[None, :]]  # [V, span]
-    latest = torch.full_like(lengths, -1)  # end position of the chosen occurrence
+    token (a guess that costs what any rejected draft costs).
+
+    Every n at once, in a fixed number of ops (each one a round trip for the CPU stream's
+    thread): for each end position, how many of the last tokens match backwards from it."""
     longest, shortest = v.lookup
-    for n in range(longest, shortest - 1, -1):
-        if span < n + 1:
-            continue
-        suffix_at = (lengths[:, None] - n + torch.arange(n, device=device)[None, :]).clamp(min=0)
-        suffix = history.gather(1, suffix_at)  # [V, n]
-        found = (history.unfold(1, n, 1) == suffix[:, None, :]).all(dim=-1)  # [V, span - n + 1]
-        ends = columns[n - 1 :]
-        found &= ends[None, :] <= lengths[:, None] - 2  # an earlier occurrence, not the suffix
-        end = torch.where(found, ends[None, :], -1).amax(dim=1)
-        latest = torch.where(latest < 0, end, latest)
-    latest = torch.where(latest < 0, lengths - 2, latest)
+    span, device = v.history_len, token_table.device
+    columns = torch.arange(span, device=device)
+    back = torch.arange(longest, device=device)
+    history = token_table[(v.table_rows * max_len)[:, None] + columns[None, :]]  # [V, span]
+    before = columns[:, None] - back[None, :]  # [span, n]: position i tokens before each end
+    windows = history[:, before.clamp(min=0)]  # [V, span, n]
+    suffix_at = lengths[:, None] - 1 - back[None, :]  # [V, n]
+    suffix = history.gather(1, suffix_at.clamp(min=0))
+    same = (windows == suffix[:, None, :]) & (before >= 0) & (suffix_at >= 0)[:, None, :]
+    run = same.to(torch.int64).cumprod(dim=2).sum(dim=2)  # [V, span]: match length at each end
+    earlier = columns[None, :] <= lengths[:, None] - 2  # not the suffix itself
+    score = torch.where(earlier & (run >= shortest), run * span + columns[None, :], -1)
+    best = score.amax(dim=1)  # the longest match, then the latest
+    latest = torch.where(best >= 0, best % span, lengths - 2)
     period = lengths - 1 - latest
     steps = torch.arange(v.max_drafts, device=device)
     return history.gather(1, latest[:, None] + 1 + steps[None, :] % period[:, None])

@@ -14,8 +14,11 @@ change at some row counts). The policy measures it: the device time of decoding 
 token count (a running mean per count seen often enough, a least-squares line for the others), and gives
 each step the number of drafts, taken in order of their chance of acceptance, that maximises
 the expected tokens per second of device time. So speculation does not slow a large batch: it
-drafts there only what pays. A request that got no drafts for `PROBE_INTERVAL` steps gets one
-(a probe), or it would never learn that its drafts became good.
+drafts there only what pays. In a small step, a request that got no drafts for `PROBE_INTERVAL`
+steps gets one (a probe), or it would never learn that its drafts became good; the interval
+doubles after each verification that accepted nothing (free text probes rarely), and resets on
+an accepted draft.
+Until the cost line exists, one request in every other step drafts (two step sizes to time).
 """
 
 from __future__ import annotations
@@ -24,14 +27,21 @@ from dataclasses import dataclass, field
 
 from tandem.request import Request
 
-PROBE_INTERVAL = 4  # steps a request drafts nothing before it tries one draft again
+PROBE_INTERVAL = 4  # steps a request drafts nothing before it tries one draft again...
+MAX_PROBE_BACKOFF = 4  # ... doubled after each verification that accepted nothing, up to 16x
+# Probes only in steps this small: in a large step a probe's token costs nearly a token's time
+# (compute-bound), and where drafts are cheap the cost model lets them through anyway.
+PROBE_MAX_TOKENS = 8
 COUNT_DECAY = 0.9  # weight of a request's earlier tries in its estimate (about the last 10)
-PRIOR_WEIGHT = 4.0  # tries at the rate over all requests added to each request's own
-POOLED_DECAY = 0.95  # weight of earlier verifications in the rate over all requests
+PRIOR_WEIGHT = 2.0  # tries at the rate over all requests added to each request's own
+POOLED_DECAY = 0.8  # weight of earlier verifications in the rate over all requests
 INITIAL_ACCEPTANCE = 0.7
 FIT_DECAY = 0.98  # weight of earlier steps in the time fit (about the last 50 steps count)
 COST_DECAY = 0.8  # weight of earlier steps in a token count's running mean
 TRUSTED = 3  # measurements of a token count before its mean replaces the line
+# Drafts are made only where they promise this much more tokens per second than none: the
+# estimates are noisy, and a draft that barely pays in them may cost in fact (a large batch).
+MIN_GAIN = 1.1
 
 
 @dataclass
@@ -92,6 +102,7 @@ class DraftPolicy:
         self.adaptive = adaptive
         self.costs = StepCosts()
         self.acceptance = INITIAL_ACCEPTANCE  # over all requests
+        self._untimed_steps = 0  # steps allotted before the cost line existed
 
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
         """A retired verification: `accepted` of the request's `drafted` tokens were kept."""
@@ -104,6 +115,8 @@ class DraftPolicy:
         request.draft_tries = COUNT_DECAY * request.draft_tries + tries
         rate = accepted / tries
         self.acceptance = POOLED_DECAY * self.acceptance + (1 - POOLED_DECAY) * rate
+        backoff = request.probe_backoff + 1 if accepted == 0 else 0
+        request.probe_backoff = min(backoff, MAX_PROBE_BACKOFF)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.costs.add(num_tokens, seconds)
@@ -113,13 +126,20 @@ class DraftPolicy:
         (each of `requests` samples one of its own) and the most drafts one may take (`room`).
 
         Drafts are ranked by their chance of acceptance; the step takes the leading ones that
-        give the most expected tokens per second, and every probe. Until steps of two sizes
-        have been timed, every request drafts its full length."""
-        k = min(self.max_drafts, room)
-        line = self.costs.line() if self.adaptive else None
-        if line is None or k <= 0:
-            return [max(k, 0)] * len(requests)
-        probes = [r.steps_without_drafts >= PROBE_INTERVAL for r in requests]
+        give the most expected tokens per second (if that beats none by `MIN_GAIN`), and every
+        probe."""
+        k = max(min(self.max_drafts, room), 0)
+        if not self.adaptive or k == 0:
+            return [k] * len(requests)
+        line = self.costs.line()
+        if line is None:  # time steps with and without drafts first
+            self._untimed_steps += 1
+            return [k * (i == 0 and self._untimed_steps % 2) for i in range(len(requests))]
+        probing = base_tokens <= PROBE_MAX_TOKENS
+        probes = [
+            probing and r.steps_without_drafts >= PROBE_INTERVAL << r.probe_backoff
+            for r in requests
+        ]
         ranked = sorted(
             (
                 (probe and j == 0, self._acceptance(r) ** (j + 1), i)
@@ -131,10 +151,11 @@ class DraftPolicy:
         forced = sum(probes)
         gain = float(len(requests)) + sum(c[1] for c in ranked[:forced])
         best, best_rate = forced, gain / max(self.costs.cost(base_tokens + forced, line), 1e-9)
+        least = MIN_GAIN * best_rate
         for d in range(forced + 1, len(ranked) + 1):
             gain += ranked[d - 1][1]
             rate = gain / max(self.costs.cost(base_tokens + d, line), 1e-9)
-            if rate > best_rate:
+            if rate > max(best_rate, least):
                 best, best_rate = d, rate
         allotted = [0] * len(requests)
         for _, _, i in ranked[:best]:
