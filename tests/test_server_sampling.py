@@ -83,7 +83,14 @@ def test_chat_logprobs(live: LiveServer, model: str, offline: LLM) -> None:
         )
     )
     streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.content]
-    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in content]
+    # The same tokens; logprobs up to rounding: the second request finds the prompt cached and
+    # computes only its tail, whose few rows take another GEMM than the whole prompt's.
+    assert len(streamed) == len(content)
+    for s, c in zip(streamed, content, strict=True):
+        assert (s.token, s.bytes) == (c.token, c.bytes)
+        assert [t.token for t in s.top_logprobs] == [t.token for t in c.top_logprobs]
+        assert s.logprob == approx(c.logprob)
+        assert [t.logprob for t in s.top_logprobs] == approx([t.logprob for t in c.top_logprobs])
 
     # logprobs without top_logprobs: the sampled token's only.
     out = client.chat.completions.create(**kwargs, logprobs=True, extra_body=extra)
