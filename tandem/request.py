@@ -250,7 +250,9 @@ class Request:
     steps_without_drafts: int = 0
     probe_backoff: int = 0  # its probes come PROBE_INTERVAL << this steps apart
     sampled_in_row: bool = False  # a step since admission sampled it: the device has its length
-    block_ids: list[int] = field(default_factory=list)
+    # KV blocks per group of layers (`scheduling/kv_groups.py`; one group unless layers differ
+    # in window), by block of positions; DROPPED where a window has passed a block.
+    block_ids: list[list[int]] = field(default_factory=list)
     slot: int | None = None  # row of the device token table
     last_step: int = -1  # id of the last launched step that involves this request
     num_preemptions: int = 0

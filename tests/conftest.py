@@ -76,6 +76,22 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return checkpoints
 
 
+SLIDING_WINDOW = 7
+
+
+@pytest.fixture(scope="session")
+def sliding_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with `layer_types` mixing attention kinds: layer 0 full, layers 1-3 within a
+    window of SLIDING_WINDOW keys (so the KV cache has several block tables)."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("qwen3-sliding"), "Qwen3ForCausalLM", num_hidden_layers=4,
+        head_dim=32,
+        extra_config={
+            "use_sliding_window": True, "max_window_layers": 1, "sliding_window": SLIDING_WINDOW,
+        },
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama with attention_bias=True: q/k/v *and* o_proj carry biases. transformers

@@ -20,8 +20,14 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from tandem.request import StructuredOutputsParams
+from tandem.scheduling.kv_groups import DROPPED, kv_groups
+from tandem.scheduling.scheduler import _key
 
-from conftest import NUM_SPECIAL_TOKENS, hf_greedy_reference_allowing_near_ties
+from conftest import (
+    NUM_SPECIAL_TOKENS,
+    SLIDING_WINDOW,
+    hf_greedy_reference_allowing_near_ties,
+)
 from helpers import assert_idle_and_balanced, greedy, make_llm
 
 WORDS = r"[a-z]{1,3}( [a-z]{1,3}){0,2}"  # short enough to end within max_tokens, often
@@ -38,6 +44,10 @@ request_strategy = st.fixed_dictionaries(
         "constrained": st.sampled_from([False, False, True]),
     }
 )
+
+
+def held(groups: list[list[int]]) -> list[int]:
+    return [b for ids in groups for b in ids if b != DROPPED]
 
 
 class BlockChecker:
@@ -68,13 +78,15 @@ class BlockChecker:
         batch = self._schedule()
         pool, bs = self.scheduler.blocks, self.scheduler.block_size
         for item in batch.items if batch else []:
-            blocks = item.request.block_ids
-            for b in blocks:
+            groups = item.request.block_ids  # per group of layers; DROPPED past a window
+            for b in held(groups):
                 self.last_use[b] = batch.step_id
             # A verification's start is an upper bound: its request's drafts in flight may be
             # rejected, and then it writes from as far back as that.
             low = item.start - (item.request.num_speculative - item.num_drafts) * item.verify
-            written = {blocks[p // bs] for p in range(low, item.start + item.num_tokens)}
+            positions = range(low, item.start + item.num_tokens)
+            written = {blocks[p // bs] for blocks in groups for p in positions}
+            assert DROPPED not in written
             for b in written:  # a step writes only blocks its request holds alone, uncached
                 assert pool.refcount(b) == 1 and not pool.is_cached(b), (b, pool.owners()[b])
                 self.last_write[b] = batch.step_id
@@ -86,12 +98,16 @@ class BlockChecker:
         s.blocks.check()
         expected: dict[int, set] = {}
         for r in s.running + list(s.waiting):
-            assert len(r.block_ids) == len(set(r.block_ids))  # no request holds a block twice
-            for b in r.block_ids:
+            blocks = held(r.block_ids)
+            assert len(blocks) == len(set(blocks))  # no request holds a block twice
+            for b in blocks:
                 expected.setdefault(b, set()).add(r.key)
-            for b, h in zip(r.block_ids[: r.num_registered_blocks], r.block_hashes, strict=False):
-                # Cached under its own content, or private (another block held it first).
-                assert s.blocks.hash_of(b) in (h, None)
+            for g, ids in enumerate(r.block_ids):
+                registered = zip(ids[: r.num_registered_blocks], r.block_hashes, strict=False)
+                for b, h in registered:
+                    # Cached under its own content (in its group), or private (another block
+                    # held it first).
+                    assert b == DROPPED or s.blocks.hash_of(b) in (_key(g, h), None)
         for pending in s._pending:
             for b in pending.blocks:
                 expected.setdefault(b, set()).add(pending.owner)
@@ -198,8 +214,53 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     )
     if speculative:
         event("speculative decoding")
-    sync = run_schedule(tiny_llama, prompts, requests, False, **options)
-    async_ = run_schedule(tiny_llama, prompts, requests, True, **options)
+    check_both_loops(tiny_llama, prompts, requests, options)
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    prefixes=st.lists(st.lists(tokens, max_size=40), min_size=3, max_size=3),
+    requests=st.lists(request_strategy, min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    extra_blocks=st.integers(0, 6) | st.integers(0, 40),
+    max_num_batched_tokens=st.integers(8, 64),
+    max_num_seqs=st.integers(1, 6),
+    enable_prefix_caching=st.sampled_from([True, True, False]),
+)
+def test_random_schedules_with_sliding_windows(
+    sliding_qwen3,
+    prefixes,
+    requests,
+    block_size,
+    extra_blocks,
+    max_num_batched_tokens,
+    max_num_seqs,
+    enable_prefix_caching,
+):
+    """The same invariants where windowed layers give blocks back as their window moves
+    (several block tables, one pool)."""
+    prompts = [prefixes[r["prefix"]] + r["suffix"] for r in requests]
+    longest = max(len(p) + r["max_tokens"] for p, r in zip(prompts, requests, strict=True))
+    windows = [None] + [SLIDING_WINDOW] * 3
+    need = kv_groups(windows, 2048).max_blocks(longest, block_size, max_num_batched_tokens)
+    options = dict(
+        block_size=block_size,
+        num_kv_blocks=need + extra_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    check_both_loops(sliding_qwen3, prompts, requests, options)
+
+
+def check_both_loops(path, prompts, requests, options) -> None:
+    sync = run_schedule(path, prompts, requests, False, **options)
+    async_ = run_schedule(path, prompts, requests, True, **options)
     samples = [(p, r) for p, r in zip(prompts, requests, strict=True) for _ in range(r["n"])]
     for (prompt, r), out_sync, out_async in zip(samples, sync, async_, strict=True):
         for out in (out_sync, out_async):
@@ -210,7 +271,7 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
                     event("a constrained output ended by its grammar")
                 continue
             # Near ties in transformers' logits occur (see the explicit example): either id.
-            reference = hf_greedy_reference_allowing_near_ties(tiny_llama, prompt, out.token_ids)
+            reference = hf_greedy_reference_allowing_near_ties(path, prompt, out.token_ids)
             assert out.token_ids == reference
             if out.finish_reason == "abort":
                 assert r["abort_step"] is not None

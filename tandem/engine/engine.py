@@ -24,6 +24,7 @@ from tandem.engine.outputs import OutputProcessor
 from tandem.engine.stats import EngineStats, StepHistory
 from tandem.execution.batch import BatchBuilder
 from tandem.execution.executor import WorkerFailure
+from tandem.execution.kv_cache import layer_groups
 from tandem.execution.setup import load_execution
 from tandem.execution.streams import StepHandle
 from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord
@@ -33,6 +34,7 @@ from tandem.models.loader import find_tokenizer, read_config
 from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.sampler.inputs import LogprobRows
 from tandem.scheduling.draft_policy import DraftPolicy
+from tandem.scheduling.kv_groups import KVGroups
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tandem")
@@ -71,15 +73,18 @@ class Engine:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.spec.max_position_embeddings}"
             )
+        groups = layer_groups(self.spec, config.max_model_len)
+        _check_speculation(config.speculative_config, groups)
         loaded = load_execution(config, path, self.spec, hf_config)
         self.num_kv_blocks = num_blocks = loaded.num_kv_blocks
-        if num_blocks * config.block_size < max_model_len:
+        fits = groups.max_length(
+            num_blocks, config.block_size, config.max_num_batched_tokens, max_model_len
+        )
+        if fits < max_model_len:
             logger.info(
-                "KV cache holds %d tokens: max_model_len lowered from %d",
-                num_blocks * config.block_size,
-                max_model_len,
+                "KV cache holds %d tokens: max_model_len lowered from %d", fits, max_model_len
             )
-            max_model_len = num_blocks * config.block_size
+            max_model_len = fits
         self.max_model_len = max_model_len
 
         self.scheduler = Scheduler(
@@ -89,6 +94,7 @@ class Engine:
             config.max_num_batched_tokens,
             max_model_len,
             config.enable_prefix_caching,
+            groups=groups,
         )
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
         self._speculation(config.speculative_config)
@@ -210,6 +216,7 @@ class Engine:
             self._speculation(SpeculativeConfig.of(speculative_config))
 
     def _speculation(self, spec: SpeculativeConfig | None) -> None:
+        _check_speculation(spec, self.scheduler.groups)
         loaded = self.config.speculative_config
         same_draft = loaded is not None and loaded.model == spec.model if spec else False
         if spec is not None and spec.method == "draft_model" and not same_draft:
@@ -396,3 +403,20 @@ class Engine:
             with self._lock:
                 self._live_ids.discard(request.request_id)
         return output
+
+
+def _check_speculation(spec: SpeculativeConfig | None, groups: KVGroups) -> None:
+    """Speculative decoding places a verification's tokens in one block table, and a draft
+    model reads every earlier position: neither fits layers that drop blocks differently."""
+    if spec is None:
+        return
+    if groups.num_groups > 1:
+        raise ValueError(
+            "speculative_config is not supported for models whose layers attend with different "
+            "sliding windows"
+        )
+    if groups.windowed and spec.method == "draft_model":
+        raise ValueError(
+            "speculative_config method 'draft_model' is not supported with a sliding-window "
+            "model (its blocks before the window are freed); use 'ngram'"
+        )

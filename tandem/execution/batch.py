@@ -46,6 +46,10 @@ class StepInputs:
     length_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     draft_kv: bool = False  # a draft model drafts: it computes the KV of every token too
+    # Further groups of layers with blocks of their own (`scheduling/kv_groups.py`): their
+    # slots [G - 1, T] and block tables [G - 1, R, W]; empty for a model of one group.
+    group_slot_mapping: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    group_block_tables: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +62,8 @@ class StepInputs:
 
 class BatchBuilder:
     def __init__(self, block_table: np.ndarray, block_size: int, max_model_len: int):
-        self.block_table = block_table  # the scheduler's, [table rows, max blocks per sequence]
+        # The scheduler's, [groups of layers, table rows, max blocks per sequence].
+        self.block_table = block_table
         self.block_size = block_size
         self.max_model_len = max_model_len
         # Speculative decoding, when on (Engine.configure): the drafting method and ngram sizes.
@@ -74,7 +79,7 @@ class BatchBuilder:
         positions = ragged_arange(starts, counts)
         token_rows = np.repeat(rows, counts)
         bs = self.block_size
-        slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs
+        slot_mapping = self.block_table[:, token_rows, positions // bs] * bs + positions % bs
 
         # Tokens the host knows (prompt, or outputs being recomputed): written to the table first.
         # In flight ones are already there, put by the step that sampled them. Drafts look up
@@ -119,22 +124,21 @@ class BatchBuilder:
         d = batch.num_decodes
         decode_tokens = int(cu[d - 1]) if d else 0  # a verification's tokens are decode rows
         sampler = build_sampler_inputs(items, cu - counts, self.max_model_len, extras_needed)
+        tables = self.block_table[:, :, :width]
+        block_tables = np.concatenate(
+            [np.repeat(tables[:, rows[:d]], counts[:d], axis=1), tables[:, rows[d:]]], axis=1
+        )
         step = StepInputs(
             step_id=batch.step_id,
             token_index=token_rows * self.max_model_len + positions,
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=slot_mapping[0],
             known_index=np.repeat(rows, known_counts) * self.max_model_len + known_positions,
             known_tokens=known_tokens,
             logits_index=ragged_arange(cu - num_rows, num_rows),
             sample_index=np.repeat(rows * self.max_model_len, num_rows)
             + ragged_arange(ends - num_rows + 1, num_rows),
-            block_tables=np.concatenate(
-                [
-                    np.repeat(self.block_table[rows[:d], :width], counts[:d], axis=0),
-                    self.block_table[rows[d:], :width],
-                ]
-            ),  # fmt: skip
+            block_tables=block_tables[0],
             context_lens=np.concatenate([positions[:decode_tokens] + 1, ends[d:]]),
             num_decodes=decode_tokens,
             decode_max_blocks=int(-(-ends[:d].max() // bs)) if d else 0,
@@ -146,6 +150,8 @@ class BatchBuilder:
             ],
             sampler=sampler,
         )
+        if len(tables) > 1:
+            step.group_slot_mapping, step.group_block_tables = slot_mapping[1:], block_tables[1:]
         if spec is not None:
             step.draft_kv = spec.method == "draft_model"
             plain = ~verify & (num_rows > 0)

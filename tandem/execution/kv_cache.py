@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 from tandem.execution import huge_pages
+from tandem.models.spec import LlamaSpec
+from tandem.scheduling.kv_groups import KVGroups, kv_groups
+
+
+def layer_groups(spec: LlamaSpec, max_model_len: int | None) -> KVGroups:
+    """The model's groups of layers that share block tables (one unless windows differ)."""
+    return kv_groups(spec.layer_windows(), max_model_len or spec.max_position_embeddings)
 
 
 def kv_bytes_per_block(
@@ -26,7 +33,7 @@ def num_blocks_for_budget(
 
 
 def allocate_kv_cache(
-    num_layers: int,
+    num_layers: int,  # cache tensors: the model's layers, or its groups' places
     num_blocks: int,
     block_size: int,
     num_kv_heads: int,

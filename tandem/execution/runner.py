@@ -9,7 +9,7 @@ table, gather input ids from the table, forward, sample, scatter the sampled ids
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -18,7 +18,12 @@ from tandem.config import EngineConfig
 from tandem.execution.batch import StepInputs
 from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
 from tandem.execution.drafting import ngram_drafts, place_tokens
-from tandem.execution.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from tandem.execution.kv_cache import (
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    layer_groups,
+    num_blocks_for_budget,
+)
 from tandem.execution.streams import JoinedHandle, StepHandle, make_stream
 from tandem.execution.transfer import to_device
 from tandem.models.llama import LlamaModel
@@ -26,6 +31,7 @@ from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.sampler.inputs import SamplerInputs, VerifyRows, select_rows
 from tandem.sampler.logprobs import pack
 from tandem.sampler.sampler import PendingSample, Sampler
+from tandem.scheduling.kv_groups import KVGroups
 
 PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
@@ -82,10 +88,11 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
 
 
 def _block_bytes(model: LlamaModel, config: EngineConfig) -> int:
+    """A block id's bytes: one block of positions in each cache tensor of the model."""
     spec = model.spec
     return kv_bytes_per_block(
-        spec.num_layers, config.block_size, model.local_spec.num_kv_heads, spec.head_dim,
-        config.torch_dtype,
+        layer_groups(spec, config.max_model_len).places, config.block_size,
+        model.local_spec.num_kv_heads, spec.head_dim, config.torch_dtype,
     )  # fmt: skip
 
 
@@ -117,15 +124,22 @@ def build_runner(
     engine's process and every TP rank."""
 
     def cache_of(m: LlamaModel) -> list[torch.Tensor]:
-        return allocate_kv_cache(
-            m.spec.num_layers, num_blocks + SPARE_KV_BLOCKS, config.block_size,
+        """Per layer, its cache tensor (layers of different groups share one)."""
+        groups = layer_groups(m.spec, config.max_model_len)
+        places = allocate_kv_cache(
+            groups.places, num_blocks + SPARE_KV_BLOCKS, config.block_size,
             m.local_spec.num_kv_heads, m.spec.head_dim, config.torch_dtype, device,
         )  # fmt: skip
+        return [places[p] for p in groups.layer_place]
 
+    groups = layer_groups(model.spec, config.max_model_len)
+    # A captured graph has one block table: steps of models with several groups run eagerly.
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
+    sizes = sizes if groups.num_groups == 1 else None
     runner = ModelRunner(
         model, cache_of(model), table_rows, max_model_len, config.block_size, device, sizes
     )
+    runner.groups = groups
     if draft is not None:
         runner.draft = DraftModel(draft, cache_of(draft))
     return runner
@@ -154,6 +168,7 @@ class ModelRunner:
         padded batch sizes to capture decode steps at (CUDA), None for eager steps only."""
         self.model = model
         self.kv_caches = kv_caches
+        self.groups: KVGroups | None = None  # build_runner sets it when layers differ in window
         self.block_size = block_size
         self.device = device
         # Every running request's tokens, by (table row, position): the only copy the device
@@ -252,6 +267,8 @@ class ModelRunner:
             prefills=x.prefills,
             block_size=self.block_size,
         )
+        if len(x.group_block_tables):
+            meta.by_layer = self._layer_metadata(meta, t)
         hidden = self.model(input_ids, t.positions, self.kv_caches, meta)
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
@@ -263,6 +280,14 @@ class ModelRunner:
             pending.input_ids = input_ids
             return None
         return self._store(t.sample_index, input_ids, *self.sampler.finish(sample), t.sampler)
+
+    def _layer_metadata(self, meta: AttentionMetadata, t: StepInputs) -> list[AttentionMetadata]:
+        """Each layer's metadata: its group's slots and block tables (group 0's is `meta`)."""
+        metas = [meta] + [
+            replace(meta, slot_mapping=slots, block_tables=tables)
+            for slots, tables in zip(t.group_slot_mapping, t.group_block_tables, strict=True)
+        ]
+        return [metas[g] for g in self.groups.layer_group]
 
     @torch.inference_mode()
     def _finish_sampling(self, pending: _Pending, bitmask: torch.Tensor):

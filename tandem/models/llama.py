@@ -57,10 +57,11 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec, tp: TensorParallel):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel, window: int | None):
         super().__init__()
         self.spec = spec  # this rank's heads
         self.tp = tp
+        self.window = window  # keys a query sees, itself included; None: all before it
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
@@ -81,9 +82,7 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ops.rotary(q, k, ctx.positions, ctx.rotary.cos, ctx.rotary.sin)
-        out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window
-        )
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, self.window)
         out = out.view(-1, self.q_size)
         o = self.o
         if not self.tp.enabled or o.bias is None:
@@ -104,10 +103,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, tp: TensorParallel):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel, window: int | None):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, tp)
+        self.attn = Attention(spec, tp, window)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, tp)
 
@@ -147,7 +146,7 @@ class LlamaModel(nn.Module):
         rows = self.shard.vocab_per_rank
         self.embed = nn.Embedding(rows, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.local_spec, tp) for _ in range(spec.num_layers)
+            DecoderLayer(self.local_spec, tp, window) for window in spec.layer_windows()
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
@@ -168,7 +167,7 @@ class LlamaModel(nn.Module):
         tied = self.spec.tie_word_embeddings and self.tied_logits is None
         if tied and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        if fused:
+        if fused and len(set(self.spec.layer_windows())) == 1:  # the kernel has one window
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 
@@ -183,7 +182,8 @@ class LlamaModel(nn.Module):
             return self._fused_forward(input_ids, positions, kv_caches, meta)
         ctx = ForwardContext(positions, meta, self.rotary, self.ops)
         x, residual = self._embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            ctx.meta = meta.for_layer(i)
             x, residual = layer(x, residual, kv_cache, ctx)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
@@ -204,7 +204,7 @@ class LlamaModel(nn.Module):
             self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
             meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,
-            s.sliding_window or 0, self.tp.group_name, self.shard.vocab.start,
+            self.layers[0].attn.window or 0, self.tp.group_name, self.shard.vocab.start,
         )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

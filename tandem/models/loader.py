@@ -153,11 +153,12 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
             f"unsupported architecture {archs or 'none given'}; "
             f"Tandem supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    sliding_window = None
+    sliding_window, sliding_layers = None, None
     if arch == "MistralForCausalLM":
         sliding_window = getattr(config, "sliding_window", None)
-    elif getattr(config, "use_sliding_window", False):
-        raise ModelLoadError(f"{arch} with use_sliding_window=True is not supported")
+    elif getattr(config, "use_sliding_window", False):  # Qwen2/Qwen3: some layers windowed
+        sliding_window = config.sliding_window
+        sliding_layers = tuple(t == "sliding_attention" for t in config.layer_types)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return LlamaSpec(
         vocab_size=config.vocab_size,
@@ -173,6 +174,7 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=sliding_window,
+        sliding_layers=sliding_layers,
         o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
         and bool(getattr(config, "attention_bias", False)),
     )

@@ -24,6 +24,15 @@ class LlamaSpec:
     qk_norm: bool
     sliding_window: int | None
     o_bias: bool = False  # Llama / Qwen3 with attention_bias: o_proj has a bias too
+    # Per layer, whether it attends within `sliding_window` (Qwen2/Qwen3 `layer_types`); None:
+    # every layer alike.
+    sliding_layers: tuple[bool, ...] | None = None
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (keys a query sees, itself included); None: all."""
+        if self.sliding_layers is None:
+            return [self.sliding_window] * self.num_layers
+        return [self.sliding_window if s else None for s in self.sliding_layers]
 
 
 def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:

@@ -66,11 +66,15 @@ def portable_attention(
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale, sliding_window)
     for seg in meta.prefills:
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+        first = 0  # the first key position any query of the chunk sees
         if seg.context_len == seg.num_tokens:  # no cached prefix: attend to the fresh K/V
             keys, values = k[rows], v[rows]
         else:
-            keys, values = _gather_context(k_cache, v_cache, meta, seg)
-        out[rows] = _chunk_attention(q[rows], keys, values, seg, scale, sliding_window)
+            if sliding_window is not None:  # blocks before the window may be given back
+                start = seg.context_len - seg.num_tokens
+                first = max(0, start - sliding_window + 1) // meta.block_size * meta.block_size
+            keys, values = _gather_context(k_cache, v_cache, meta, seg, first)
+        out[rows] = _chunk_attention(q[rows], keys, values, seg, scale, sliding_window, first)
     return out
 
 
@@ -88,18 +92,18 @@ def triton_kernels() -> ModuleType | None:
     return triton_attention
 
 
-def _gather_context(k_cache, v_cache, meta: AttentionMetadata, seg: PrefillSegment):
-    num_blocks = -(-seg.context_len // meta.block_size)
-    blocks = meta.block_tables[seg.row, :num_blocks]
-    shape = (num_blocks * meta.block_size, *k_cache.shape[2:])
-    return (
-        k_cache[blocks].view(shape)[: seg.context_len],
-        v_cache[blocks].view(shape)[: seg.context_len],
-    )
+def _gather_context(k_cache, v_cache, meta: AttentionMetadata, seg: PrefillSegment, first: int):
+    """The chunk's keys and values from position `first` (a block boundary) to its end."""
+    bs = meta.block_size
+    blocks = meta.block_tables[seg.row, first // bs : -(-seg.context_len // bs)]
+    shape = (len(blocks) * bs, *k_cache.shape[2:])
+    length = seg.context_len - first
+    return k_cache[blocks].view(shape)[:length], v_cache[blocks].view(shape)[:length]
 
 
-def _chunk_attention(q, keys, values, seg: PrefillSegment, scale, sliding_window):
-    """Causal attention of one chunk whose first query sits at position context_len - num_tokens."""
+def _chunk_attention(q, keys, values, seg: PrefillSegment, scale, sliding_window, first=0):
+    """Causal attention of one chunk whose first query sits at position context_len - num_tokens;
+    `keys` start at position `first`."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     keys = keys.transpose(0, 1).unsqueeze(0)
     values = values.transpose(0, 1).unsqueeze(0)
@@ -109,7 +113,7 @@ def _chunk_attention(q, keys, values, seg: PrefillSegment, scale, sliding_window
         )
     else:
         q_pos = torch.arange(seg.context_len - seg.num_tokens, seg.context_len, device=q.device)
-        k_pos = torch.arange(seg.context_len, device=q.device)
+        k_pos = torch.arange(first, seg.context_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window

@@ -27,3 +27,9 @@ class AttentionMetadata:
     decode_max_blocks: int  # columns of block_tables that decodes need
     prefills: list[PrefillSegment]
     block_size: int
+    # Models whose layers keep different blocks (sliding windows beside full attention): each
+    # layer's own metadata (its group's slots and block tables); None: this one serves all.
+    by_layer: list[AttentionMetadata] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self if self.by_layer is None else self.by_layer[layer]

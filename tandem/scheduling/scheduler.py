@@ -10,6 +10,12 @@ Prefix caching: a request admitted with a prefix whose full blocks are cached sh
 wrote its last slot retires (`retire_step`), never earlier: until then its K/V may not exist yet.
 Shared blocks are never written again: a request writes only positions past its cached prefix,
 and at least its last token is always computed, so its first output has logits.
+
+Sliding windows: layers with a window keep their blocks in groups of their own
+(`kv_groups.py`). A block that no query from the step being scheduled on can see is given back
+(after the request's previous step, which may still read it), so a long request holds only its
+window's blocks in those layers. A cached prefix is reused where every group has the blocks its
+first computed position reads.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 from tandem.request import Request, RequestStatus
 from tandem.scheduling.block_pool import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
 from tandem.scheduling.draft_policy import DraftPolicy, can_draft
+from tandem.scheduling.kv_groups import DROPPED, KVGroups, kv_groups
 
 
 @dataclass
@@ -98,8 +105,11 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         drafts: DraftPolicy | None = None,
+        groups: KVGroups | None = None,
     ):
+        """`num_blocks`: the pool's, shared by every group of layers (`groups`; default one)."""
         self.block_size = block_size
+        self.groups = groups or kv_groups([None], max_model_len)
         self.drafts = drafts  # None: no speculative decoding
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,7 +120,10 @@ class Scheduler:
         # step retires, and new requests must not wait for that.
         self.slots = FreeList(2 * max_num_seqs, "token-table row")
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.block_table = np.zeros((self.slots.size, self.max_blocks_per_seq), dtype=np.int64)
+        # [groups, table rows, blocks]: each group of layers has its own blocks.
+        self.block_table = np.zeros(
+            (self.groups.num_groups, self.slots.size, self.max_blocks_per_seq), dtype=np.int64
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._pending: list[_PendingFree] = []
@@ -156,6 +169,8 @@ class Scheduler:
                 if request.status is not RequestStatus.RUNNING or not request.can_sample_more:
                     continue  # preempted earlier in this pass, or at its length limit
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
+                if self.groups.windowed:
+                    self._drop_passed_blocks(request)
                 if not self._reserve_blocks(request, n, scheduled):
                     continue
                 k = self._fit_drafts(request, n, drafts.get(request, 0), budget - n)
@@ -177,10 +192,12 @@ class Scheduler:
             if hits is None:
                 i += 1
                 continue
-            cached = len(hits) * self.block_size
+            num_hits = len(hits[0])
+            cached = num_hits * self.block_size
             n = min(request.num_tokens - cached, budget)
-            need = -(-(cached + n) // self.block_size) - len(hits)
-            if need > self.blocks.num_free - self.blocks.num_free_among(hits):
+            need = (-(-(cached + n) // self.block_size) - num_hits) * self.groups.num_groups
+            shared = [b for ids in hits for b in ids if b != DROPPED]
+            if need > self.blocks.num_free - self.blocks.num_free_among(shared):
                 break
             del self.waiting[i]
             self._admit(request, hits)
@@ -193,20 +210,25 @@ class Scheduler:
         self.next_step_id += 1
         return ScheduledBatch(step_id, items, num_decodes)
 
-    def _admit(self, request: Request, hits: list[int]) -> None:
+    def _admit(self, request: Request, hits: list[list[int]]) -> None:
+        """`hits`: per group, the cached blocks of the prefix it reuses (DROPPED before a
+        window)."""
         request.status = RequestStatus.RUNNING
         request.slot = self.slots.allocate(1, request.key)[0]
         request.sampled_in_row = False
         self.running.append(request)
-        self.blocks.share(hits, request.key)
-        request.block_ids = list(hits)
-        request.num_registered_blocks = len(hits)
-        request.num_computed_tokens = len(hits) * self.block_size
-        self.block_table[request.slot, : len(hits)] = hits
+        num_hits = len(hits[0])
+        request.block_ids = [list(ids) for ids in hits]
+        for g, ids in enumerate(hits):
+            self.blocks.share([b for b in ids if b != DROPPED], request.key)
+            # A dropped entry is never read (kernels start at the window); 0 keeps it in range.
+            self.block_table[g, request.slot, :num_hits] = [max(b, 0) for b in ids]
+        request.num_registered_blocks = num_hits
+        request.num_computed_tokens = num_hits * self.block_size
         stats = self.stats
         stats.queries += 1
         stats.query_tokens += request.num_tokens
-        if hits:
+        if num_hits:
             stats.hits += 1
             stats.hit_tokens += request.num_computed_tokens
 
@@ -229,24 +251,45 @@ class Scheduler:
             parent = chain_hash(parent, request.known_token_ids(j * bs, (j + 1) * bs))
             hashes.append(parent)
 
-    def _cached_prefix(self, request: Request) -> list[int] | None:
-        """Cached blocks of the request's longest cached prefix, short of its last token; None
-        if a launched step is computing the block after them (better wait for it).
+    def _cached_prefix(self, request: Request) -> list[list[int]] | None:
+        """Per group, the cached blocks of the request's longest cached prefix, short of its
+        last token (a windowed group: those its first computed position reads, DROPPED before
+        them); None if a launched step is computing the block after them (better wait for it).
 
         A request that still needs prompt logprobs reuses nothing: they come from the hidden
         states of computed positions, so every prompt position must be computed (as in vLLM).
         Its own blocks still join the cache for others.
         """
+        groups = self.groups.groups
         root = self._cache_root(request)
         if root is None or request.needs_prompt_logprobs:
-            return []
+            return [[] for _ in groups]
         num_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_blocks(request, num_blocks, root)
         hashes = request.block_hashes
-        hits = self.blocks.lookup(hashes[:num_blocks])
-        if len(hits) < num_blocks and hashes[len(hits)] in self._in_progress:
+        found = num_blocks
+        for g, group in enumerate(groups):
+            if group.window is None:
+                found = min(found, len(self.blocks.lookup(_keys(g, hashes[:found]))))
+        while found and not all(self._window_cached(g, hashes, found) for g in range(len(groups))):
+            found -= 1
+        if found < num_blocks and hashes[found] in self._in_progress:
             return None
-        return hits
+        return [self._group_hits(g, hashes, found) for g in range(len(groups))]
+
+    def _window_cached(self, g: int, hashes: list[bytes], num_blocks: int) -> bool:
+        """Whether group g holds, cached, the blocks that position num_blocks * block_size reads."""
+        if self.groups.groups[g].window is None:
+            return True
+        first = self.groups.first_needed_block(g, num_blocks * self.block_size, self.block_size)
+        return all(
+            self.blocks.cached_block(_key(g, h)) is not None for h in hashes[first:num_blocks]
+        )
+
+    def _group_hits(self, g: int, hashes: list[bytes], num_blocks: int) -> list[int]:
+        first = self.groups.first_needed_block(g, num_blocks * self.block_size, self.block_size)
+        cached = self.blocks.lookup(_keys(g, hashes[first:num_blocks]))
+        return [DROPPED] * first + cached
 
     def _mark_in_progress(self, request: Request, start: int, end: int, step_id: int) -> None:
         """Record the full blocks of known tokens that this step completes for the request."""
@@ -279,8 +322,11 @@ class Scheduler:
         if root is None:
             return
         self._hash_blocks(request, full, root)
-        for j in range(request.num_registered_blocks, full):
-            self.blocks.register(request.block_ids[j], request.block_hashes[j])
+        hashes = request.block_hashes
+        for g, ids in enumerate(request.block_ids):
+            for j in range(request.num_registered_blocks, full):
+                if ids[j] != DROPPED:  # not held: before the window of a cached prefix
+                    self.blocks.register(ids[j], _key(g, hashes[j]))
         request.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> None:
@@ -344,12 +390,36 @@ class Scheduler:
         if rejected and request.status is RequestStatus.RUNNING and request.slot == item.slot:
             request.num_computed_tokens -= rejected
             keep = -(-request.num_computed_tokens // self.block_size)
-            if len(request.block_ids) > keep:
-                spare, request.block_ids = request.block_ids[keep:], request.block_ids[:keep]
+            if _num_blocks(request) > keep:
+                spare = [b for ids in request.block_ids for b in ids[keep:] if b != DROPPED]
+                request.block_ids = [ids[:keep] for ids in request.block_ids]
                 self._defer_free(_PendingFree(request.last_step, request.key, spare, None))
 
     def _blocks_needed(self, request: Request, n: int) -> int:
-        return -(-(request.num_computed_tokens + n) // self.block_size) - len(request.block_ids)
+        """New blocks for n more tokens, over every group."""
+        per_group = -(-(request.num_computed_tokens + n) // self.block_size) - _num_blocks(request)
+        return per_group * self.groups.num_groups
+
+    def _drop_passed_blocks(self, request: Request) -> None:
+        """Give back the blocks of windowed groups that no query of the step being scheduled,
+        or of any later one, reads: once the request's last launched step, which may still
+        read them, retires. Positions are the host's lower bound (drafts may be rejected). A
+        block that is to join the prefix cache stays until it has (its step retired), so that
+        a later request with the same prefix finds the window before its first position."""
+        position = request.num_computed_tokens - request.num_speculative
+        caching = self._cache_root(request) is not None
+        dropped = []
+        for g, ids in enumerate(request.block_ids):
+            end = self.groups.first_needed_block(g, position, self.block_size)
+            if caching:
+                end = min(end, request.num_registered_blocks)
+            j = min(end, len(ids)) - 1
+            while j >= 0 and ids[j] != DROPPED:  # the dropped blocks are a prefix
+                dropped.append(ids[j])
+                ids[j] = DROPPED
+                j -= 1
+        if dropped:
+            self._defer_free(_PendingFree(request.last_step, request.key, dropped, None))
 
     def _reserve_blocks(self, request: Request, n: int, scheduled: set[Request]) -> bool:
         """Find blocks for n more tokens, preempting the newest unscheduled requests if needed.
@@ -370,13 +440,17 @@ class Scheduler:
         return True
 
     def _allocate_blocks(self, request: Request, n: int) -> None:
-        need = self._blocks_needed(request, n)
-        if need > 0:
-            first = len(request.block_ids)
-            last = request.block_ids[-1] if request.block_ids else None
+        need = self._blocks_needed(request, n) // self.groups.num_groups
+        if need <= 0:
+            return
+        if not request.block_ids:
+            request.block_ids = [[] for _ in self.groups.groups]
+        for g, ids in enumerate(request.block_ids):
+            first = len(ids)
+            last = ids[-1] if ids and ids[-1] != DROPPED else None
             new = self.blocks.allocate(need, request.key, after=last)
-            request.block_ids.extend(new)
-            self.block_table[request.slot, first : first + need] = new
+            ids.extend(new)
+            self.block_table[g, request.slot, first : first + need] = new
 
     # ------------------------------------------------------------ lifecycle
     def preempt(self, request: Request) -> None:
@@ -428,7 +502,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """The one place a request's blocks and table row are given up (now or after its step)."""
-        pending = _PendingFree(request.last_step, request.key, request.block_ids, request.slot)
+        blocks = [b for ids in request.block_ids for b in ids if b != DROPPED]
+        pending = _PendingFree(request.last_step, request.key, blocks, request.slot)
         request.block_ids = []
         request.num_registered_blocks = 0
         request.slot = None
@@ -444,3 +519,17 @@ class Scheduler:
         self.blocks.free(pending.blocks, pending.owner)
         if pending.slot is not None:
             self.slots.free([pending.slot], pending.owner)
+
+
+def _num_blocks(request: Request) -> int:
+    """Blocks of positions the request holds (in every group alike, DROPPED ones included)."""
+    return len(request.block_ids[0]) if request.block_ids else 0
+
+
+def _key(group: int, block_hash: bytes) -> bytes:
+    """A block's cache key in its group of layers (group 0's is the plain chain hash)."""
+    return block_hash + bytes([group]) if group else block_hash
+
+
+def _keys(group: int, hashes: list[bytes]) -> list[bytes]:
+    return [_key(group, h) for h in hashes]

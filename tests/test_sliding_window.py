@@ -1,0 +1,177 @@
+"""Sliding-window layers keep only their window's KV blocks.
+
+Layers are grouped by window (`scheduling/kv_groups.py`); a windowed group gives its blocks back
+as the window moves past them, under both loops, and outputs stay transformers' own. The models:
+a Qwen3 whose `layer_types` mix full and sliding attention (several block tables), and a
+Mistral whose every layer is windowed (one table that drops blocks).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.models.default_model import build_checkpoint
+from tandem.request import SamplingParams
+from tandem.scheduling.kv_groups import DROPPED, kv_groups
+
+from conftest import NUM_SPECIAL_TOKENS, SLIDING_WINDOW, hf_greedy_reference
+from helpers import assert_idle_and_balanced, greedy, make_llm
+
+WINDOW = SLIDING_WINDOW
+
+
+@pytest.fixture(scope="module")
+def hybrid(sliding_qwen3):
+    return sliding_qwen3
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral(tmp_path_factory):
+    return build_checkpoint(
+        tmp_path_factory.mktemp("mistral-sliding"), "MistralForCausalLM",
+        extra_config={"sliding_window": 5},
+    )  # fmt: skip
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(NUM_SPECIAL_TOKENS, 1024) for _ in range(n)] for n in lengths]
+
+
+def test_layers_group_by_window():
+    g = kv_groups([None, 7, 7, 7, None, 7], max_model_len=64)
+    assert g.places == 2 and g.num_groups == 3 and g.windowed
+    assert [grp.layers for grp in g.groups] == [(0, 4), (1, 2), (3, 5)]
+    assert [grp.window for grp in g.groups] == [None, 7, 7]
+    assert g.layer_group == (0, 1, 1, 2, 0, 2) and g.layer_place == (0, 0, 1, 0, 1, 1)
+    # A kind that does not divide evenly leaves a place unused in its last group.
+    assert [grp.layers for grp in kv_groups([None, 3, 3, None, 3], 64).groups] == [
+        (0, 3), (1, 2), (4,),
+    ]  # fmt: skip
+    # Every layer alike is one group of them all; a window as long as the context is none.
+    assert kv_groups([5, 5, 5], 64).groups[0].layers == (0, 1, 2)
+    assert not kv_groups([None, 64, 64], 64).windowed
+    assert kv_groups([None, 64], 64).num_groups == 1
+    # Blocks one request needs: full groups all of it, windowed ones the window and a chunk.
+    assert g.first_needed_block(1, position=20, block_size=4) == 14 // 4
+    assert g.max_blocks(100, block_size=4, chunk=8) == 25 + 2 * (-(-(6 + 8) // 4) + 1)
+    assert g.max_length(35, block_size=4, chunk=8, limit=1000) == 4 * (35 - 10)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["fast", "eager"])
+def test_hybrid_windows_equal_transformers(hybrid, async_scheduling, enforce_eager):
+    """Prompts longer than the window, prefilled in chunks, then decoded well past it."""
+    batch = prompts(0, (3, 20, 41))
+    llm = make_llm(
+        hybrid, block_size=4, async_scheduling=async_scheduling, enforce_eager=enforce_eager,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    assert llm.engine.scheduler.groups.num_groups == 4
+    outs = llm.generate(batch, greedy(30))
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == hf_greedy_reference(hybrid, prompt, 30)
+    assert_idle_and_balanced(llm.engine)
+
+
+def test_prompt_logprobs_equal_transformers(hybrid):
+    from conftest import _load_hf_model
+
+    prompt = prompts(1, (30,))[0]
+    out = make_llm(hybrid, block_size=4).generate(
+        [prompt], SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )[0]
+    with torch.no_grad():
+        logits = _load_hf_model(str(hybrid))(torch.tensor([prompt])).logits[0].float()
+    expected = logits.log_softmax(-1)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        token = prompt[i]
+        assert entry[token].logprob == pytest.approx(expected[i - 1, token].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_window_blocks_are_given_back_as_it_moves(hybrid, async_scheduling):
+    """Exact accounting at every step: a windowed group holds exactly the blocks from the one
+    its step's first query reads to the one its last token lands in; the full group holds all.
+    (Without prefix caching: with it, a block stays until it has joined the cache.)"""
+    llm = make_llm(
+        hybrid, block_size=4, async_scheduling=async_scheduling, max_num_batched_tokens=8,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    engine, s = llm.engine, llm.engine.scheduler
+    schedule, seen = s.schedule, []
+
+    def checked():
+        batch = schedule()
+        for item in batch.items if batch else []:
+            r = item.request
+            end = -(-(item.start + item.num_tokens) // 4)
+            full, *windowed = r.block_ids
+            assert DROPPED not in full and len(full) == end
+            first = max(0, item.start - WINDOW + 1) // 4
+            for ids in windowed:
+                held = [j for j, b in enumerate(ids) if b != DROPPED]
+                assert held == list(range(first, end)), (item.start, held)
+            seen.append(len(held))
+        return batch
+
+    s.schedule = checked
+    prompt = prompts(2, (37,))[0]
+    out = llm.generate([prompt], greedy(40))[0]
+    assert out.token_ids == hf_greedy_reference(hybrid, prompt, 40)
+    # 77 positions in blocks of 4: the full group ends with 20, a windowed group never above 4.
+    assert max(seen) <= -(-(WINDOW - 1 + 8) // 4) + 1 and seen[-1] <= 3
+    assert_idle_and_balanced(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefix_cache_n_and_preemption_with_windows(hybrid, async_scheduling):
+    """A cached prefix is reused where every group holds what its first computed position
+    reads; n > 1 samples share the prompt; a small cache preempts. Outputs stay the reference."""
+    shared = prompts(3, (26,))[0]
+    batch = [shared + [100 + i] for i in range(3)] + prompts(4, (33,))
+    llm = make_llm(
+        hybrid, block_size=4, async_scheduling=async_scheduling, num_kv_blocks=56,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    first = llm.generate(batch[:1], greedy(20))[0]
+    outs = llm.generate(batch, greedy(20))
+    s = llm.engine.scheduler
+    assert s.stats.hit_tokens >= 24  # the first prompt's blocks, in every group
+    assert outs[0].token_ids == first.token_ids
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == hf_greedy_reference(hybrid, prompt, 20)
+    sampled = llm.generate(batch[3:], SamplingParams(max_tokens=12, temperature=0.9, seed=3, n=3))
+    again = make_llm(hybrid, block_size=4, async_scheduling=not async_scheduling).generate(
+        batch[3:], SamplingParams(max_tokens=12, temperature=0.9, seed=3, n=3)
+    )
+    assert [o.token_ids for o in sampled[0].outputs] == [o.token_ids for o in again[0].outputs]
+    assert s.num_preemptions > 0
+    assert_idle_and_balanced(llm.engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_one_windowed_group_drops_blocks(windowed_mistral, async_scheduling):
+    """Mistral: every layer windowed, one block table whose early blocks go back; ngram
+    drafts (positions known on the device only) never lose a block they read."""
+    batch = prompts(5, (4, 23))
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
+        llm = make_llm(
+            windowed_mistral, block_size=2, async_scheduling=async_scheduling,
+            speculative_config=spec,
+        )  # fmt: skip
+        assert llm.engine.scheduler.groups.windowed
+        for prompt, out in zip(batch, llm.generate(batch, greedy(25)), strict=True):
+            assert out.token_ids == hf_greedy_reference(windowed_mistral, prompt, 25)
+        assert_idle_and_balanced(llm.engine)
+
+
+def test_speculation_refused_where_layers_differ(hybrid):
+    with pytest.raises(ValueError, match="different sliding windows"):
+        make_llm(hybrid, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm = make_llm(hybrid)
+    with pytest.raises(ValueError, match="different sliding windows"):
+        llm.engine.configure(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
