@@ -153,6 +153,25 @@ def test_greedy_equals_transformers_in_both_loops(tiny_checkpoints, architecture
         llm.close()
 
 
+def test_sliding_window_groups_on_two_ranks(sliding_qwen3):
+    """Layers with windows beside full ones (several block tables): each rank's tables and
+    dropped blocks follow the one scheduler."""
+    prompts = random_prompts(random.Random(12), 4, 1024, 3, 40)
+    llm = make_llm(sliding_qwen3, block_size=4, num_kv_blocks=160, max_model_len=512, **TP2)
+    try:
+        assert llm.engine.scheduler.groups.num_groups == 4
+        for mode in (False, True):
+            llm.engine.configure(async_scheduling=mode)
+            for prompt, out in zip(prompts, llm.generate(prompts, greedy(16)), strict=True):
+                reference = hf_greedy_reference_allowing_near_ties(
+                    sliding_qwen3, prompt, out.token_ids, 16
+                )
+                assert out.token_ids == reference
+            assert_idle_and_balanced(llm.engine)
+    finally:
+        llm.close()
+
+
 def test_row_parallel_bias_is_added_once(llama_with_biases):
     """o_proj's bias (Llama with attention_bias) is added after the all-reduce, not per rank."""
     prompts = random_prompts(random.Random(4), 4, 1024, 3, 30)
