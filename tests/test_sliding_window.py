@@ -155,13 +155,14 @@ def test_prefix_cache_n_and_preemption_with_windows(hybrid, async_scheduling):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_one_windowed_group_drops_blocks(windowed_mistral, async_scheduling):
-    """Mistral: every layer windowed, one block table whose early blocks go back; ngram
-    drafts (positions known on the device only) never lose a block they read."""
+    """Mistral: every layer windowed, one block table whose early blocks go back (chunks of a
+    long prompt read only the window before them); ngram drafts (positions known on the device
+    only) never lose a block they read."""
     batch = prompts(5, (4, 23))
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
         llm = make_llm(
             windowed_mistral, block_size=2, async_scheduling=async_scheduling,
-            speculative_config=spec,
+            speculative_config=spec, max_num_batched_tokens=8,
         )  # fmt: skip
         assert llm.engine.scheduler.groups.windowed
         for prompt, out in zip(batch, llm.generate(batch, greedy(25)), strict=True):

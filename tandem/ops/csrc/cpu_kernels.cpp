@@ -686,13 +686,19 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& block_row, int64_t num_tokens, int64_t context_len,
                            const ForwardShape& s) {
   at::Tensor keys = k, values = v;
+  int64_t first = 0;  // the first key position any query of the chunk sees
   if (context_len != num_tokens) {  // a cached prefix: gather the request's blocks
-    const int64_t nb = (context_len + s.block_size - 1) / s.block_size;
-    auto blocks = block_row.narrow(0, 0, nb);
+    if (s.sliding_window > 0) {  // from the window's first block: earlier ones may be freed
+      const int64_t start = std::max<int64_t>(0, context_len - num_tokens - s.sliding_window + 1);
+      first = start / s.block_size * s.block_size;
+    }
+    const int64_t b0 = first / s.block_size;
+    const int64_t nb = (context_len + s.block_size - 1) / s.block_size - b0;
+    auto blocks = block_row.narrow(0, b0, nb);
     keys = k_cache.index_select(0, blocks).view({nb * s.block_size, s.kv_heads, s.head_dim});
     values = v_cache.index_select(0, blocks).view({nb * s.block_size, s.kv_heads, s.head_dim});
-    keys = keys.narrow(0, 0, context_len);
-    values = values.narrow(0, 0, context_len);
+    keys = keys.narrow(0, 0, context_len - first);
+    values = values.narrow(0, 0, context_len - first);
   }
   auto qh = q.transpose(0, 1).unsqueeze(0);
   auto kh = keys.transpose(0, 1).unsqueeze(0);
@@ -703,7 +709,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   } else {
     auto opts = q.options().dtype(at::kLong);
     auto q_pos = at::arange(context_len - num_tokens, context_len, opts).unsqueeze(1);
-    auto k_pos = at::arange(context_len, opts).unsqueeze(0);
+    auto k_pos = at::arange(first, context_len, opts).unsqueeze(0);
     auto mask = k_pos <= q_pos;
     if (s.sliding_window > 0) mask = mask.logical_and(k_pos > q_pos - s.sliding_window);
     out = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, false, s.scale, true);
