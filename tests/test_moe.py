@@ -26,7 +26,7 @@ from tandem.models.spec import checkpoint_shapes
 from tandem.ops import elementwise
 
 from conftest import _load_hf_model, hf_greedy_reference_allowing_near_ties, random_prompts
-from helpers import assert_idle_and_balanced, greedy, make_llm
+from helpers import assert_idle_and_balanced, greedy, make_llm, prefill_then_decode_logits
 
 CPU = torch.device("cpu")
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
@@ -39,7 +39,8 @@ MODELS_DIR = Path(__file__).parents[1] / "tandem" / "bench" / "models"
 def more_shapes(tmp_path_factory) -> dict[str, Path]:
     """Shapes beyond conftest's: Qwen3-MoE with decoder_sparse_step=2 (layers 1 and 3 sparse),
     MQA, top-3 of 7 unnormalised (more than two terms per token: their order of summation
-    shows); Mixtral top-1 of 5 with tied embeddings."""
+    shows); Qwen3-MoE sparse in every layer (as llama.cpp's qwen3moe); Mixtral top-1 of 5 with
+    tied embeddings."""
     root = tmp_path_factory.mktemp("moe-shapes")
     return {
         "qwen3-moe-step2-top3": build_checkpoint(
@@ -47,6 +48,12 @@ def more_shapes(tmp_path_factory) -> dict[str, Path]:
             num_key_value_heads=1, tokenizer_vocab_size=VOCAB,
             extra_config={"num_experts": 7, "num_experts_per_tok": 3, "norm_topk_prob": False,
                           "moe_intermediate_size": 32, "decoder_sparse_step": 2},
+        ),
+        "qwen3-moe-all-sparse": build_checkpoint(
+            root / "qwen3-moe-all", "Qwen3MoeForCausalLM", head_dim=32,
+            tokenizer_vocab_size=VOCAB,
+            extra_config={"num_experts": 5, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                          "moe_intermediate_size": 32},
         ),
         "mixtral-top1": build_checkpoint(
             root / "mixtral-top1", "MixtralForCausalLM", tokenizer_vocab_size=VOCAB,
@@ -180,6 +187,41 @@ def test_two_ranks_equal_one(moe_models):
         assert [o.token_ids for o in one.outputs] == [o.token_ids for o in two.outputs]
         for a, b in zip(one.outputs[0].logprobs or [], two.outputs[0].logprobs or [], strict=True):
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
+
+
+# ------------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize("name", ["qwen3-moe-all-sparse", "MixtralForCausalLM"])
+def test_gguf_loads_as_its_safetensors(moe_models, name, tmp_path):
+    """Written like llama.cpp's converter (arch qwen3moe, or llama with expert_count; experts
+    stacked per layer): in F32 the very logits of the safetensors load; in Q8_0 each expert is
+    the file's dequantized matrix, and the engine runs the file with its own tokenizer."""
+    from gguf_files import read_gguf, write_gguf
+
+    path = moe_models[name]
+    safetensors = load_model(path, torch.float32, CPU).model
+    prompt = random_prompts(random.Random(4), 1, _vocab(path), 30, 30)[0]
+    want = prefill_then_decode_logits(safetensors, prompt)
+    f32 = write_gguf(path, tmp_path / "f32" / "model.gguf", "F32")
+    loaded = load_model(f32, torch.float32, CPU)
+    assert loaded.spec.moe == safetensors.spec.moe
+    torch.testing.assert_close(prefill_then_decode_logits(loaded.model, prompt), want)
+
+    q8 = write_gguf(path, tmp_path / "q8" / "model.gguf", "Q8_0")
+    _, tensors = read_gguf(q8)
+    experts = load_model(q8, torch.float32, CPU).model.layers[1].mlp.experts
+    kind, down = tensors["blk.1.ffn_down_exps.weight"]
+    assert kind == "Q8_0" and torch.equal(experts.down, torch.from_numpy(down))
+    assert tensors["blk.1.ffn_gate_inp.weight"][0] == "F32"  # routers stay F32, as llama.cpp's
+    llm = make_llm(q8, **OPTIONS)
+    out = llm.generate([prompt], greedy(8))[0]
+    assert len(out.token_ids) == 8 and isinstance(llm.generate("Hello", greedy(2))[0].text, str)
+
+
+def test_gguf_writer_refuses_dense_layers_in_a_moe(moe_models, tmp_path):
+    from gguf_files import write_gguf
+
+    with pytest.raises(ValueError, match="every layer"):
+        write_gguf(moe_models["Qwen3MoeForCausalLM"], tmp_path / "m.gguf")
 
 
 # ------------------------------------------------------------------------------- dummy weights
