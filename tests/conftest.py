@@ -52,7 +52,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
     Llama uses Llama 3 rope scaling, Mistral ties its embeddings, Qwen2 (with qkv bias) is
     sharded into several safetensors files, and Qwen3 (with q/k norms) has a head_dim unequal
-    to hidden_size / heads.
+    to hidden_size / heads. The mixture-of-experts models are `moe_checkpoints`'.
     """
     root = tmp_path_factory.mktemp("tiny-checkpoints")
     checkpoints = {
@@ -70,6 +70,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
             root / "qwen2", "Qwen2ForCausalLM", shard_size="200KB"
         ),
         "Qwen3ForCausalLM": build_checkpoint(root / "qwen3", "Qwen3ForCausalLM", head_dim=32),
+        **moe_checkpoints(root),
     }
     shards = list(checkpoints["Qwen2ForCausalLM"].glob("model-*.safetensors"))
     assert len(shards) >= 2, "the Qwen2 checkpoint is meant to be sharded"
@@ -90,6 +91,27 @@ def sliding_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "use_sliding_window": True, "max_window_layers": 1, "sliding_window": SLIDING_WINDOW,
         },
     )  # fmt: skip
+
+
+def moe_checkpoints(root: Path) -> dict[str, Path]:
+    """Qwen3-MoE with sparse and dense layers mixed (5 experts, top-2, renormalised), Mixtral
+    (7 experts, top-2), Qwen2-MoE (4 experts, top-1, a shared expert, qkv bias)."""
+    return {
+        "Qwen3MoeForCausalLM": build_checkpoint(
+            root / "qwen3-moe", "Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
+            extra_config={"num_experts": 5, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                          "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+        ),
+        "MixtralForCausalLM": build_checkpoint(
+            root / "mixtral", "MixtralForCausalLM",
+            extra_config={"num_local_experts": 7, "num_experts_per_tok": 2},
+        ),
+        "Qwen2MoeForCausalLM": build_checkpoint(
+            root / "qwen2-moe", "Qwen2MoeForCausalLM",
+            extra_config={"num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 48},
+        ),
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """Small GGUF files for the tests, written offline the way llama.cpp's convert_hf_to_gguf.py does.
 
-``write_gguf`` turns a Hugging Face Llama-family folder (Llama, Mistral, Qwen2, Qwen3) into one
-GGUF file: llama.cpp's metadata keys, tokenizer and tensor names, Q/K rows permuted for the llama
-architecture, 1-D tensors in F32 and 2-D weights in the asked type. gguf-py quantizes the legacy
+``write_gguf`` turns a Hugging Face Llama-family folder (Llama, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral) into one GGUF file: llama.cpp's metadata keys,
+tokenizer and tensor names, Q/K rows permuted for the llama architecture, 1-D tensors and the
+routers in F32, 2-D weights and the experts (stacked per layer and projection into one 3-D
+tensor, `blk.N.ffn_gate_exps.weight`, as convert_hf_to_gguf.py does) in the asked type. gguf-py quantizes the legacy
 types itself; Q4_K, Q5_K and Q6_K, which it can only dequantize, are encoded here with a simple
 min-max (max-abs for Q6_K) per sub-block, not llama.cpp's rounding search, so their values differ
 from llama-quantize's but the blocks are valid. Like ggml, every block type needs rows (a weight's
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,13 @@ GGUF_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",
 }
+# One expert's tensor in a Hugging Face checkpoint: layer, block, expert, projection.
+EXPERT_NAME = re.compile(
+    r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight"
+)
 
 # general.file_type for a file whose 2-D weights are all of one type ("Q4_K" is llama-quantize's
 # alias for Q4_K_M, "Q5_K" for Q5_K_M).
@@ -253,8 +262,9 @@ def _add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
 
 
 def _tensor_type(name: str, data: np.ndarray, default: str, types: dict[str, str]) -> str:
-    """F32 for 1-D tensors and norms (as llama.cpp), else the first matching ``types`` pattern."""
-    if data.ndim <= 1 or name.endswith("_norm.weight"):
+    """F32 for 1-D tensors, norms and routers (as llama.cpp), else the first matching ``types``
+    pattern."""
+    if data.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight")):
         return "F32"
     return next((t for pattern, t in types.items() if fnmatch.fnmatchcase(name, pattern)), default)
 
@@ -303,6 +313,9 @@ def write_gguf(
     if rope["rope_type"] not in ("default", "linear", "llama3"):
         raise NotImplementedError(f"rope_type {rope['rope_type']!r}")
 
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        raise ValueError("llama.cpp's MoE architectures have experts in every layer")
     writer = gguf.GGUFWriter(out, arch)
     name_map = gguf.get_tensor_name_map(model_arch, n_layers)
     hf_tensors = _hf_tensors(hf_folder)
@@ -310,6 +323,7 @@ def write_gguf(
         hf_tensors.pop("lm_head.weight", None)
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
+    hf_tensors = _stack_experts(hf_tensors)
     for hf_name, data in hf_tensors.items():
         if hf_name.endswith(".rotary_emb.inv_freq"):
             continue
@@ -337,6 +351,11 @@ def write_gguf(
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(n_head)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_head_count_kv(n_kv_head)
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -369,6 +388,24 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's experts of one projection as one [experts, rows, columns] tensor, named as
+    convert_hf_to_gguf.py's merged tensor (`model.layers.N.mlp.experts.gate_proj.weight`)."""
+    out, stacks = {}, {}
+    for name, data in tensors.items():
+        match = EXPERT_NAME.fullmatch(name)
+        if match is None:
+            out[name] = data
+            continue
+        layer, block, expert, part = match.groups()
+        stacks.setdefault(f"model.layers.{layer}.{block}.experts.{part}.weight", {})[
+            int(expert)
+        ] = data
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
     return out
 
 

@@ -5,6 +5,11 @@ copied into its parameter, so besides the model at most one tensor is ever held 
 precision; a tensor-parallel rank dequantizes only the rows (or the blocks of columns) it holds.
 The config is rebuilt as a transformers config, so the rest of the loader treats a GGUF like a
 checkpoint folder.
+
+Mixture-of-experts files store each layer's experts stacked in one 3-D tensor per projection
+(`blk.N.ffn_gate_exps.weight`: [experts, rows, columns]); each expert is read as the Hugging Face
+checkpoint's own tensor of that expert, so loading, sharding and the shape checks see the names
+a safetensors checkpoint has. llama.cpp stores Mixtral as "llama" with `llama.expert_count`.
 """
 
 from __future__ import annotations
@@ -25,11 +30,20 @@ from tandem.models.errors import ModelLoadError
 from tandem.ops.quantized import QuantizedWeight, pack
 
 # A GGUF's `general.architecture` -> the transformers architecture Tandem runs it as. llama.cpp
-# stores Mistral's dense models as "llama".
+# stores Mistral's dense models as "llama", and Mixtral as "llama" with experts.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # transformers' name where it differs from GGUF's
+# Stacked experts -> one expert's Hugging Face names: the block's prefix and each projection's.
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                   "ffn_down_exps.weight": "down"}  # fmt: skip
+_EXPERT_NAMES = {
+    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 # Architectures whose Q and K rows llama.cpp's converter interleaves per head (rotary pairs
 # side by side); loading puts them back in Hugging Face's half-split order.
@@ -178,6 +192,9 @@ def gguf_config(file: GGUFFile) -> PretrainedConfig:
             "tie_word_embeddings": "output.weight" not in file.tensors,
             "attention_bias": "blk.0.attn_q.bias" in file.tensors,
         }
+        model_type = MODEL_TYPES.get(arch, arch)
+        if int(f("expert_count", 0) or 0):
+            model_type = _moe_values(file, values)
     except (TypeError, ValueError) as exc:  # a field missing (None) or of the wrong kind
         raise ModelLoadError(f"{file.path}: incomplete {arch} metadata: {exc}") from exc
     scaling = str(f("rope.scaling.type", "none"))
@@ -197,7 +214,23 @@ def gguf_config(file: GGUFFile) -> PretrainedConfig:
     for name, key in (("bos_token_id", "bos"), ("pad_token_id", "padding")):
         token = file.field(f"tokenizer.ggml.{key}_token_id")
         values[name] = None if token is None else int(token)
-    return AutoConfig.for_model(arch, **values)  # GGUF's names are transformers' model types
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _moe_values(file: GGUFFile, values: dict) -> str:
+    """Add the experts' config values (llama.cpp's Qwen3-MoE always renormalises the top-k);
+    returns the transformers model type."""
+    f = file.arch_field
+    experts, used = int(f("expert_count")), int(f("expert_used_count"))
+    if file.architecture == "llama":
+        values |= {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts,
+                   "num_experts_per_tok": used}  # fmt: skip
+        return "mixtral"
+    if file.architecture != "qwen3moe":
+        raise ModelLoadError(f"{file.path}: {file.architecture} with experts is not supported")
+    values |= {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True,
+               "moe_intermediate_size": int(f("expert_feed_forward_length"))}  # fmt: skip
+    return "qwen3_moe"
 
 
 def gguf_tokenizer(file: GGUFFile) -> PreTrainedTokenizerFast:
@@ -230,11 +263,29 @@ def rope_freq_factors(file: GGUFFile) -> torch.Tensor | None:
 def gguf_tensors(file: GGUFFile, head_dim: int) -> Iterator[tuple[str, GGUFTensor]]:
     """Every weight under its Hugging Face name, as a lazily dequantized tensor."""
     for name, tensor in file.tensors.items():
-        hf_name = hf_tensor_name(name)
+        experts = _expert_names(file.architecture, name)
+        if experts is not None:
+            for e, hf_name in enumerate(experts(int(tensor.shape[-1]))):
+                yield hf_name, GGUFTensor(file, tensor, None, expert=e)
+            continue
+        hf_name = hf_tensor_name(name) or hf_router_name(file.architecture, name)
         if hf_name is None:
             continue
         permuted = file.architecture in PERMUTED_QK and hf_name.endswith(_PERMUTED_SUFFIXES)
         yield hf_name, GGUFTensor(file, tensor, head_dim if permuted else None)
+
+
+def _expert_names(arch: str, name: str):
+    """For a stacked experts tensor: a function of the expert count giving each expert's HF
+    name; for the router, its HF name is `hf_tensor_name`'s. None for any other tensor."""
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS:
+        return None
+    block, names = _EXPERT_NAMES.get(arch, _EXPERT_NAMES["qwen3moe"])
+    part = names[_EXPERT_TENSORS[parts[2]]]
+    return lambda n: [
+        f"model.layers.{parts[1]}.{block}.experts.{e}.{part}.weight" for e in range(n)
+    ]
 
 
 def hf_tensor_name(name: str) -> str | None:
@@ -247,20 +298,39 @@ def hf_tensor_name(name: str) -> str | None:
     return None
 
 
+def hf_router_name(arch: str, name: str) -> str | None:
+    """llama.cpp's `blk.N.ffn_gate_inp.weight` -> the router's HF name (Mixtral's or Qwen's)."""
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] != "ffn_gate_inp.weight":
+        return None
+    block = _EXPERT_NAMES.get(arch, _EXPERT_NAMES["qwen3moe"])[0]
+    return f"model.layers.{parts[1]}.{block}.gate.weight"
+
+
 class GGUFTensor:
     """One tensor, indexed as a safetensors slice is (`[:]`, `[rows]`, `[:, cols]`), dequantized
     to float32 on read. Rows are whole blocks, so a row slice reads only its rows; a column slice
     reads only its blocks when its ends fall on block boundaries."""
 
-    def __init__(self, file: GGUFFile, tensor, unpermute_head_dim: int | None):
+    def __init__(
+        self, file: GGUFFile, tensor, unpermute_head_dim: int | None, expert: int | None = None
+    ):
         self.file = file
         self.tensor = tensor
         self.unpermute_head_dim = unpermute_head_dim
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # torch order
+        self.expert = expert  # one expert of a stacked experts tensor
+        if expert is not None:
+            self.shape = self.shape[1:]
+
+    @property
+    def data(self) -> np.ndarray:
+        """The raw rows (of this expert's matrix, for a stacked experts tensor)."""
+        return self.tensor.data if self.expert is None else self.tensor.data[self.expert]
 
     def __getitem__(self, key) -> torch.Tensor:
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
-        data = self.tensor.data[rows]
+        data = self.data[rows]
         if cols != slice(None):
             data, cols = self._column_blocks(data, cols)
         values = self._dequantize(data)[..., cols]
@@ -274,13 +344,14 @@ class GGUFTensor:
     def native_format(self) -> str | None:
         """The type's name if the CPU kernels run it in its blocks (`quantized`), else None."""
         name = self.tensor.tensor_type.name
-        return name if name in gguf_blocks.NATIVE_TYPES else None
+        native = name in gguf_blocks.NATIVE_TYPES and self.expert is None  # experts: float
+        return name if native else None
 
     def quantized(self, rows: slice | None, cols: slice | None) -> QuantizedWeight:
         """Rows and columns of the tensor in the kernels' layout, its blocks as they are (the
         columns on block boundaries)."""
         kind = self.native_format
-        data = self.tensor.data if rows is None else self.tensor.data[rows]
+        data = self.data if rows is None else self.data[rows]
         codes, scales, offsets = gguf_blocks.split_blocks(data, kind, self.shape[-1])
         if cols is not None:
             start, stop, _ = cols.indices(self.shape[-1])

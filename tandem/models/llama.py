@@ -2,7 +2,9 @@
 
 One module serves the family; the differences are flags read from the Hugging Face config:
 qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding window (Mistral), tied embeddings, rope
-scaling. Q/K/V and gate/up projections are fused into one matmul each.
+scaling. Q/K/V and gate/up projections are fused into one matmul each. The mixture-of-experts
+models (Qwen3-MoE, Mixtral, Qwen2-MoE) are this layer with a sparse block (`moe.py`) in place of
+the MLP in some or all layers.
 
 Under tensor parallelism (`parallel.py`) each rank builds the layers with its share of
 the heads and of the intermediate size, adds an all-reduce after O and after down, and holds a
@@ -18,7 +20,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tandem.models.parallel import SINGLE, Shard, TensorParallel, heads_to_rows
+from tandem.models import moe
+from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, heads_to_rows
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention import paged_attention
@@ -103,12 +106,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, tp: TensorParallel, window: int | None):
+    def __init__(self, spec: LlamaSpec, tp: TensorParallel, index: int, window: int | None):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.attn = Attention(spec, tp, window)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, tp)
+        self.mlp = moe.SparseMoE(spec, tp) if spec.is_sparse(index) else MLP(spec, tp)
 
     def flat_weights(self) -> list[torch.Tensor]:
         """This layer's weights in the order `tandem::llama_forward` reads them (csrc)."""
@@ -146,7 +149,8 @@ class LlamaModel(nn.Module):
         rows = self.shard.vocab_per_rank
         self.embed = nn.Embedding(rows, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.local_spec, tp, window) for window in spec.layer_windows()
+            DecoderLayer(self.local_spec, tp, i, window)
+            for i, window in enumerate(spec.layer_windows())
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
@@ -160,14 +164,16 @@ class LlamaModel(nn.Module):
     def use_fast_path(self, fused: bool) -> bool:
         """Pre-pack every GEMM weight where MKL's packed path exists and, if `fused` (the CPU
         kernels are loaded), run the whole forward as one kernel call (`tandem::llama_forward`),
-        which needs the GIL once per step instead of once per op.
+        which needs the GIL once per step instead of once per op. A mixture-of-experts model
+        runs the per-op forward with its packed GEMMs (the one kernel has no sparse MLP).
 
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
-        packed = [m.prepack() for m in self.modules() if isinstance(m, Linear)]
+        packed = [m.prepack() for m in self.modules() if isinstance(m, Linear | moe.Experts)]
         tied = self.spec.tie_word_embeddings and self.tied_logits is None
         if tied and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        if fused and len(set(self.spec.layer_windows())) == 1:  # the kernel has one window
+        # The one kernel has one window and no sparse MLP.
+        if fused and len(set(self.spec.layer_windows())) == 1 and self.spec.moe is None:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 
@@ -242,6 +248,8 @@ class LlamaModel(nn.Module):
         else:
             tensor = source[:]
         param = self.get_parameter(place.target).data
+        if place.expert is not None:
+            param = param[place.expert]
         if place.offset is None:
             param.copy_(tensor)
             return True
@@ -255,7 +263,7 @@ class LlamaModel(nn.Module):
         tensors all share one format the kernels run (`format_of(hf_name)`, None: none) and
         whose shapes and shard fit the quantized layout gets no float weight; `load_weight`
         then copies its blocks."""
-        sources: dict[str, list[_Placement]] = {}
+        sources: dict[str, list[Placement]] = {}
         formats: dict[str, set[str | None]] = {}
         for name in self.checkpoint_names():
             place = self._place(name)
@@ -278,7 +286,7 @@ class LlamaModel(nn.Module):
     def quantize_int8(self) -> None:
         """Per-channel int8 for every linear layer (and the tied logits) whose shape fits the
         layout, from the loaded float weights."""
-        row_parallel = {m for layer in self.layers for m in (layer.attn.o, layer.mlp.down)}
+        row_parallel = {m for name, m in self.named_modules() if name.endswith((".o", ".down"))}
         for module in list(self.modules()):
             dense = isinstance(module, Linear) and module.quantized is None
             if dense and can_quantize(module.out_features, module.in_features):
@@ -322,19 +330,21 @@ class LlamaModel(nn.Module):
         (what a dummy load makes up; `load_weight` takes this rank's part of each)."""
         return checkpoint_shapes(self.spec)
 
-    def _place(self, name: str) -> _Placement | None:
+    def _place(self, name: str) -> Placement | None:
         """Where checkpoint tensor `name` goes in this rank's model, and which part of it."""
         s, shard, local = self.spec, self.shard, self.local_spec
         if name == "model.embed_tokens.weight":
-            return _Placement("embed.weight", offset=0, rows=shard.vocab)
+            return Placement("embed.weight", offset=0, rows=shard.vocab)
         if name == "model.norm.weight":
-            return _Placement("norm.weight")
+            return Placement("norm.weight")
         if name == "lm_head.weight" and not s.tie_word_embeddings:
-            return _Placement("lm_head.weight", offset=0, rows=shard.vocab)
+            return Placement("lm_head.weight", offset=0, rows=shard.vocab)
         if not name.startswith("model.layers."):
             return None
         index, rest = name[len("model.layers.") :].split(".", 1)
         p = f"layers.{index}"
+        if rest.startswith(("mlp.", "block_sparse_moe.")) and s.is_sparse(int(index)):
+            return moe.place(rest, p, shard)
         q_size = local.num_heads * s.head_dim
         kv_size = local.num_kv_heads * s.head_dim
         qkv = {"q": (0, shard.q_heads), "k": (q_size, shard.kv_heads)}
@@ -343,18 +353,18 @@ class LlamaModel(nn.Module):
             for kind in ("weight", "bias"):
                 if rest == f"self_attn.{part}_proj.{kind}":
                     rows = heads_to_rows(heads, s.head_dim)
-                    return _Placement(f"{p}.attn.qkv.{kind}", offset=offset, rows=rows)
+                    return Placement(f"{p}.attn.qkv.{kind}", offset=offset, rows=rows)
         if rest == "self_attn.o_proj.bias" and s.o_bias:  # added once, after the all-reduce
-            return _Placement(f"{p}.attn.o.bias")
+            return Placement(f"{p}.attn.o.bias")
         if rest == "self_attn.o_proj.weight":  # row-parallel: this rank's input columns
-            return _Placement(f"{p}.attn.o.weight", cols=heads_to_rows(shard.q_heads, s.head_dim))
+            return Placement(f"{p}.attn.o.weight", cols=heads_to_rows(shard.q_heads, s.head_dim))
         if rest == "mlp.down_proj.weight":
-            return _Placement(f"{p}.mlp.down.weight", cols=shard.intermediate)
+            return Placement(f"{p}.mlp.down.weight", cols=shard.intermediate)
         if rest == "mlp.gate_proj.weight":
-            return _Placement(f"{p}.mlp.gate_up.weight", offset=0, rows=shard.intermediate)
+            return Placement(f"{p}.mlp.gate_up.weight", offset=0, rows=shard.intermediate)
         if rest == "mlp.up_proj.weight":
             offset = local.intermediate_size
-            return _Placement(f"{p}.mlp.gate_up.weight", offset=offset, rows=shard.intermediate)
+            return Placement(f"{p}.mlp.gate_up.weight", offset=offset, rows=shard.intermediate)
         replicated = {
             "input_layernorm.weight": "input_norm.weight",
             "post_attention_layernorm.weight": "post_attn_norm.weight",
@@ -362,20 +372,10 @@ class LlamaModel(nn.Module):
         if s.qk_norm:  # per head_dim: the same on every rank
             replicated["self_attn.q_norm.weight"] = "attn.q_norm.weight"
             replicated["self_attn.k_norm.weight"] = "attn.k_norm.weight"
-        return _Placement(f"{p}.{replicated[rest]}") if rest in replicated else None
+        return Placement(f"{p}.{replicated[rest]}") if rest in replicated else None
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """Checkpoint tensor -> parameter: the rows or columns this rank takes, and where they go."""
-
-    target: str
-    offset: int | None = None  # first row in the parameter (fused qkv, gate_up, vocab shards)
-    rows: slice | None = None  # rows of the checkpoint tensor (column-parallel, vocabulary)
-    cols: slice | None = None  # columns of the checkpoint tensor (row-parallel)
-
-
-def _fits(place: _Placement) -> bool:
+def _fits(place: Placement) -> bool:
     """Whether a tensor's part lands on whole row groups and column blocks of the layout."""
     rows_ok = place.rows is None or (place.rows.stop - place.rows.start) % GROUP_ROWS == 0
     cols_ok = place.cols is None or (

@@ -20,6 +20,7 @@ from tandem.models import gguf_checkpoint as gguf
 from tandem.models.dummy import load_dummy_weights
 from tandem.models.errors import ModelLoadError
 from tandem.models.llama import LlamaModel, Rotary
+from tandem.models.moe import moe_spec
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import LlamaSpec
 
@@ -32,6 +33,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 
@@ -154,7 +158,7 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
             f"Tandem supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     sliding_window, sliding_layers = None, None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         sliding_window = getattr(config, "sliding_window", None)
     elif getattr(config, "use_sliding_window", False):  # Qwen2/Qwen3: some layers windowed
         sliding_window = config.sliding_window
@@ -171,12 +175,15 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qkv_bias=arch == "Qwen2ForCausalLM"
+        or bool(getattr(config, "qkv_bias", False))  # Qwen2-MoE
+        or bool(getattr(config, "attention_bias", False)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
-        o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         and bool(getattr(config, "attention_bias", False)),
+        moe=moe_spec(arch, config),
     )
 
 

@@ -3,7 +3,8 @@
 Q/K/V and gate/up are split by output rows (column-parallel), O and down by input columns
 (row-parallel, one all-reduce each), the vocabulary by rows for the embedding and the LM head.
 KV heads are split like the query heads; with fewer KV heads than ranks each KV head is
-replicated on the ranks whose query heads use it (as vLLM does).
+replicated on the ranks whose query heads use it (as vLLM does). A mixture-of-experts block
+splits every expert's intermediate dimension like the MLP's and replicates its router.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def check_shardable(spec: LlamaSpec, world_size: int) -> None:
         problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {world_size})")
     if spec.intermediate_size % world_size:
         problems.append(f"intermediate size {spec.intermediate_size}")
+    moe = spec.moe
+    if moe is not None and moe.intermediate_size % world_size:
+        problems.append(f"expert intermediate size {moe.intermediate_size}")
+    if moe is not None and moe.shared_intermediate_size % world_size:
+        problems.append(f"shared expert intermediate size {moe.shared_intermediate_size}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's {', '.join(problems)}"
@@ -85,11 +91,17 @@ class Shard:
     def local_spec(self) -> LlamaSpec:
         """The shapes this rank computes (vocab_size stays the whole model's)."""
         s, n = self.spec, self.tp.world_size
+        moe = s.moe and replace(
+            s.moe,
+            intermediate_size=s.moe.intermediate_size // n,
+            shared_intermediate_size=s.moe.shared_intermediate_size // n,
+        )
         return replace(
             s,
             num_heads=s.num_heads // n,
             num_kv_heads=max(1, s.num_kv_heads // n),
             intermediate_size=s.intermediate_size // n,
+            moe=moe,
         )
 
     def _even_share(self, total: int) -> slice:
@@ -113,6 +125,15 @@ class Shard:
         return self._even_share(self.spec.intermediate_size)
 
     @property
+    def expert_intermediate(self) -> slice:
+        """Every expert's rows (gate, up) and columns (down) on this rank."""
+        return self._even_share(self.spec.moe.intermediate_size)
+
+    @property
+    def shared_intermediate(self) -> slice:
+        return self._even_share(self.spec.moe.shared_intermediate_size)
+
+    @property
     def vocab_per_rank(self) -> int:
         """Rows of the embedding and LM head on every rank (the last one padded with zeros)."""
         return -(-self.spec.vocab_size // self.tp.world_size)
@@ -125,3 +146,14 @@ class Shard:
 
 def heads_to_rows(heads: slice, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Checkpoint tensor -> parameter: the rows or columns this rank takes, and where they go."""
+
+    target: str
+    offset: int | None = None  # first row in the parameter (fused qkv, gate_up, vocab shards)
+    rows: slice | None = None  # rows of the checkpoint tensor (column-parallel, vocabulary)
+    cols: slice | None = None  # columns of the checkpoint tensor (row-parallel)
+    expert: int | None = None  # the target is a stack of experts: this one's matrix

@@ -3,7 +3,35 @@ the dummy weights need, and the checkpoint tensors they imply."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: which layers have one, its experts and routing, and how its
+    checkpoint names them (Qwen's `mlp.experts.N.gate_proj`, Mixtral's
+    `block_sparse_moe.experts.N.w1`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    sparse_layers: tuple[int, ...]  # the others have the dense MLP of `LlamaSpec.intermediate_size`
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    naming: str = "qwen"  # "qwen" or "mixtral": the checkpoint's tensor names
+    float32_weights: bool = False  # Mixtral keeps the routing weights in float32
+
+    def names(self, layer: int) -> dict[str, str]:
+        """Checkpoint names of one layer's block, by part: router, gate, up, down (with `{e}`
+        for the expert)."""
+        p = f"model.layers.{layer}."
+        if self.naming == "mixtral":
+            e = p + "block_sparse_moe.experts.{e}."
+            return {"router": p + "block_sparse_moe.gate.weight", "gate": e + "w1.weight",
+                    "up": e + "w3.weight", "down": e + "w2.weight"}  # fmt: skip
+        e = p + "mlp.experts.{e}."
+        return {"router": p + "mlp.gate.weight", "gate": e + "gate_proj.weight",
+                "up": e + "up_proj.weight", "down": e + "down_proj.weight"}  # fmt: skip
 
 
 @dataclass
@@ -24,6 +52,7 @@ class LlamaSpec:
     qk_norm: bool
     sliding_window: int | None
     o_bias: bool = False  # Llama / Qwen3 with attention_bias: o_proj has a bias too
+    moe: MoESpec | None = field(default=None)  # Qwen3-MoE, Mixtral, Qwen2-MoE
     # Per layer, whether it attends within `sliding_window` (Qwen2/Qwen3 `layer_types`); None:
     # every layer alike.
     sliding_layers: tuple[bool, ...] | None = None
@@ -33,6 +62,9 @@ class LlamaSpec:
         if self.sliding_layers is None:
             return [self.sliding_window] * self.num_layers
         return [self.sliding_window if s else None for s in self.sliding_layers]
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
 
 def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
@@ -63,6 +95,27 @@ def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
         parts["self_attn.o_proj.bias"] = (hidden,)
     if s.qk_norm:
         parts["self_attn.q_norm.weight"] = parts["self_attn.k_norm.weight"] = (s.head_dim,)
+    dense_mlp = {k: parts.pop(k) for k in list(parts) if k.startswith("mlp.")}
     for i in range(s.num_layers):
         shapes |= {f"model.layers.{i}.{part}": shape for part, shape in parts.items()}
+        if s.is_sparse(i):
+            shapes |= moe_shapes(s, i)
+        else:
+            shapes |= {f"model.layers.{i}.{part}": shape for part, shape in dense_mlp.items()}
+    return shapes
+
+
+def moe_shapes(spec: LlamaSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's checkpoint tensors: the router, every expert, the shared expert."""
+    moe, hidden = spec.moe, spec.hidden_size
+    inter, names = moe.intermediate_size, moe.names(layer)
+    shapes = {names["router"]: (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        shapes[names["gate"].format(e=e)] = shapes[names["up"].format(e=e)] = (inter, hidden)
+        shapes[names["down"].format(e=e)] = (hidden, inter)
+    if moe.shared_intermediate_size:
+        p, shared = f"model.layers.{layer}.mlp.shared_expert", moe.shared_intermediate_size
+        shapes[f"{p}.gate_proj.weight"] = shapes[f"{p}.up_proj.weight"] = (shared, hidden)
+        shapes[f"{p}.down_proj.weight"] = (hidden, shared)
+        shapes[f"{p}_gate.weight"] = (1, hidden)
     return shapes
