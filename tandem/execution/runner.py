@@ -133,9 +133,10 @@ def build_runner(
         return [places[p] for p in groups.layer_place]
 
     groups = layer_groups(model.spec, config.max_model_len)
-    # A captured graph has one block table: steps of models with several groups run eagerly.
+    # A captured graph has one block table, and fixed shapes: steps of models with several
+    # groups of layers, or with experts (whose row counts per expert the host reads), run eagerly.
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
-    sizes = sizes if groups.num_groups == 1 else None
+    sizes = sizes if groups.num_groups == 1 and model.spec.moe is None else None
     runner = ModelRunner(
         model, cache_of(model), table_rows, max_model_len, config.block_size, device, sizes
     )
