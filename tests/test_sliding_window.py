@@ -71,6 +71,8 @@ def test_hybrid_windows_equal_transformers(hybrid, async_scheduling, enforce_eag
         max_num_batched_tokens=16,
     )  # fmt: skip
     assert llm.engine.scheduler.groups.num_groups == 4
+    # Several windows: the kernels run op by op (the one-call forward has one window).
+    assert llm.engine.execution.ops == ("portable" if enforce_eager else "fused-cpu op-by-op")
     outs = llm.generate(batch, greedy(30))
     for prompt, out in zip(batch, outs, strict=True):
         assert out.token_ids == hf_greedy_reference(hybrid, prompt, 30)
@@ -176,3 +178,30 @@ def test_speculation_refused_where_layers_differ(hybrid):
     llm = make_llm(hybrid)
     with pytest.raises(ValueError, match="different sliding windows"):
         llm.engine.configure(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_in_place_decode_attention_equals_the_portable_op(window):
+    """The op-by-op CPU path's attention (decodes read the cache in place, from the window's
+    start) against the portable one, on a step of decodes and prefill chunks."""
+    from tandem.ops import cpu_elementwise, cpu_kernels
+    from tandem.ops.attention import paged_attention
+    from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
+
+    assert cpu_kernels.load().available
+    g = torch.Generator().manual_seed(0)
+    bs, blocks, kv_heads, dim = 4, 40, 2, 32
+    caches = [torch.randn(blocks, bs, kv_heads, dim, generator=g) for _ in range(2)]
+    tables = torch.randperm(blocks, generator=g)[:30].view(3, 10)
+    # Two decodes at lengths 19 and 33, one chunk of 5 tokens ending at 26.
+    lens = torch.tensor([19, 33, 26])
+    tokens = 2 + 5
+    q = torch.randn(tokens, 2 * kv_heads, dim, generator=g)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
+    positions = torch.cat([lens[:2] - 1, torch.arange(21, 26)])
+    rows = torch.tensor([0, 1, 2, 2, 2, 2, 2])
+    slots = tables[rows, positions // bs] * bs + positions % bs
+    meta = AttentionMetadata(slots, tables, lens, 2, 9, [PrefillSegment(2, 5, 26, 2)], bs)
+    expected = paged_attention(q, k, v, *[c.clone() for c in caches], meta, 0.2, window)
+    got = cpu_elementwise.paged_attention(q, k, v, *caches, meta, 0.2, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

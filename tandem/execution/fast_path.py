@@ -16,12 +16,14 @@ from types import ModuleType
 import torch
 
 from tandem.models.llama import LlamaModel
-from tandem.ops import cpu_kernels
+from tandem.ops import cpu_elementwise, cpu_kernels
 
 
 @dataclass
 class ExecutionPlan:
-    ops: str  # "portable", "fused-cpu" or "fused-triton" (CUDA: norms, rotary, SiLU)
+    # "portable", "fused-cpu" (one call per forward), "fused-cpu op-by-op" (the CPU kernels per
+    # op: models the one call does not cover) or "fused-triton" (CUDA: norms, rotary, SiLU)
+    ops: str
     packed_gemm: bool
     kernels: cpu_kernels.KernelBuild | None  # None: not attempted (eager, CUDA, not float32)
     cpu_threads: int | None = None  # compute threads, when Tandem chose them
@@ -87,7 +89,12 @@ def _choose(
         return ExecutionPlan("portable", False, None)
     build = cpu_kernels.load()
     packed = model.use_fast_path(fused=build.available)
-    return ExecutionPlan("fused-cpu" if build.available else "portable", packed, build)
+    if not build.available:
+        return ExecutionPlan("portable", packed, build)
+    if model.fused_forward:
+        return ExecutionPlan("fused-cpu", packed, build)
+    model.ops = cpu_elementwise  # the kernels op by op, where the one-call forward cannot go
+    return ExecutionPlan("fused-cpu op-by-op", packed, build)
 
 
 def _triton_elementwise() -> ModuleType | None:

@@ -24,7 +24,6 @@ from tandem.models import moe
 from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, heads_to_rows
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
-from tandem.ops.attention import paged_attention
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
 from tandem.ops.quantized import BLOCK_COLS, GROUP_ROWS, can_quantize, quantize_int8
@@ -85,7 +84,9 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ops.rotary(q, k, ctx.positions, ctx.rotary.cos, ctx.rotary.sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, self.window)
+        out = ops.paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, self.window
+        )
         out = out.view(-1, self.q_size)
         o = self.o
         if not self.tp.enabled or o.bias is None:
@@ -176,6 +177,11 @@ class LlamaModel(nn.Module):
         if fused and len(set(self.spec.layer_windows())) == 1 and self.spec.moe is None:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
+
+    @property
+    def fused_forward(self) -> bool:
+        """Whether the whole forward runs as one kernel call (`use_fast_path`)."""
+        return self._fused_weights is not None
 
     def forward(
         self,

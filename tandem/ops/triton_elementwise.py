@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tandem.ops.attention import paged_attention  # noqa: F401 - the Triton kernels on CUDA
+
 _EXACT = {"enable_fp_fusion": False}  # a*b + c stays two roundings, as in PyTorch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -1,0 +1,76 @@
+"""The forward's non-GEMM ops through the fused CPU kernels, op by op.
+
+Models that the one-call forward (`tandem::llama_forward`) does not cover (experts, layers of
+different windows, other families) still run their norms, rotary embedding and SiLU through the
+kernels of `csrc/cpu_kernels.cpp`, and their decode attention reads the paged cache in place
+instead of gathering each request's blocks into a dense copy first: that copy grows with the
+context, the in-place read does not copy at all. The arithmetic is the fused forward's (sums in
+another order than `elementwise.py`'s, within 1e-4 of transformers' logits). Ops the kernels do
+not have are the portable ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tandem.ops.attention import portable_attention, write_kv
+from tandem.ops.attention_metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.tandem.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x); the residual stream is updated in place."""
+    residual = residual.contiguous()
+    return torch.ops.tandem.add_rms_norm(x, residual, weight, eps), residual
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place (q and k are the step's own projections)."""
+    torch.ops.tandem.rotary_(q, positions, cos, sin)
+    torch.ops.tandem.rotary_(k, positions, cos, sin)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tandem.silu_and_mul(x)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Decodes read the cache in place (from their window's start); prefill chunks as the
+    portable op."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    d = meta.num_decodes
+    if not d:
+        return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    out = torch.empty_like(q)
+    torch.ops.tandem.paged_decode_attention(
+        out[:d], q[:d].contiguous(), k_cache, v_cache, meta.block_tables[:d],
+        meta.context_lens[:d], scale, sliding_window or 0,
+    )  # fmt: skip
+    if meta.prefills:
+        prefills = replace(meta, num_decodes=0)
+        rest = portable_attention(q, k, v, k_cache, v_cache, prefills, scale, sliding_window)
+        out[d:] = rest[d:]
+    return out
