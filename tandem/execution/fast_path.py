@@ -86,8 +86,9 @@ def _choose(
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
         return ExecutionPlan("portable", False, None)
     build = cpu_kernels.load()
-    packed = model.use_fast_path(fused=build.available)
-    return ExecutionPlan("fused-cpu" if build.available else "portable", packed, build)
+    fused = build.available and model.has_fused_forward
+    packed = model.use_fast_path(fused=fused)
+    return ExecutionPlan("fused-cpu" if fused else "portable", packed, build)
 
 
 def _triton_elementwise() -> ModuleType | None:

@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 DEFAULT_MODEL_NAME = "default-llama-v1"
@@ -121,6 +122,8 @@ def _config_class(architecture: str) -> type:
         raise ValueError(
             f"unsupported architecture {architecture!r}; expected one of {SUPPORTED_ARCHITECTURES}"
         )
+    if architecture == "Gemma3ForCausalLM":  # Gemma3Config is the multimodal model's
+        return transformers.Gemma3TextConfig
     return getattr(transformers, architecture.replace("ForCausalLM", "Config"))
 
 

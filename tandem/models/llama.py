@@ -57,7 +57,9 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec, tp: TensorParallel):
+    def __init__(
+        self, spec: LlamaSpec, tp: TensorParallel, window: int | None, scale: float
+    ) -> None:
         super().__init__()
         self.spec = spec  # this rank's heads
         self.tp = tp
@@ -68,7 +70,8 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.scale = spec.head_dim**-0.5
+        self.window = window  # keys a query sees (itself included); None: every earlier one
+        self.scale = scale
 
     def forward(self, x, kv_cache, ctx: ForwardContext):
         s = self.spec
@@ -81,9 +84,7 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ops.rotary(q, k, ctx.positions, ctx.rotary.cos, ctx.rotary.sin)
-        out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, s.sliding_window
-        )
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, self.window)
         out = out.view(-1, self.q_size)
         o = self.o
         if not self.tp.enabled or o.bias is None:
@@ -107,7 +108,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, tp: TensorParallel):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, tp)
+        self.attn = Attention(spec, tp, spec.sliding_window, spec.head_dim**-0.5)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, tp)
 
@@ -137,6 +138,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     rotary: Rotary  # set by the loader on the real device (the module is built on "meta")
     ops: ModuleType = elementwise  # fast_path.prepare may choose the fused Triton ops (CUDA)
+    # The rope tables the loader builds, by the config's layer type (None: one for every layer).
+    rope_layer_types: tuple[str | None, ...] = (None,)
+    # Whether `tandem::llama_forward` (csrc) computes this model: the Llama family's layer only.
+    has_fused_forward = True
 
     def __init__(self, spec: LlamaSpec, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -146,9 +151,7 @@ class LlamaModel(nn.Module):
         self.local_spec = self.shard.local_spec  # the heads and sizes this rank computes
         rows = self.shard.vocab_per_rank
         self.embed = nn.Embedding(rows, spec.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(self.local_spec, tp) for _ in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(self._make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, rows)
@@ -157,6 +160,17 @@ class LlamaModel(nn.Module):
         # (the lookup keeps the float one).
         self.tied_logits: Linear | None = None
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
+
+    def _make_layer(self, index: int) -> nn.Module:
+        return DecoderLayer(self.local_spec, self.tp)
+
+    def set_rotary(self, tables: dict[str | None, Rotary]) -> None:
+        """Take the loader's rope tables, one per entry of `rope_layer_types`."""
+        self.rotary = tables[None]
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, how many keys (its own included) a query attends to; None: all of them."""
+        return [self.spec.sliding_window] * self.spec.num_layers
 
     def use_fast_path(self, fused: bool) -> bool:
         """Pre-pack every GEMM weight where MKL's packed path exists and, if `fused` (the CPU
@@ -168,7 +182,7 @@ class LlamaModel(nn.Module):
         tied = self.spec.tie_word_embeddings and self.tied_logits is None
         if tied and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        if fused:
+        if fused and self.has_fused_forward:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 

@@ -26,6 +26,16 @@ class LlamaSpec:
     o_bias: bool = False  # Llama / Qwen3 with attention_bias: o_proj has a bias too
 
 
+@dataclass
+class Gemma3Spec(LlamaSpec):
+    """Gemma 3's numbers on top of the shared ones (`sliding_window` is None: not every layer
+    slides; `windows` says which do)."""
+
+    windows: tuple[int | None, ...] = ()  # per layer: the sliding window, or None (global)
+    query_pre_attn_scalar: float = 256.0  # attention scores are scaled by its inverse sqrt
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+
+
 def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     """The HF checkpoint tensors of a model of this spec, by name, with their shapes."""
     s = spec
