@@ -10,6 +10,7 @@ the masks of both layer kinds count. The real Gemma 3 270M is in test_real_gemma
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -238,3 +239,31 @@ def test_attention_softcapping_is_refused_by_name(tmp_path):
     )  # fmt: skip
     with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
         read_config(path)
+
+
+def test_a_packaged_model_whose_package_assembles_its_file(tmp_path, monkeypatch):
+    """A catalog entry without a file name calls its package's `assemble()` for the path; an
+    absent package gives the install command, a failing one its error."""
+    from tandem.models.catalog import PACKAGED_MODELS, PackagedModel, resolve_model
+
+    package = tmp_path / "fake_assembled_model"
+    package.mkdir()
+    target = tmp_path / "assembled.gguf"
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        f"def assemble():\n    Path({str(target)!r}).write_bytes(b'GGUF')\n"
+        f"    return Path({str(target)!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = PackagedModel("fake_assembled_model", "", "pip install fake-assembled-model")
+    monkeypatch.setitem(PACKAGED_MODELS, "fake-model", entry)
+    assert resolve_model("fake-model") == target and target.is_file()
+    missing = PackagedModel("no_such_assembled_package", "", "pip install no-such")
+    monkeypatch.setitem(PACKAGED_MODELS, "fake-model", missing)
+    with pytest.raises(ModelLoadError, match="pip install no-such"):
+        resolve_model("fake-model")
+    (package / "__init__.py").write_text("def assemble():\n    raise ValueError('bad sha256')\n")
+    monkeypatch.delitem(sys.modules, "fake_assembled_model")  # import it afresh
+    monkeypatch.setitem(PACKAGED_MODELS, "fake-model", entry)
+    with pytest.raises(ModelLoadError, match="bad sha256"):
+        resolve_model("fake-model")
