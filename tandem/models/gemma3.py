@@ -139,8 +139,9 @@ class Gemma3Model(LlamaModel):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super()._embed(input_ids)
-        # transformers multiplies by sqrt(hidden) cast to the weights' dtype.
-        return x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        # transformers multiplies by sqrt(hidden) rounded to the weights' dtype; a Python number
+        # of that value gives the same products and no device copy (CUDA graphs capture this).
+        return x * float(torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
