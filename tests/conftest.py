@@ -40,6 +40,21 @@ LLAMA3_ROPE_SCALING = {
 }
 
 
+# A tiny Gemma 3: both layer kinds (a window shorter than most prompts), GQA, a head_dim unequal
+# to hidden / heads and a query_pre_attn_scalar unequal to head_dim, soft-capped logits.
+GEMMA3_TINY = {
+    "num_hidden_layers": 3,
+    "head_dim": 32,
+    "tie_word_embeddings": True,
+    "extra_config": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 7,
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 5.0,
+    },
+}
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama checkpoint with build_checkpoint's defaults (vocab 1024, 2 layers, GQA 4:2)."""
@@ -51,8 +66,9 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     """One checkpoint per supported architecture, each exercising a different loader path.
 
     Llama uses Llama 3 rope scaling, Mistral ties its embeddings, Qwen2 (with qkv bias) is
-    sharded into several safetensors files, and Qwen3 (with q/k norms) has a head_dim unequal
-    to hidden_size / heads. The mixture-of-experts models are `moe_checkpoints`'.
+    sharded into several safetensors files, Qwen3 (with q/k norms) has a head_dim unequal
+    to hidden_size / heads, Gemma 3 is GEMMA3_TINY, and the mixture-of-experts models are
+    `moe_checkpoints`'.
     """
     root = tmp_path_factory.mktemp("tiny-checkpoints")
     checkpoints = {
@@ -71,6 +87,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         ),
         "Qwen3ForCausalLM": build_checkpoint(root / "qwen3", "Qwen3ForCausalLM", head_dim=32),
         **moe_checkpoints(root),
+        "Gemma3ForCausalLM": build_checkpoint(root / "gemma3", "Gemma3ForCausalLM", **GEMMA3_TINY),
     }
     shards = list(checkpoints["Qwen2ForCausalLM"].glob("model-*.safetensors"))
     assert len(shards) >= 2, "the Qwen2 checkpoint is meant to be sharded"

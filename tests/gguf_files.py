@@ -1,10 +1,11 @@
 """Small GGUF files for the tests, written offline the way llama.cpp's convert_hf_to_gguf.py does.
 
 ``write_gguf`` turns a Hugging Face Llama-family folder (Llama, Mistral, Qwen2, Qwen3, and the
-mixture-of-experts Qwen3-MoE and Mixtral) into one GGUF file: llama.cpp's metadata keys,
-tokenizer and tensor names, Q/K rows permuted for the llama architecture, 1-D tensors and the
-routers in F32, 2-D weights and the experts (stacked per layer and projection into one 3-D
-tensor, `blk.N.ffn_gate_exps.weight`, as convert_hf_to_gguf.py does) in the asked type. gguf-py quantizes the legacy
+mixture-of-experts Qwen3-MoE and Mixtral) or a Gemma 3 folder into one GGUF file: llama.cpp's
+metadata keys, tokenizer and tensor names, Q/K rows permuted for the llama architecture, Gemma's
+norms stored as 1 + w, 1-D tensors and the routers in F32, 2-D weights and the experts (stacked
+per layer and projection into one 3-D tensor, `blk.N.ffn_gate_exps.weight`, as
+convert_hf_to_gguf.py does) in the asked type. gguf-py quantizes the legacy
 types itself; Q4_K, Q5_K and Q6_K, which it can only dequantize, are encoded here with a simple
 min-max (max-abs for Q6_K) per sub-block, not llama.cpp's rounding search, so their values differ
 from llama-quantize's but the blocks are valid. Like ggml, every block type needs rows (a weight's
@@ -41,6 +42,7 @@ GGUF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "MixtralForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # One expert's tensor in a Hugging Face checkpoint: layer, block, expert, projection.
 EXPERT_NAME = re.compile(
@@ -214,8 +216,10 @@ def _hf_tensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def _rope_parameters(config: dict) -> dict:
-    """transformers 5's rope_parameters, or the older rope_scaling + rope_theta."""
+    """transformers 5's rope_parameters, or the older rope_scaling + rope_theta (Gemma 3: its
+    global layers'; llama.cpp takes the local layers' base as 10000)."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params = dict(params.get("full_attention", params))
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
@@ -330,6 +334,8 @@ def write_gguf(
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for tensor {hf_name!r}")
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # Gemma3Model.norm_shift: llama.cpp's norms are 1 + w
         if arch == "llama" and ".attn_q." in name:
             data = permute_qk(data, n_head)
         elif arch == "llama" and ".attn_k." in name:
@@ -366,6 +372,8 @@ def write_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(FILE_TYPES[tensor_type])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(head_dim)
@@ -465,7 +473,8 @@ def tiny_hf_folder(
         **{k: default_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         **config_overrides,
     }
-    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**kwargs)
+    name = "Gemma3TextConfig" if architecture == "Gemma3ForCausalLM" else architecture
+    config = getattr(transformers, name.replace("ForCausalLM", "Config"))(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -23,7 +23,13 @@ from tandem.cli import main
 from tandem.models import SUPPORTED_ARCHITECTURES
 from tandem.models.dummy import dummy_tensors
 from tandem.models.llama import LlamaModel
-from tandem.models.loader import ModelLoadError, _inv_freq, build_model, read_config
+from tandem.models.loader import (
+    ModelLoadError,
+    _inv_freq,
+    build_model,
+    model_class,
+    read_config,
+)
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import checkpoint_shapes
 
@@ -98,12 +104,13 @@ def test_rank_slices_put_together_are_the_one_rank_model(tiny_llama, tmp_path):
 @pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
 def test_dummy_load_equals_loading_its_checkpoint_at_every_rank(tiny_checkpoints, architecture):
     """Each rank's dummy parameters are what the checkpoint placement code makes of the whole
-    dummy tensors: qkv bias (Qwen2), q/k norms (Qwen3), tied embeddings (Mistral) included."""
+    dummy tensors: qkv bias (Qwen2), q/k norms (Qwen3), tied embeddings (Mistral), Gemma's
+    extra norms included."""
     path, spec, hf_config = read_config(tiny_checkpoints[architecture])
     for tp in (SINGLE, TensorParallel(0, 2), TensorParallel(1, 2)):
         dummy = _build(path, 7, tp)
         with torch.device("meta"):
-            reference = LlamaModel(spec, tp)
+            reference = model_class(hf_config)(spec, tp)
         reference = reference.to_empty(device=torch.device("cpu"))
         std = hf_config.initializer_range
         for name, tensor in dummy_tensors(

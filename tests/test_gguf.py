@@ -203,10 +203,10 @@ def test_unsupported_architecture_is_refused_naming_it_and_the_types(llama_folde
         llama_folder,
         tmp_path / "g.gguf",
         "Q4_K",
-        metadata_overrides={"general.architecture": "gemma3"},
+        metadata_overrides={"general.architecture": "gemma2"},
     )
     with pytest.raises(
-        ModelLoadError, match=r"architecture 'gemma3' \(Q4_K, F32\) is not supported"
+        ModelLoadError, match=r"architecture 'gemma2' \(Q4_K, F32\) is not supported"
     ):
         LLM(str(path))
 

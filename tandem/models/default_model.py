@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 DEFAULT_MODEL_NAME = "default-llama-v1"
@@ -124,6 +125,8 @@ def _config_class(architecture: str) -> type:
         raise ValueError(
             f"unsupported architecture {architecture!r}; expected one of {SUPPORTED_ARCHITECTURES}"
         )
+    if architecture == "Gemma3ForCausalLM":  # Gemma3Config is the multimodal model's
+        return transformers.Gemma3TextConfig
     return getattr(transformers, architecture.replace("ForCausalLM", "Config"))
 
 

@@ -36,8 +36,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
-MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # transformers' name where it differs from GGUF's
 # Stacked experts -> one expert's Hugging Face names: the block's prefix and each projection's.
 _EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
                    "ffn_down_exps.weight": "down"}  # fmt: skip
@@ -45,6 +45,36 @@ _EXPERT_NAMES = {
     "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
     "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
+# The transformers model type of a GGUF architecture, where the two names differ (a gemma3
+# file holds the text model only).
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# Architectures whose norm weights llama.cpp's converter stores as 1 + w (Gemma's norms scale by
+# 1 + w); loading subtracts the 1 again, as transformers' GGUF loader does.
+PLUS_ONE_NORMS = {"gemma3"}
+# Gemma 3's chat template (text turns; a system message joins the first user turn), for a file
+# that carries none: llama.cpp's converter writes the one of the checkpoint's tokenizer, which
+# base models lack.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 # Architectures whose Q and K rows llama.cpp's converter interleaves per head (rotary pairs
 # side by side); loading puts them back in Hugging Face's half-split order.
 PERMUTED_QK = {"llama"}
@@ -62,7 +92,7 @@ SAMPLING_KEYS = {
 }
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",  # Gemma's: _GEMMA3_LAYER_TENSORS
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -72,6 +102,12 @@ _LAYER_TENSORS = {
     f"attn_{gguf}.{kind}": f"self_attn.{hf}_proj.{kind}"
     for gguf, hf in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
     for kind in ("weight", "bias")
+}
+# Gemma 3 norms the attention's and the MLP's outputs too; its ffn_norm is the MLP's input norm.
+_GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -208,7 +244,11 @@ def gguf_config(file: GGUFFile) -> PretrainedConfig:
         }
     elif scaling != "none":
         raise ModelLoadError(f"{file.path}: rope scaling {scaling!r} is not supported")
+    if arch == "gemma3":
+        values |= _gemma3_values(file, values)
     eos = [file.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if arch == "gemma3":
+        eos.append(_token_id(file, GEMMA3_END_OF_TURN))  # ends a turn; the file names only <eos>
     eos = [int(i) for i in dict.fromkeys(eos) if i is not None]
     values["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None
     for name, key in (("bos_token_id", "bos"), ("pad_token_id", "padding")):
@@ -233,15 +273,42 @@ def _moe_values(file: GGUFFile, values: dict) -> str:
     return "qwen3_moe"
 
 
+def _gemma3_values(file: GGUFFile, values: dict) -> dict:
+    """Gemma 3's numbers that are not the Llama family's. The layer pattern (five sliding layers,
+    then a global one) and the local rope base (10000) are Gemma 3's constants in llama.cpp and
+    transformers alike, so the file does not store them; `rope.freq_base` is the global base."""
+    window = file.arch_field("attention.sliding_window")
+    if window is None:
+        raise ModelLoadError(f"{file.path}: gemma3 metadata without attention.sliding_window")
+    # llama.cpp scales queries by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the 27B
+    # (62 layers), whose query_pre_attn_scalar is that.
+    big = values["num_hidden_layers"] == 62
+    scalar = values["hidden_size"] // values["num_attention_heads"] if big else values["head_dim"]
+    return {
+        "sliding_window": int(window),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": scalar,
+    }
+
+
+def _token_id(file: GGUFFile, token: str) -> int | None:
+    tokens = file.field("tokenizer.ggml.tokens", [])
+    return tokens.index(token) if token in tokens else None
+
+
 def gguf_tokenizer(file: GGUFFile) -> PreTrainedTokenizerFast:
     """The tokenizer the file describes (vocabulary, merges, special tokens, chat template), as
     transformers rebuilds it from a GGUF."""
     try:
-        return PreTrainedTokenizerFast.from_pretrained(
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
             file.path.parent, gguf_file=file.path.name, local_files_only=True
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot build the tokenizer of {file.path}: {exc}") from exc
+    if file.architecture == "gemma3" and not tokenizer.chat_template:
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    return tokenizer
 
 
 def gguf_generation_defaults(file: GGUFFile) -> dict[str, float | int]:
@@ -262,17 +329,19 @@ def rope_freq_factors(file: GGUFFile) -> torch.Tensor | None:
 
 def gguf_tensors(file: GGUFFile, head_dim: int) -> Iterator[tuple[str, GGUFTensor]]:
     """Every weight under its Hugging Face name, as a lazily dequantized tensor."""
+    arch = file.architecture
     for name, tensor in file.tensors.items():
         experts = _expert_names(file.architecture, name)
         if experts is not None:
             for e, hf_name in enumerate(experts(int(tensor.shape[-1]))):
                 yield hf_name, GGUFTensor(file, tensor, None, expert=e)
             continue
-        hf_name = hf_tensor_name(name) or hf_router_name(file.architecture, name)
+        hf_name = hf_tensor_name(name, arch) or hf_router_name(arch, name)
         if hf_name is None:
             continue
-        permuted = file.architecture in PERMUTED_QK and hf_name.endswith(_PERMUTED_SUFFIXES)
-        yield hf_name, GGUFTensor(file, tensor, head_dim if permuted else None)
+        permuted = arch in PERMUTED_QK and hf_name.endswith(_PERMUTED_SUFFIXES)
+        minus_one = arch in PLUS_ONE_NORMS and hf_name.endswith("norm.weight")
+        yield hf_name, GGUFTensor(file, tensor, head_dim if permuted else None, minus_one)
 
 
 def _expert_names(arch: str, name: str):
@@ -288,13 +357,14 @@ def _expert_names(arch: str, name: str):
     ]
 
 
-def hf_tensor_name(name: str) -> str | None:
+def hf_tensor_name(name: str, architecture: str = "llama") -> str | None:
     """llama.cpp's tensor name -> the Hugging Face checkpoint's (None: not a weight Tandem reads)."""
     if name in _MODEL_TENSORS:
         return _MODEL_TENSORS[name]
+    layer = _GEMMA3_LAYER_TENSORS if architecture == "gemma3" else _LAYER_TENSORS
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
 
 
@@ -313,11 +383,17 @@ class GGUFTensor:
     reads only its blocks when its ends fall on block boundaries."""
 
     def __init__(
-        self, file: GGUFFile, tensor, unpermute_head_dim: int | None, expert: int | None = None
+        self,
+        file: GGUFFile,
+        tensor,
+        unpermute_head_dim: int | None,
+        minus_one: bool = False,
+        expert: int | None = None,
     ):
         self.file = file
         self.tensor = tensor
         self.unpermute_head_dim = unpermute_head_dim
+        self.minus_one = minus_one  # a norm stored as 1 + w (Gemma): read back as w
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # torch order
         self.expert = expert  # one expert of a stacked experts tensor
         if expert is not None:
@@ -336,6 +412,8 @@ class GGUFTensor:
         values = self._dequantize(data)[..., cols]
         if self.unpermute_head_dim is not None:
             values = _unpermute_rows(values, self.unpermute_head_dim)
+        if self.minus_one:
+            values = values - np.float32(1.0)
         if not np.isfinite(values).all():  # a corrupt scale shows here, once per tensor
             raise ModelLoadError(f"{self.file.path}: tensor {self.tensor.name} holds NaN or Inf")
         return torch.from_numpy(np.ascontiguousarray(values))

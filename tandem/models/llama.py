@@ -59,7 +59,9 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec, tp: TensorParallel, window: int | None):
+    def __init__(
+        self, spec: LlamaSpec, tp: TensorParallel, window: int | None, scale: float
+    ) -> None:
         super().__init__()
         self.spec = spec  # this rank's heads
         self.tp = tp
@@ -71,7 +73,8 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.scale = spec.head_dim**-0.5
+        self.window = window  # keys a query sees (itself included); None: every earlier one
+        self.scale = scale
 
     def forward(self, x, kv_cache, ctx: ForwardContext):
         s = self.spec
@@ -110,7 +113,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, tp: TensorParallel, index: int, window: int | None):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, tp, window)
+        self.attn = Attention(spec, tp, window, spec.head_dim**-0.5)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = moe.SparseMoE(spec, tp) if spec.is_sparse(index) else MLP(spec, tp)
 
@@ -140,6 +143,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     rotary: Rotary  # set by the loader on the real device (the module is built on "meta")
     ops: ModuleType = elementwise  # fast_path.prepare may choose the fused Triton ops (CUDA)
+    # The rope tables the loader builds, by the config's layer type (None: one for every layer).
+    rope_layer_types: tuple[str | None, ...] = (None,)
+    # Whether `tandem::llama_forward` (csrc) can compute this model: the Llama family's layer,
+    # with one window for every layer and no experts.
+    family_has_fused_forward = True
 
     def __init__(self, spec: LlamaSpec, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -149,10 +157,7 @@ class LlamaModel(nn.Module):
         self.local_spec = self.shard.local_spec  # the heads and sizes this rank computes
         rows = self.shard.vocab_per_rank
         self.embed = nn.Embedding(rows, spec.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(self.local_spec, tp, i, window)
-            for i, window in enumerate(spec.layer_windows())
-        )
+        self.layers = nn.ModuleList(self._make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, rows)
@@ -161,6 +166,13 @@ class LlamaModel(nn.Module):
         # (the lookup keeps the float one).
         self.tied_logits: Linear | None = None
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
+
+    def _make_layer(self, index: int) -> nn.Module:
+        return DecoderLayer(self.local_spec, self.tp, index, self.spec.layer_windows()[index])
+
+    def set_rotary(self, tables: dict[str | None, Rotary]) -> None:
+        """Take the loader's rope tables, one per entry of `rope_layer_types`."""
+        self.rotary = tables[None]
 
     def use_fast_path(self, fused: bool) -> bool:
         """Pre-pack every GEMM weight where MKL's packed path exists and, if `fused` (the CPU
@@ -173,10 +185,14 @@ class LlamaModel(nn.Module):
         tied = self.spec.tie_word_embeddings and self.tied_logits is None
         if tied and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
-        # The one kernel has one window and no sparse MLP.
-        if fused and len(set(self.spec.layer_windows())) == 1 and self.spec.moe is None:
+        if fused and self.has_fused_forward:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
+
+    @property
+    def has_fused_forward(self) -> bool:
+        one_window = len(set(self.spec.layer_windows())) == 1
+        return self.family_has_fused_forward and one_window and self.spec.moe is None
 
     @property
     def fused_forward(self) -> bool:

@@ -8,6 +8,7 @@ and a folder without tokenizer files gives a model without a tokenizer (token id
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from tandem.models import gguf_checkpoint as gguf
 from tandem.models.dummy import load_dummy_weights
 from tandem.models.errors import ModelLoadError
+from tandem.models.gemma3 import Gemma3Model, gemma3_spec
 from tandem.models.llama import LlamaModel, Rotary
 from tandem.models.moe import moe_spec
 from tandem.models.parallel import SINGLE, TensorParallel
@@ -28,6 +30,10 @@ from tandem.models.spec import LlamaSpec
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_INITIALIZER_RANGE = 0.02  # dummy weights' standard deviation when the config names none
 
+# Architectures outside the Llama family: their model class and the spec read from the config.
+MODELS: dict[str, tuple[type[LlamaModel], Callable[[PretrainedConfig], LlamaSpec]]] = {
+    "Gemma3ForCausalLM": (Gemma3Model, gemma3_spec),
+}
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -36,6 +42,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    *MODELS,
 )
 
 
@@ -123,7 +130,7 @@ def build_model(
     float32 on a CPU) get no float copy at all."""
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
-        model = LlamaModel(spec, tp)
+        model = model_class(hf_config)(spec, tp)
     native = quantization is None and device.type == "cpu" and dtype == torch.float32
     if native and load_format == "auto" and gguf.is_gguf(path):
         tensors = dict(gguf.gguf_tensors(gguf.open_gguf(path), spec.head_dim))
@@ -131,10 +138,14 @@ def build_model(
             lambda name: tensors[name].native_format if name in tensors else None
         )
     model = model.to(dtype).to_empty(device=device)
-    inv_freq, scaling = _inv_freq(hf_config)
-    if gguf.is_gguf(path) and (factors := gguf.rope_freq_factors(gguf.open_gguf(path))) is not None:
-        inv_freq = inv_freq / factors  # Llama 3's rope scaling, as llama.cpp stores it
-    model.rotary = Rotary(inv_freq, scaling, positions).to(device)
+    factors = gguf.rope_freq_factors(gguf.open_gguf(path)) if gguf.is_gguf(path) else None
+    tables = {}
+    for layer_type in model.rope_layer_types:
+        inv_freq, scaling = _inv_freq(hf_config, layer_type)
+        if factors is not None:
+            inv_freq = inv_freq / factors  # Llama 3's rope scaling, as llama.cpp stores it
+        tables[layer_type] = Rotary(inv_freq, scaling, positions).to(device)
+    model.set_rotary(tables)
     if load_format == "dummy":
         std = getattr(hf_config, "initializer_range", None) or DEFAULT_INITIALIZER_RANGE
         load_dummy_weights(model, seed, std)
@@ -149,7 +160,13 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
+def model_class(config: PretrainedConfig) -> type[LlamaModel]:
+    """The class that runs a (supported) config's architecture."""
+    arch = _architecture(config)
+    return MODELS[arch][0] if arch in MODELS else LlamaModel
+
+
+def _architecture(config: PretrainedConfig) -> str:
     archs = getattr(config, "architectures", None) or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -157,6 +174,13 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
             f"unsupported architecture {archs or 'none given'}; "
             f"Tandem supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return arch
+
+
+def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
+    arch = _architecture(config)
+    if arch in MODELS:
+        return MODELS[arch][1](config)
     sliding_window, sliding_layers = None, None
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         sliding_window = getattr(config, "sliding_window", None)
@@ -187,9 +211,14 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
     )
 
 
-def _inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """Inverse rope frequencies and attention scaling, computed by transformers' own functions."""
+def _inv_freq(
+    config: PretrainedConfig, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse rope frequencies and attention scaling, computed by transformers' own functions
+    (for the layers of `layer_type`, in a config with rope parameters per layer type)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -200,7 +229,8 @@ def _inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ModelLoadError(f"rope_type {rope_type!r} is not supported")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv, float(scaling)
 
 

@@ -67,6 +67,19 @@ class LlamaSpec:
         return self.moe is not None and layer in self.moe.sparse_layers
 
 
+@dataclass
+class Gemma3Spec(LlamaSpec):
+    """Gemma 3's numbers on top of the shared ones (`sliding_window` is None: not every layer
+    slides; `windows` says which do)."""
+
+    windows: tuple[int | None, ...] = ()  # per layer: the sliding window, or None (global)
+    query_pre_attn_scalar: float = 256.0  # attention scores are scaled by its inverse sqrt
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    def layer_windows(self) -> list[int | None]:
+        return list(self.windows)
+
+
 def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     """The HF checkpoint tensors of a model of this spec, by name, with their shapes."""
     s = spec

