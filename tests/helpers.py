@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from tandem import LLM, Engine, RequestOutput, SamplingParams
@@ -78,3 +81,29 @@ def bench_table(out: str) -> dict[str, list[str]]:
             parts = [p.strip() for p in line.split("│")]
             rows[parts[1]] = parts[2:-1]
     return rows
+
+
+def packaged_model(short_name: str, what: str) -> Path:
+    """A packaged real model's file. Without its package the test skips, or fails where
+    TANDEM_REQUIRE_REAL_MODEL is set (CI installs every packaged model)."""
+    from tandem.models.catalog import PACKAGED_MODELS
+
+    path = PACKAGED_MODELS[short_name].path()
+    if path is None:
+        message = f"{what} is not installed: {PACKAGED_MODELS[short_name].install}"
+        if os.environ.get("TANDEM_REQUIRE_REAL_MODEL"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@functools.cache
+def transformers_gguf(path: Path):
+    """transformers' own GGUF loading of a file: tokenizer and fp32 model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return tokenizer, model.eval()

@@ -45,6 +45,13 @@ request_strategy = st.fixed_dictionaries(
     }
 )
 
+# Every example runs two engines, so no deadline and no health checks on speed.
+SCHEDULE_SETTINGS = dict(
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
 
 def held(groups: list[list[int]]) -> list[int]:
     return [b for ids in groups for b in ids if b != DROPPED]
@@ -150,12 +157,7 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
     return outputs
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(max_examples=25, **SCHEDULE_SETTINGS)
 @given(
     prefixes=st.lists(st.lists(tokens, max_size=40), min_size=3, max_size=3),
     requests=st.lists(request_strategy, min_size=1, max_size=8),
@@ -217,12 +219,7 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     check_both_loops(tiny_llama, prompts, requests, options)
 
 
-@settings(
-    max_examples=10,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(max_examples=10, **SCHEDULE_SETTINGS)
 @given(
     prefixes=st.lists(st.lists(tokens, max_size=40), min_size=3, max_size=3),
     requests=st.lists(request_strategy, min_size=1, max_size=6),

@@ -10,15 +10,15 @@ package. Loading the model in transformers dominates this file's time (about a m
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.models.catalog import PACKAGED_MODELS, resolve_model
+from tandem.models.catalog import resolve_model
+
+from helpers import packaged_model, transformers_gguf
 
 SHORT_NAME = "gemma3-270m"
 QUESTIONS = [
@@ -41,26 +41,9 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    path = PACKAGED_MODELS[SHORT_NAME].path()  # assembles the file on first use
-    if path is None:
-        message = f"Gemma 3 270M is not installed: {PACKAGED_MODELS[SHORT_NAME].install}"
-        if os.environ.get("TANDEM_REQUIRE_REAL_MODEL"):
-            pytest.fail(message)
-        pytest.skip(message)
+    path = packaged_model(SHORT_NAME, "Gemma 3 270M")  # assembles the file on first use
     assert resolve_model(SHORT_NAME) == path
     return path
-
-
-@functools.cache
-def _transformers(path: Path):
-    """transformers' own GGUF loading of the file: tokenizer and fp32 model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return tokenizer, model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +76,7 @@ def reference(gguf_path, engine) -> list[tuple[list[int], list[int]]]:
     <end_of_turn>."""
     from transformers import GenerationConfig
 
-    tokenizer, model = _transformers(gguf_path)
+    tokenizer, model = transformers_gguf(gguf_path)
     ours = engine.get_tokenizer()
     prompts = [chat_prompt(ours, q) for q in QUESTIONS]
     ids = [ours(p, add_special_tokens=False).input_ids for p in prompts]  # the template's BOS
@@ -126,7 +109,7 @@ def test_greedy_chat_equals_transformers(engine, reference, enforce_eager):
 
 
 def test_prompt_logprobs_equal_transformers_log_softmax(gguf_path, engine):
-    tokenizer, model = _transformers(gguf_path)
+    tokenizer, model = transformers_gguf(gguf_path)
     ids = engine.get_tokenizer()(TEXT).input_ids
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)

@@ -9,17 +9,17 @@ TANDEM_REQUIRE_REAL_MODEL, so in CI these tests fail rather than skip without it
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.models.catalog import PACKAGED_MODELS, resolve_model
+from tandem.models.catalog import resolve_model
 from tandem.models.loader import read_config
+
+from helpers import packaged_model, transformers_gguf
 
 SHORT_NAME = "smollm2-135m-instruct"
 QUESTIONS = [
@@ -43,25 +43,8 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    path = PACKAGED_MODELS[SHORT_NAME].path()
-    if path is None:
-        message = f"SmolLM2 is not installed: {PACKAGED_MODELS[SHORT_NAME].install}"
-        if os.environ.get("TANDEM_REQUIRE_REAL_MODEL"):
-            pytest.fail(message)
-        pytest.skip(message)
+    path = packaged_model(SHORT_NAME, "SmolLM2")
     return path
-
-
-@functools.cache
-def _transformers(path: Path):
-    """transformers' own GGUF loading of the file: tokenizer and fp32 model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return tokenizer, model.eval()
 
 
 def chat_prompt(tokenizer, question: str) -> str:
@@ -74,7 +57,7 @@ def reference(gguf_path: Path) -> dict[str, tuple[list[int], list[int]]]:
     """question -> (prompt ids, transformers' greedy answer up to and with <|im_end|>)."""
     from transformers import GenerationConfig
 
-    tokenizer, model = _transformers(gguf_path)
+    tokenizer, model = transformers_gguf(gguf_path)
     answers = {}
     for question in QUESTIONS:
         ids = tokenizer(chat_prompt(tokenizer, question), add_special_tokens=False).input_ids
@@ -129,7 +112,7 @@ def test_greedy_chat_equals_transformers(gguf_path, reference, engines, mode):
 
 
 def test_prompt_logprobs_equal_transformers_log_softmax(gguf_path, engines):
-    tokenizer, model = _transformers(gguf_path)
+    tokenizer, model = transformers_gguf(gguf_path)
     ids = tokenizer(TEXT).input_ids
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -195,7 +178,7 @@ def test_json_schema_answer_equals_transformers_under_the_same_grammar(gguf_path
     spec = StructuredOutputsParams(json=schema)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=spec)
     question = "What is the capital of France? Answer in JSON."
-    tokenizer, model = _transformers(gguf_path)
+    tokenizer, model = transformers_gguf(gguf_path)
     ids = tokenizer(chat_prompt(tokenizer, question), add_special_tokens=False).input_ids
     llm = engines("async-fast")
     out = llm.generate([chat_prompt(llm.get_tokenizer(), question)], params)[0]
