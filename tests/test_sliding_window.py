@@ -94,50 +94,57 @@ def test_prompt_logprobs_equal_transformers(hybrid):
         assert entry[token].logprob == pytest.approx(expected[i - 1, token].item(), abs=1e-4)
 
 
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_window_blocks_are_given_back_as_it_moves(hybrid, async_scheduling):
+def test_window_blocks_are_given_back_as_it_moves(hybrid, tiny_checkpoints, model, async_scheduling):
     """Exact accounting at every step: a windowed group holds exactly the blocks from the one
-    its step's first query reads to the one its last token lands in; the full group holds all.
-    (Without prefix caching: with it, a block stays until it has joined the cache.)"""
+    its step's first query reads to the one its last token lands in; a full group holds all.
+    (Without prefix caching: with it, a block stays until it has joined the cache.) Both models
+    have a window of 7: Qwen3 layers [full, 7, 7, 7], Gemma 3 [7, full, 7]."""
+    path = hybrid if model == "qwen3" else tiny_checkpoints["Gemma3ForCausalLM"]
     llm = make_llm(
-        hybrid, block_size=4, async_scheduling=async_scheduling, max_num_batched_tokens=8,
+        path, block_size=4, async_scheduling=async_scheduling, max_num_batched_tokens=8,
         enable_prefix_caching=False,
     )  # fmt: skip
     engine, s = llm.engine, llm.engine.scheduler
+    windows = [g.window for g in s.groups.groups]
+    assert set(windows) == {None, WINDOW}
     schedule, seen = s.schedule, []
 
     def checked():
         batch = schedule()
         for item in batch.items if batch else []:
-            r = item.request
             end = -(-(item.start + item.num_tokens) // 4)
-            full, *windowed = r.block_ids
-            assert DROPPED not in full and len(full) == end
             first = max(0, item.start - WINDOW + 1) // 4
-            for ids in windowed:
+            for ids, window in zip(item.request.block_ids, windows, strict=True):
                 held = [j for j, b in enumerate(ids) if b != DROPPED]
-                assert held == list(range(first, end)), (item.start, held)
-            seen.append(len(held))
+                assert held == list(range(0 if window is None else first, end)), item.start
+                if window is not None:
+                    seen.append(len(held))
         return batch
 
     s.schedule = checked
     prompt = prompts(2, (37,))[0]
     out = llm.generate([prompt], greedy(40))[0]
-    assert out.token_ids == hf_greedy_reference(hybrid, prompt, 40)
+    assert out.token_ids == hf_greedy_reference(path, prompt, 40)
     # 77 positions in blocks of 4: the full group ends with 20, a windowed group never above 4.
     assert max(seen) <= -(-(WINDOW - 1 + 8) // 4) + 1 and seen[-1] <= 3
     assert_idle_and_balanced(engine)
 
 
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_prefix_cache_n_and_preemption_with_windows(hybrid, async_scheduling):
+def test_prefix_cache_n_and_preemption_with_windows(
+    hybrid, tiny_checkpoints, model, async_scheduling
+):
     """A cached prefix is reused where every group holds what its first computed position
     reads; n > 1 samples share the prompt; a small cache preempts. Outputs stay the reference."""
+    path = hybrid if model == "qwen3" else tiny_checkpoints["Gemma3ForCausalLM"]
     shared = prompts(3, (26,))[0]
     batch = [shared + [100 + i] for i in range(3)] + prompts(4, (33,))
     llm = make_llm(
-        hybrid, block_size=4, async_scheduling=async_scheduling, num_kv_blocks=56,
-        max_num_batched_tokens=32,
+        path, block_size=4, async_scheduling=async_scheduling,
+        num_kv_blocks=56 if model == "qwen3" else 40, max_num_batched_tokens=32,
     )  # fmt: skip
     first = llm.generate(batch[:1], greedy(20))[0]
     outs = llm.generate(batch, greedy(20))
@@ -145,9 +152,9 @@ def test_prefix_cache_n_and_preemption_with_windows(hybrid, async_scheduling):
     assert s.stats.hit_tokens >= 24  # the first prompt's blocks, in every group
     assert outs[0].token_ids == first.token_ids
     for prompt, out in zip(batch, outs, strict=True):
-        assert out.token_ids == hf_greedy_reference(hybrid, prompt, 20)
+        assert out.token_ids == hf_greedy_reference(path, prompt, 20)
     sampled = llm.generate(batch[3:], SamplingParams(max_tokens=12, temperature=0.9, seed=3, n=3))
-    again = make_llm(hybrid, block_size=4, async_scheduling=not async_scheduling).generate(
+    again = make_llm(path, block_size=4, async_scheduling=not async_scheduling).generate(
         batch[3:], SamplingParams(max_tokens=12, temperature=0.9, seed=3, n=3)
     )
     assert [o.token_ids for o in sampled[0].outputs] == [o.token_ids for o in again[0].outputs]
