@@ -5,10 +5,9 @@ official `openai` client, streamed and not, as the offline `LLM` answers."""
 from __future__ import annotations
 
 import pytest
+from test_server import ENGINE_OPTIONS, assert_idle, greedy, start_server
 
 from tandem import LLM
-
-from test_server import ENGINE_OPTIONS, assert_idle, greedy, start_server
 
 
 @pytest.fixture(params=["Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "sliding"])

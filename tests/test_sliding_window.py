@@ -96,7 +96,9 @@ def test_prompt_logprobs_equal_transformers(hybrid):
 
 @pytest.mark.parametrize("model", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_window_blocks_are_given_back_as_it_moves(hybrid, tiny_checkpoints, model, async_scheduling):
+def test_window_blocks_are_given_back_as_it_moves(
+    hybrid, tiny_checkpoints, model, async_scheduling
+):
     """Exact accounting at every step: a windowed group holds exactly the blocks from the one
     its step's first query reads to the one its last token lands in; a full group holds all.
     (Without prefix caching: with it, a block stays until it has joined the cache.) Both models
