@@ -74,9 +74,10 @@ def _vocab(path: Path) -> int:
 
 # ------------------------------------------------------------------------------- the block
 @pytest.mark.parametrize("name", [*MOE, "qwen3-moe-step2-top3", "mixtral-top1"])
-def test_sparse_layers_and_the_block_equal_transformers(moe_models, name):
+def test_sparse_layers_and_the_block_equal_transformers(moe_models, name, monkeypatch):
     """The same layers are sparse, and each sparse block's output (routing, grouped experts,
-    shared expert) equals transformers' eager and default (grouped_mm) implementations."""
+    shared expert) equals transformers' eager and default (grouped_mm) implementations; so does
+    the block through the sync-free path that CUDA takes."""
     path = moe_models[name]
     ours = load_model(path, torch.float32, CPU).model
     hf = _load_hf_model(str(path))
@@ -92,6 +93,11 @@ def test_sparse_layers_and_the_block_equal_transformers(moe_models, name):
                 want = hf.model.layers[i].mlp(x[None])[0]
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     hf.config._experts_implementation = "grouped_mm"
+    monkeypatch.setattr("tandem.models.moe.grouped_mm_runs", lambda x: True)
+    for i in sparse:
+        with torch.no_grad():
+            want = hf.model.layers[i].mlp(x[None])[0]
+            torch.testing.assert_close(ours.layers[i].mlp(x, elementwise), want, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------- equivalence
@@ -269,3 +275,28 @@ def test_qwen3_30b_a3b_config_builds_shape_correct_dummy_weights():
     tensors = dummy_tensors(model, 0, hf_config.initializer_range, torch.bfloat16, CPU)
     rows = tensors["model.layers.47.mlp.experts.127.down_proj.weight"][2040:2048]
     assert rows.shape == (8, 768) and rows.isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_grouped_path_equals_the_loop(dtype):
+    """The sync-free path (`torch._grouped_mm` over the sorted rows, group ends found on the
+    device; CUDA's) gives the loop's sums, experts chosen by no token included."""
+    from tandem.ops import elementwise
+    from tandem.ops.moe import grouped_experts, grouped_experts_on_device, route
+
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens = 7, 32, 48, 9
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g).to(dtype) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=g).to(dtype) * 0.2
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g).to(dtype)
+    logits[:, 3] = -30  # expert 3 gets no row
+    weights, ids = route(logits, 2, True, False)
+
+    def expert(e, rows):
+        return elementwise.silu_and_mul(rows @ gate_up[e].T) @ down[e].T
+
+    loop = grouped_experts(x, weights, ids, experts, expert)
+    grouped = grouped_experts_on_device(x, weights, ids, gate_up, down, elementwise.silu_and_mul)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped, loop, atol=tolerance, rtol=tolerance)

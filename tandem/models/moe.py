@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 from tandem.models.parallel import Placement, Shard, TensorParallel
 from tandem.models.spec import LlamaSpec, MoESpec
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
-from tandem.ops.moe import grouped_experts, route
+from tandem.ops.moe import grouped_experts, grouped_experts_on_device, grouped_mm_runs, route
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 # A checkpoint's expert part -> which of gate, up, down it is (Qwen's names, then Mixtral's).
@@ -118,9 +118,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         m = self.moe
         weights, ids = route(self.router(x), m.top_k, m.norm_topk_prob, m.float32_weights)
-        out = grouped_experts(
-            x, weights, ids, m.num_experts, lambda e, rows: self.experts(e, rows, ops)
-        )
+        if grouped_mm_runs(x):  # no host sync (CUDA)
+            e = self.experts
+            out = grouped_experts_on_device(x, weights, ids, e.gate_up, e.down, ops.silu_and_mul)
+        else:
+            out = grouped_experts(
+                x, weights, ids, m.num_experts, lambda e, rows: self.experts(e, rows, ops)
+            )
         if self.shared is not None:
             out += torch.sigmoid(self.shared_gate(x)) * self.shared(x, ops)
         return self.tp.all_reduce(out)

@@ -7,6 +7,12 @@ GEMM pair over all of its tokens, and its weighted rows are added into the outpu
 `index_add_`. Experts are visited in ascending order, as transformers' eager loop does, so each
 token's contributions are summed in the reference's order too (for top-2, any order gives the
 same bits).
+
+`grouped_experts_on_device` computes the same sums with no host sync: every (token, choice) row
+sorted by expert goes through one `torch._grouped_mm` per projection over the stacked weights,
+the groups' ends found by `searchsorted` on the device. The loop reads each expert's row count on
+the host, which on CUDA stalls the stream once per sparse layer; CUDA steps take this path where
+the grouped GEMM runs (bfloat16).
 """
 
 from __future__ import annotations
@@ -53,3 +59,32 @@ def grouped_experts(
         y = expert(e, x.index_select(0, rows))
         out.index_add_(0, rows, (y * sorted_weights[start:end, None]).to(out.dtype))
     return out
+
+
+def grouped_experts_on_device(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,  # [experts, 2 * inter, hidden]
+    down: torch.Tensor,  # [experts, hidden, inter]
+    act: Callable[[torch.Tensor], torch.Tensor],  # gate_up rows -> inter rows (SiLU-and-mul)
+) -> torch.Tensor:
+    """`grouped_experts` of the SwiGLU experts `gate_up`, `down`, in two grouped GEMMs."""
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    tokens = order // top_k
+    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat.dtype)
+    ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+    rows = x.index_select(0, tokens)
+    h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)
+    y = torch._grouped_mm(act(h), down.transpose(1, 2), offs=ends)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tokens, (y * weights.flatten()[order, None]).to(out.dtype))
+    return out
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether `grouped_experts_on_device` is the path for x: CUDA in bfloat16, where torch has
+    its grouped GEMM (the CPU takes the loop, whose packed GEMMs are faster there)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
