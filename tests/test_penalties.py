@@ -303,7 +303,7 @@ def test_counts_start_from_position_zero_on_admission():
         processing=LogitsProcessing(repetition=1.5),
     )  # fmt: skip
     req.slot = 1
-    builder = BatchBuilder(np.zeros((4, 8), dtype=np.int64), block_size=4, max_model_len=32)
+    builder = BatchBuilder(np.zeros((1, 4, 8), dtype=np.int64), block_size=4, max_model_len=32)
     item = ScheduledRequest(req, 1, start=3, num_tokens=2, sample=True, output_index=0)
     later = builder.build(ScheduledBatch(0, [item], 0))
     assert later.sampler.processing.prompt_tokens.tolist() == [32 + 3, 32 + 4]
