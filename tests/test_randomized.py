@@ -53,6 +53,9 @@ SCHEDULE_SETTINGS = dict(
 )
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+
+
 def held(groups: list[list[int]]) -> list[int]:
     return [b for ids in groups for b in ids if b != DROPPED]
 
@@ -166,18 +169,7 @@ def run_schedule(path, prompts, requests, async_scheduling, **options):
     max_num_batched_tokens=st.integers(8, 128),
     max_num_seqs=st.integers(1, 8),
     enable_prefix_caching=st.sampled_from([True, True, True, False]),
-    speculative=st.sampled_from(
-        [
-            None,
-            None,
-            {
-                "method": "ngram",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_min": 1,
-                "adaptive": False,
-            },
-        ]
-    ),
+    speculative=st.sampled_from([None, None, NGRAM]),
 )
 # At the 9th output of the third prompt transformers' fp32 logits for ids 49 and 381 are 2.4e-7
 # apart, and which is larger depends on the CPU's instruction set and thread count; in this
@@ -228,6 +220,7 @@ def test_random_schedules_keep_the_invariants_in_both_loops(
     max_num_batched_tokens=st.integers(8, 64),
     max_num_seqs=st.integers(1, 6),
     enable_prefix_caching=st.sampled_from([True, True, False]),
+    speculative=st.sampled_from([None, NGRAM]),
 )
 def test_random_schedules_with_sliding_windows(
     sliding_qwen3,
@@ -238,9 +231,10 @@ def test_random_schedules_with_sliding_windows(
     max_num_batched_tokens,
     max_num_seqs,
     enable_prefix_caching,
+    speculative,
 ):
     """The same invariants where windowed layers give blocks back as their window moves
-    (several block tables, one pool)."""
+    (several block tables, one pool), with ngram drafts or without."""
     prompts = [prefixes[r["prefix"]] + r["suffix"] for r in requests]
     longest = max(len(p) + r["max_tokens"] for p, r in zip(prompts, requests, strict=True))
     windows = [None] + [SLIDING_WINDOW] * 3
@@ -251,7 +245,10 @@ def test_random_schedules_with_sliding_windows(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        speculative_config=speculative,
     )
+    if speculative:
+        event("speculative decoding")
     check_both_loops(sliding_qwen3, prompts, requests, options)
 
 

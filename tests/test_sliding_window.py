@@ -181,12 +181,25 @@ def test_one_windowed_group_drops_blocks(windowed_mistral, async_scheduling):
         assert_idle_and_balanced(llm.engine)
 
 
-def test_speculation_refused_where_layers_differ(hybrid):
-    with pytest.raises(ValueError, match="different sliding windows"):
-        make_llm(hybrid, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    llm = make_llm(hybrid)
-    with pytest.raises(ValueError, match="different sliding windows"):
-        llm.engine.configure(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ngram_drafts_across_block_tables(hybrid, async_scheduling):
+    """A verification's tokens get their KV slots in every group's table, placed on the device;
+    outputs are those without drafts. A draft model (it reads every earlier position through
+    the target's blocks) is refused for a windowed model, at start and by configure."""
+    batch = prompts(6, (5, 30))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "adaptive": False}  # fmt: skip
+    llm = make_llm(hybrid, block_size=4, async_scheduling=async_scheduling,
+                   speculative_config=ngram)  # fmt: skip
+    for prompt, out in zip(batch, llm.generate(batch, greedy(30)), strict=True):
+        assert out.token_ids == hf_greedy_reference(hybrid, prompt, 30)
+    assert llm.engine.stats().speculative.drafted_tokens
+    assert_idle_and_balanced(llm.engine)
+    draft = {"method": "draft_model", "model": str(hybrid), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft_model"):
+        make_llm(hybrid, speculative_config=draft)
+    with pytest.raises(ValueError, match="draft_model"):
+        llm.engine.configure(speculative_config=draft)
 
 
 @pytest.mark.parametrize("window", [None, 6])

@@ -24,8 +24,11 @@ def place_tokens(
     row_start = v.table_rows[v.token_item] * max_len
     t.positions.index_copy_(0, b, positions)
     t.token_index.index_copy_(0, b, row_start + positions)
-    blocks = t.block_tables[b].gather(1, (positions // block_size)[:, None])[:, 0]
-    t.slot_mapping.index_copy_(0, b, blocks * block_size + positions % block_size)
+    columns, offsets = (positions // block_size)[:, None], positions % block_size
+    slots_by_group = [t.slot_mapping, *t.group_slot_mapping]
+    tables_by_group = [t.block_tables, *t.group_block_tables]
+    for slots, tables in zip(slots_by_group, tables_by_group, strict=True):  # a group's blocks
+        slots.index_copy_(0, b, tables[b].gather(1, columns)[:, 0] * block_size + offsets)
     t.context_lens.index_copy_(0, b, positions + 1)
     t.sample_index.index_copy_(0, v.sample_rows, row_start + positions + 1)
     output_index = positions + 1 - v.prompt_lens[v.token_item]
