@@ -49,16 +49,16 @@ def grouped_experts(
     sorted_weights = weights.flatten()[order]
     # The one host sync of the block: how many rows each expert's GEMMs take.
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    out = torch.zeros_like(x)
+    rows = x.index_select(0, tokens)  # every expert's rows, one slice each
+    ys = torch.empty_like(rows)
     end = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        start, end = end, end + n
-        rows = tokens[start:end]
-        y = expert(e, x.index_select(0, rows))
-        out.index_add_(0, rows, (y * sorted_weights[start:end, None]).to(out.dtype))
-    return out
+        if n:
+            start, end = end, end + n
+            ys[start:end] = expert(e, rows[start:end])
+    out = torch.zeros_like(x)
+    # One add for all: row by row in order, so each token's terms still add by ascending expert.
+    return out.index_add_(0, tokens, (ys * sorted_weights[:, None]).to(out.dtype))
 
 
 def grouped_experts_on_device(
