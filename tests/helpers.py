@@ -83,6 +83,13 @@ def bench_table(out: str) -> dict[str, list[str]]:
     return rows
 
 
+# Real text for the real models' prompt logprobs.
+REAL_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built it."
+)
+
+
 def packaged_model(short_name: str, what: str) -> Path:
     """A packaged real model's file. Without its package the test skips, or fails where
     TANDEM_REQUIRE_REAL_MODEL is set (CI installs every packaged model)."""

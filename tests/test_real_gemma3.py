@@ -18,7 +18,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.models.catalog import resolve_model
 
-from helpers import packaged_model, transformers_gguf
+from helpers import REAL_TEXT, packaged_model, transformers_gguf
 
 SHORT_NAME = "gemma3-270m"
 QUESTIONS = [
@@ -33,10 +33,6 @@ OPTIONS = {"max_model_len": 512, "kv_cache_memory_gib": 0.05, "cpu_threads": 2}
 # Tandem against transformers' log_softmax of fp32 logits of the same dequantized weights: the
 # eager path measured 0, the fast path 2e-5 (it sums in another order); other ISAs round again.
 LOGPROB_ATOL = 2e-4
-TEXT = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
-    "It is named after the engineer Gustave Eiffel, whose company designed and built it."
-)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +106,7 @@ def test_greedy_chat_equals_transformers(engine, reference, enforce_eager):
 
 def test_prompt_logprobs_equal_transformers_log_softmax(gguf_path, engine):
     tokenizer, model = transformers_gguf(gguf_path)
-    ids = engine.get_tokenizer()(TEXT).input_ids
+    ids = engine.get_tokenizer()(REAL_TEXT).input_ids
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))

@@ -19,7 +19,7 @@ from tandem import LLM, SamplingParams
 from tandem.models.catalog import resolve_model
 from tandem.models.loader import read_config
 
-from helpers import packaged_model, transformers_gguf
+from helpers import REAL_TEXT, packaged_model, transformers_gguf
 
 SHORT_NAME = "smollm2-135m-instruct"
 QUESTIONS = [
@@ -35,10 +35,6 @@ OPTIONS = {"max_model_len": 512, "kv_cache_memory_gib": 0.1, "cpu_threads": 2}
 # dequantized weights: the fast path sums in another order (measured 1.5e-5 on this text, AMD
 # Zen 3; the portable path 0), and other ISAs round differently again.
 LOGPROB_ATOL = 2e-4
-TEXT = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
-    "It is named after the engineer Gustave Eiffel, whose company designed and built it."
-)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +109,7 @@ def test_greedy_chat_equals_transformers(gguf_path, reference, engines, mode):
 
 def test_prompt_logprobs_equal_transformers_log_softmax(gguf_path, engines):
     tokenizer, model = transformers_gguf(gguf_path)
-    ids = tokenizer(TEXT).input_ids
+    ids = tokenizer(REAL_TEXT).input_ids
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     llm = engines("async-fast")
