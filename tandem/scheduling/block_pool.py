@@ -175,10 +175,6 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def cached_block(self, block_hash: bytes) -> int | None:
-        """The block holding this content, if cached (nothing is taken)."""
-        return self._block_of.get(block_hash)
-
     def num_free_among(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` are free now (sharing them takes them out of the free pool)."""
         return sum(1 for b in blocks if b not in self._owners)

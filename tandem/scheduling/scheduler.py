@@ -269,27 +269,22 @@ class Scheduler:
         hashes = request.block_hashes
         found = num_blocks
         for g, group in enumerate(groups):
-            if group.window is None:
-                found = min(found, len(self.blocks.lookup(_keys(g, hashes[:found]))))
-        while found and not all(self._window_cached(g, hashes, found) for g in range(len(groups))):
-            found -= 1
+            if group.window is None:  # a full group's hits are a prefix: none is longer
+                found = min(found, len(self._group_hits(g, hashes, found)))
+        while True:
+            hits = [self._group_hits(g, hashes, found) for g in range(len(groups))]
+            if all(len(ids) == found for ids in hits):
+                break
+            found -= 1  # a windowed group lacks a block its window reads
         if found < num_blocks and hashes[found] in self._in_progress:
             return None
-        return [self._group_hits(g, hashes, found) for g in range(len(groups))]
-
-    def _window_cached(self, g: int, hashes: list[bytes], num_blocks: int) -> bool:
-        """Whether group g holds, cached, the blocks that position num_blocks * block_size reads."""
-        if self.groups.groups[g].window is None:
-            return True
-        first = self.groups.first_needed_block(g, num_blocks * self.block_size, self.block_size)
-        return all(
-            self.blocks.cached_block(_key(g, h)) is not None for h in hashes[first:num_blocks]
-        )
+        return hits
 
     def _group_hits(self, g: int, hashes: list[bytes], num_blocks: int) -> list[int]:
+        """Group g's cached blocks of the first `num_blocks`, from the first one that position
+        num_blocks * block_size reads (DROPPED before it); shorter where one is missing."""
         first = self.groups.first_needed_block(g, num_blocks * self.block_size, self.block_size)
-        cached = self.blocks.lookup(_keys(g, hashes[first:num_blocks]))
-        return [DROPPED] * first + cached
+        return [DROPPED] * first + self.blocks.lookup(_keys(g, hashes[first:num_blocks]))
 
     def _mark_in_progress(self, request: Request, start: int, end: int, step_id: int) -> None:
         """Record the full blocks of known tokens that this step completes for the request."""
@@ -397,8 +392,10 @@ class Scheduler:
 
     def _blocks_needed(self, request: Request, n: int) -> int:
         """New blocks for n more tokens, over every group."""
-        per_group = -(-(request.num_computed_tokens + n) // self.block_size) - _num_blocks(request)
-        return per_group * self.groups.num_groups
+        return self._new_blocks_per_group(request, n) * self.groups.num_groups
+
+    def _new_blocks_per_group(self, request: Request, n: int) -> int:
+        return -(-(request.num_computed_tokens + n) // self.block_size) - _num_blocks(request)
 
     def _drop_passed_blocks(self, request: Request) -> None:
         """Give back the blocks of windowed groups that no query of the step being scheduled,
@@ -440,7 +437,7 @@ class Scheduler:
         return True
 
     def _allocate_blocks(self, request: Request, n: int) -> None:
-        need = self._blocks_needed(request, n) // self.groups.num_groups
+        need = self._new_blocks_per_group(request, n)
         if need <= 0:
             return
         if not request.block_ids:
