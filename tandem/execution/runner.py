@@ -123,9 +123,8 @@ def build_runner(
     in the same blocks) and, where they apply, its captured decode graphs: the same for the
     engine's process and every TP rank."""
 
-    def cache_of(m: LlamaModel) -> list[torch.Tensor]:
+    def cache_of(m: LlamaModel, groups: KVGroups) -> list[torch.Tensor]:
         """Per layer, its cache tensor (layers of different groups share one)."""
-        groups = layer_groups(m.spec, config.max_model_len)
         places = allocate_kv_cache(
             groups.places, num_blocks + SPARE_KV_BLOCKS, config.block_size,
             m.local_spec.num_kv_heads, m.spec.head_dim, config.torch_dtype, device,
@@ -137,12 +136,14 @@ def build_runner(
     # groups of layers, or with experts (whose row counts per expert the host reads), run eagerly.
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
     sizes = sizes if groups.num_groups == 1 and model.spec.moe is None else None
+    caches = cache_of(model, groups)
     runner = ModelRunner(
-        model, cache_of(model), table_rows, max_model_len, config.block_size, device, sizes
+        model, caches, groups, table_rows, max_model_len, config.block_size, device, sizes
     )
-    runner.groups = groups
     if draft is not None:
-        runner.draft = DraftModel(draft, cache_of(draft))
+        runner.draft = DraftModel(
+            draft, cache_of(draft, layer_groups(draft.spec, config.max_model_len))
+        )
     return runner
 
 
@@ -159,17 +160,19 @@ class ModelRunner:
         self,
         model: LlamaModel,
         kv_caches: list[torch.Tensor],
+        groups: KVGroups,
         table_rows: int,
         max_model_len: int,
         block_size: int,
         device: torch.device,
         graph_sizes: list[int] | None = None,
     ):
-        """`kv_caches` hold the scheduler's blocks plus SPARE_KV_BLOCKS; `graph_sizes`: the
-        padded batch sizes to capture decode steps at (CUDA), None for eager steps only."""
+        """`kv_caches` hold the scheduler's blocks plus SPARE_KV_BLOCKS, per layer (`groups`:
+        which block tables the layers use); `graph_sizes`: the padded batch sizes to capture
+        decode steps at (CUDA), None for eager steps only."""
         self.model = model
         self.kv_caches = kv_caches
-        self.groups: KVGroups | None = None  # build_runner sets it when layers differ in window
+        self.groups = groups
         self.block_size = block_size
         self.device = device
         # Every running request's tokens, by (table row, position): the only copy the device
