@@ -91,7 +91,7 @@ def _choose(
     packed = model.use_fast_path(fused=build.available)
     if not build.available:
         return ExecutionPlan("portable", packed, build)
-    if model.fused_forward:
+    if model.has_fused_forward:
         return ExecutionPlan("fused-cpu", packed, build)
     model.ops = cpu_elementwise  # the kernels op by op, where the one-call forward cannot go
     return ExecutionPlan("fused-cpu op-by-op", packed, build)

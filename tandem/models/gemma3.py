@@ -11,8 +11,8 @@ What differs from Llama, and where it is handled:
   soft-capped (`cap * tanh(logits / cap)`);
 - layers are sliding (a window of keys and the local rope base) or global (every key, the global
   rope base and its scaling), per `layer_types`.
-Gemma has no fused one-call forward: on a CPU in float32 it gets the packed and quantized GEMMs
-with the portable ops between them.
+Gemma has no one-call forward: on a CPU in float32 it gets the packed and quantized GEMMs with
+the CPU kernels op by op between them (`ops/cpu_elementwise.py`; GeGLU is the portable op).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from tandem.models.llama import (
     LlamaModel,
     RMSNorm,
     Rotary,
+    add_to_residual_and_norm,
 )
 from tandem.models.parallel import Placement, TensorParallel
-from tandem.models.spec import Gemma3Spec, checkpoint_shapes
+from tandem.models.spec import Gemma3Spec, checkpoint_shapes, shape_values
 from tandem.ops import elementwise
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -60,15 +61,7 @@ def gemma3_spec(config: PretrainedConfig) -> Gemma3Spec:
         raise ModelLoadError(f"Gemma3ForCausalLM with activation {config.hidden_activation!r}")
     bias = bool(getattr(config, "attention_bias", False))
     return Gemma3Spec(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
+        **shape_values(config),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
         qkv_bias=bias,
         qk_norm=True,
@@ -100,11 +93,8 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous layer's normed MLP output (the embeddings for the first layer, where
         residual is None); the residual stream is residual + x. Returns the same pair."""
-        ops, norm = ctx.ops, self.input_norm
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        ops = ctx.ops
+        h, residual = add_to_residual_and_norm(ops, x, residual, self.input_norm)
         a = self.attn(h, kv_cache, ctx)
         a = ops.rms_norm(a, self.post_attn_norm.weight, self.post_attn_norm.eps)
         h, residual = ops.add_rms_norm(a, residual, self.pre_ff_norm.weight, self.pre_ff_norm.eps)
@@ -124,15 +114,8 @@ class Gemma3Model(LlamaModel):
     def set_rotary(self, tables: dict[str | None, Rotary]) -> None:
         self.rotary, self.local_rotary = tables[FULL], tables[SLIDING]
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        full = ForwardContext(positions, meta, self.rotary, self.ops)
-        local = ForwardContext(positions, meta, self.local_rotary, self.ops)
-        x, residual = self._embed(input_ids), None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            ctx = full if layer.attn.window is None else local
-            ctx.meta = meta.for_layer(i)  # its group's block tables
-            x, residual = layer(x, residual, kv_cache, ctx)
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+    def layer_rotary(self, layer: nn.Module) -> Rotary:
+        return self.rotary if layer.attn.window is None else self.local_rotary
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super()._embed(input_ids)

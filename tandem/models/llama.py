@@ -73,7 +73,6 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.window = window  # keys a query sees (itself included); None: every earlier one
         self.scale = scale
 
     def forward(self, x, kv_cache, ctx: ForwardContext):
@@ -129,15 +128,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous sublayer's output (the embeddings for the first layer, where
         residual is None). Returns this layer's MLP output and the residual stream before it."""
-        ops, norm = ctx.ops, self.input_norm
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        ops = ctx.ops
+        h, residual = add_to_residual_and_norm(ops, x, residual, self.input_norm)
         a = self.attn(h, kv_cache, ctx)
         norm = self.post_attn_norm
         h, residual = ops.add_rms_norm(a, residual, norm.weight, norm.eps)
         return self.mlp(h, ops), residual
+
+
+def add_to_residual_and_norm(ops: ModuleType, x, residual, norm: RMSNorm):
+    """(norm(residual + x), residual + x): a layer's input from the previous layer's output x
+    and the residual stream before it (None for the first layer, whose x is the embeddings)."""
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -194,11 +198,6 @@ class LlamaModel(nn.Module):
         one_window = len(set(self.spec.layer_windows())) == 1
         return self.family_has_fused_forward and one_window and self.spec.moe is None
 
-    @property
-    def fused_forward(self) -> bool:
-        """Whether the whole forward runs as one kernel call (`use_fast_path`)."""
-        return self._fused_weights is not None
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -211,9 +210,13 @@ class LlamaModel(nn.Module):
         ctx = ForwardContext(positions, meta, self.rotary, self.ops)
         x, residual = self._embed(input_ids), None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            ctx.meta = meta.for_layer(i)
+            ctx.meta, ctx.rotary = meta.for_layer(i), self.layer_rotary(layer)
             x, residual = layer(x, residual, kv_cache, ctx)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def layer_rotary(self, layer: nn.Module) -> Rotary:
+        """The rope table of a layer (one for all in the Llama family)."""
+        return self.rotary
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

@@ -24,7 +24,7 @@ from tandem.models.gemma3 import Gemma3Model, gemma3_spec
 from tandem.models.llama import LlamaModel, Rotary
 from tandem.models.moe import moe_spec
 from tandem.models.parallel import SINGLE, TensorParallel
-from tandem.models.spec import LlamaSpec
+from tandem.models.spec import LlamaSpec, shape_values
 
 # Any of these makes a folder's tokenizer loadable (fast tokenizer, its config, sentencepiece, BPE).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -187,17 +187,8 @@ def _spec_from_config(config: PretrainedConfig) -> LlamaSpec:
     elif getattr(config, "use_sliding_window", False):  # Qwen2/Qwen3: some layers windowed
         sliding_window = config.sliding_window
         sliding_layers = tuple(t == "sliding_attention" for t in config.layer_types)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return LlamaSpec(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
+        **shape_values(config),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM"
         or bool(getattr(config, "qkv_bias", False))  # Qwen2-MoE

@@ -80,6 +80,22 @@ class Gemma3Spec(LlamaSpec):
         return list(self.windows)
 
 
+def shape_values(config) -> dict:
+    """The sizes every family's spec reads alike from a Hugging Face config."""
+    heads = config.num_attention_heads
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
 def checkpoint_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     """The HF checkpoint tensors of a model of this spec, by name, with their shapes."""
     s = spec
