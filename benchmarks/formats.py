@@ -3,7 +3,9 @@
 The same GGUF file runs in both (F32, Q8_0, Q4_0, Q4_1: Tandem keeps the quantized blocks),
 with B requests of the same prompt length and the same number of output tokens, greedy and EOS
 ignored: the time of the whole job (prefill and decode) is what is compared, in rounds that
-alternate the two engines (median of --repeats). llama.cpp runs `llama-batched-bench -npp P -ntg
+alternate the engines (median of --repeats). Tandem runs each quantized file twice: with float32
+activations (the dequantized model's outputs exactly) and with `int8_activations` (activations
+rounded to int8 per block of 32 and multiplied in integers, which is what llama.cpp does). llama.cpp runs `llama-batched-bench -npp P -ntg
 N -npl B -t THREADS` and its total time `T s` is read; Tandem runs `LLM.generate` on B random
 prompts with the synchronous loop (one request per core has nothing to overlap). The files and
 binaries come from benchmarks/setup_llama_server.sh.
@@ -67,22 +69,29 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"{'file':34} {'Tandem formats':24} {'batch':>5} {'Tandem s':>9} {'llama.cpp s':>11} "
-          f"{'ratio':>6}  (llama.cpp time / Tandem time: above 1, Tandem is faster)")  # fmt: skip
+    print(f"{'file':34} {'Tandem formats':18} {'batch':>5} {'Tandem s':>9} {'int8-act s':>10} "
+          f"{'llama.cpp s':>11} {'ratio':>6} {'int8-act':>8}  (ratios: llama.cpp time / Tandem "
+          "time; above 1, Tandem is faster)")  # fmt: skip
     for file in args.files:
         path = resolve_model(str(file))
-        llm = LLM(str(path), async_scheduling=False, max_model_len=1024, max_num_seqs=max(batches))
+        options = dict(async_scheduling=False, max_model_len=1024, max_num_seqs=max(batches))
+        llm = LLM(str(path), **options)
         formats = llm.engine.execution.describe_weights().removeprefix("linear layers: ")
+        quantized = any(kind in formats for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K"))
+        engines = [llm, LLM(str(path), int8_activations=True, **options) if quantized else None]
         for batch in batches:
-            tandem_seconds(llm, batch, args)  # warm-up
-            ours, theirs = [], []
-            for _ in range(args.repeats):
-                ours.append(tandem_seconds(llm, batch, args))
-                theirs.append(llama_seconds(path, batch, args))
-            t, q = statistics.median(ours), statistics.median(theirs)
-            print(f"{path.name:34} {formats:24} {batch:>5} {t:>9.2f} {q:>11.2f} {q / t:>6.2f}",
-                  flush=True)  # fmt: skip
-        llm.close()
+            times: list[list[float]] = [[], [], []]
+            for _ in range(args.repeats + 1):  # the first round warms up and is dropped
+                for i, engine in enumerate(engines):
+                    if engine is not None:
+                        times[i].append(tandem_seconds(engine, batch, args))
+                times[2].append(llama_seconds(path, batch, args))
+            t, a, q = (statistics.median(ts[1:]) if ts else float("nan") for ts in times)
+            print(f"{path.name:34} {formats[:18]:18} {batch:>5} {t:>9.2f} {a:>10.2f} {q:>11.2f} "
+                  f"{q / t:>6.2f} {q / a:>8.2f}", flush=True)  # fmt: skip
+        for engine in engines:
+            if engine is not None:
+                engine.close()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="default: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K layers run in their blocks (CPU, "
                    "float32); none: every weight dequantized; int8: per-channel int8 linear "
                    "layers from float weights (CPU)")  # fmt: skip
+    g.add_argument("--int8-activations", action="store_true",
+                   help="quantized layers multiply activations rounded to int8 per block of 32, "
+                   "in integers, as llama.cpp does: faster, and no longer token-exact to the "
+                   "float model (CPU)")  # fmt: skip
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")

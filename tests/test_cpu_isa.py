@@ -40,7 +40,10 @@ AVX2_CHECKS = [
         "test_fast_path_logits_stay_close_to_transformers",
         "test_fast_path_greedy_tokens_match_transformers",
     )
-] + ["tests/test_quantized.py::test_the_kernel_is_the_dequantized_product"]
+] + [
+    "tests/test_quantized.py::test_the_kernel_is_the_dequantized_product",
+    "tests/test_quantized.py::test_int8_activations_kernel_is_the_integer_reference",
+]
 # Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.
 RUN_PYTEST = (
     "import sys, pytest, torch; print('ATen:', torch.backends.cpu.get_cpu_capability()); "
@@ -102,22 +105,40 @@ def test_the_avx2_build_passes_the_kernel_and_greedy_checks(monkeypatch, tmp_pat
     assert "ymm" in code and "zmm" not in code
 
 
-def test_the_avx512_build_compiles(tmp_path) -> None:
-    """Compile only (to assembly, with the build's flags but for Sapphire Rapids): it cannot run
-    on a machine without AVX-512, but it proves there that the AVX-512 build compiles, and that
-    the kernels' vectors become 512-bit code. On an AVX-512 machine the native build proves more."""
+def compile_to_assembly(source: Path, march: str, tmp_path: Path) -> str:
+    """`source` compiled with the build's flags for `march`, as assembly text."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    assembly = tmp_path / f"{source.stem}-{march}.s"
+    result = subprocess.run(
+        [
+            os.environ.get("CXX", "c++"), "-std=c++20", "-fPIC", "-O3", f"-march={march}",
+            "-fopenmp", "-Wno-psabi", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S",
+            str(source), "-o", str(assembly),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, source.name + ": " + result.stderr[-4000:]
+    return assembly.read_text()
+
+
+def test_the_avx512_build_compiles(tmp_path) -> None:
+    """Compile only (to assembly, with the build's flags but for Sapphire Rapids): it cannot run
+    on a machine without AVX-512, but it proves there that the AVX-512 build compiles, that the
+    kernels' vectors become 512-bit code, and that int8 activations' products use VNNI. On an
+    AVX-512 machine the native build proves more."""
     for source in cpu_kernels.SOURCES:
-        assembly = tmp_path / f"{source.stem}.s"
-        result = subprocess.run(
-            [
-                os.environ.get("CXX", "c++"), "-std=c++20", "-fPIC", "-O3", "-march=sapphirerapids",
-                "-fopenmp", "-Wno-psabi", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S",
-                str(source), "-o", str(assembly),
-            ],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert result.returncode == 0, source.name + ": " + result.stderr[-4000:]
-        assert "zmm" in assembly.read_text(), source.name
+        code = compile_to_assembly(source, "sapphirerapids", tmp_path)
+        assert "zmm" in code, source.name
+        if source.stem == "quantized_linear":
+            assert "vpdpbusd" in code
+
+
+def test_the_avx512_build_without_vnni_compiles(tmp_path) -> None:
+    """AVX-512 without VNNI (Skylake-SP, Cascade Lake's predecessors): int8 activations' products
+    take maddubs on 512-bit vectors."""
+    code = compile_to_assembly(
+        cpu_kernels.CSRC / "quantized_linear.cpp", "skylake-avx512", tmp_path
+    )
+    assert "zmm" in code and "vpmaddubsw" in code and "vpdpbusd" not in code

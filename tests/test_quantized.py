@@ -1,5 +1,7 @@
-"""Quantized weights: the layout, the CPU kernels against a float64 product of the dequantized
-weights, GGUF's blocks against gguf's own dequantization, and per-channel int8 end to end."""
+"""Quantized weights: the layouts, the CPU kernels against a float64 product of the dequantized
+weights (and, with int8 activations, against the integer reference), GGUF's blocks against gguf's
+own dequantization, per-channel int8 end to end, and int8 activations against transformers with
+its activations rounded the same way."""
 
 from __future__ import annotations
 
@@ -12,9 +14,19 @@ from safetensors.torch import load_file, save_file
 from tandem import LLM
 from tandem.models.gguf_blocks import NATIVE_TYPES, split_blocks
 from tandem.ops import cpu_kernels
-from tandem.ops.quantized import dequantize, pack, quantize_int8, quantized_linear, unpack
+from tandem.ops.quantized import (
+    dequantize,
+    for_int8_activations,
+    int8_activation_linear,
+    pack,
+    quantize_activations,
+    quantize_int8,
+    quantized_linear,
+    unpack,
+)
 
-from gguf_files import quantize, tiny_hf_folder
+from conftest import follow_near_ties
+from gguf_files import quantize, tiny_hf_folder, write_gguf
 from helpers import greedy
 
 PROMPTS = [[1, 523, 88, 901, 17], [1, 40, 41, 42], [1, 1500, 3, 3, 3, 3, 9]]
@@ -52,6 +64,16 @@ def test_pack_and_unpack_are_inverse(kind):
     q = random_weight(kind, 48, 96)
     codes, scales, offsets = unpack(q)
     assert torch.equal(pack(codes, scales, offsets, kind).values, q.values)
+    quads = for_int8_activations(q)
+    assert quads.int8_activations and not q.int8_activations and quads.shape == q.shape
+    for mine, theirs in zip(unpack(quads), (codes, scales, offsets), strict=True):
+        assert (mine is None and theirs is None) or torch.equal(mine, theirs)
+    # One 32-bit lane is a row's run of 4 columns: row 17 (group 1, row 1), columns 36-39.
+    lane = quads.values[1, 1, 1, 4:8]
+    if quads.bits == 8:
+        assert torch.equal(lane, codes[17, 36:40])
+    else:  # the high nibbles hold the block's second half: columns 52-55
+        assert torch.equal(lane & 15, codes[17, 36:40]) and torch.equal(lane >> 4, codes[17, 52:56])
     w = dequantize(q)
     expected = codes.float() * scales.float().repeat_interleave(32, 1)
     if offsets is not None:
@@ -79,6 +101,43 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
             assert torch.equal(alone[0], out[r]), (rows, r)
 
 
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (160, 576)])
+def test_int8_activations_kernel_is_the_integer_reference(kind, n, k):
+    """Every row count (tiles, chunks of 128 rows), a bias and a strided x: the kernel's integer
+    product within float32 rounding of the reference's, each row the same bits alone as in any
+    batch; and the product is the dequantized weights times the rounded activations."""
+    q = for_int8_activations(random_weight(kind, n, k))
+    w = dequantize(q).double()
+    bias = torch.randn(n)
+    for rows in (1, 2, 3, 7, 8, 9, 31, 130, 300):
+        x = torch.randn(rows, k + 8)[:, 4 : 4 + k] * torch.logspace(-3, 2, rows)[:, None]
+        x[0, :32] = 0  # a block of zeros: step 0, codes 0
+        out = quantized_linear(x, q, bias)
+        reference = int8_activation_linear(x, q, bias).double()
+        scale = reference.abs().amax(dim=1, keepdim=True)
+        assert ((out.double() - reference).abs() <= 1e-5 * scale).all(), rows
+        codes, steps, _ = quantize_activations(x)
+        rounded = codes.double().view(rows, -1, 32) * steps.double()[..., None]
+        exact = rounded.view(rows, k) @ w.T + bias.double()
+        assert ((reference.double() - exact).abs() <= 1e-5 * scale).all(), rows
+        for r in (0, rows - 1):
+            alone = quantized_linear(x[r : r + 1], q, bias)
+            assert torch.equal(alone[0], out[r]), (rows, r)
+
+
+def test_activations_round_per_block_as_llama_cpp_q8_0():
+    x = torch.randn(3, 96) * torch.tensor([1e-4, 1.0, 300.0])[:, None]
+    x[1, 32:64] = 0
+    codes, steps, sums = quantize_activations(x)
+    blocks = x.view(3, 3, 32)
+    assert torch.equal(steps, blocks.abs().amax(-1) / 127)
+    assert codes.abs().max() == 127 and codes.view(3, 3, 32)[1, 1].eq(0).all()
+    error = (codes.view(3, 3, 32).float() * steps[..., None] - blocks).abs()
+    assert (error <= steps[..., None] * 0.5 * (1 + 1e-5)).all()
+    assert torch.equal(sums, steps * codes.view(3, 3, 32).sum(-1).float())
+
+
 def test_bad_operands_are_refused():
     q = random_weight("8-bit", 16, 64)
     with pytest.raises(RuntimeError, match="columns"):
@@ -88,6 +147,10 @@ def test_bad_operands_are_refused():
                                           torch.empty(0))  # fmt: skip
     with pytest.raises(ValueError, match="rows in 16s"):
         pack(torch.zeros(10, 32, dtype=torch.int8), torch.ones(10, 1), None, "int8")
+    quads = for_int8_activations(random_weight("4-bit f16", 16, 64))
+    with pytest.raises(RuntimeError, match=r"values must be \[groups, blocks, 4, 64\]"):
+        torch.ops.tandem.quantized_linear(torch.randn(2, 64), quads.values[:, :, :3].contiguous(),
+                                          *quads.flat()[1:], torch.empty(0))  # fmt: skip
 
 
 @pytest.mark.parametrize("tensor_type", NATIVE_TYPES)
@@ -169,19 +232,94 @@ def test_unknown_or_unsupported_quantization_is_refused(untied_folder, options, 
         LLM(str(untied_folder), device="cpu", **options)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_two_ranks_run_their_quantized_shards_as_one(tmp_path, quantization):
-    """Q4_K blocks from a GGUF (each rank its rows and blocks of columns) and int8 (a row-parallel
-    rank rounds with its rows' whole largest value): two ranks give one rank's tokens."""
-    from gguf_files import write_gguf
-
+@pytest.mark.parametrize(
+    "quantization, int8_activations", [(None, False), ("int8", False), (None, True)]
+)
+def test_two_ranks_run_their_quantized_shards_as_one(tmp_path, quantization, int8_activations):
+    """Q4_K blocks from a GGUF (each rank its rows and blocks of columns), int8 (a row-parallel
+    rank rounds with its rows' whole largest value), and Q4_K with int8 activations (a rank
+    rounds its columns' blocks of x as one rank does): two ranks give one rank's tokens."""
     folder = tiny_hf_folder(tmp_path / "hf", "LlamaForCausalLM", tie_word_embeddings=True)
     path = folder if quantization else write_gguf(folder, tmp_path / "m.gguf", "Q4_K")
     tokens = {}
     for size in (1, 2):
-        llm = LLM(str(path), quantization=quantization, device="cpu", num_kv_blocks=64,
-                  max_model_len=128, tensor_parallel_size=size, cpu_threads=1)  # fmt: skip
-        assert ("int8" if quantization else "Q4_K") in llm.engine.execution.describe()
+        llm = LLM(str(path), quantization=quantization, int8_activations=int8_activations,
+                  device="cpu", num_kv_blocks=64, max_model_len=128, tensor_parallel_size=size,
+                  cpu_threads=1)  # fmt: skip
+        described = llm.engine.execution.describe()
+        assert ("int8" if quantization else "Q4_K") in described
+        assert ("with int8 activations" in described) == int8_activations
         tokens[size] = [o.token_ids for o in llm.generate(PROMPTS, greedy(12))]
         llm.close()
     assert tokens[1] == tokens[2]
+
+
+def round_linear_inputs(model: torch.nn.Module) -> None:
+    """Every nn.Linear of a transformers model takes its input rounded as the kernels round
+    activations (per row and block of 32, to int8 steps): the float model whose products equal
+    int8 activations' integer ones."""
+
+    def rounded(module, inputs):
+        x = inputs[0]
+        flat = x.reshape(-1, x.shape[-1]).float()
+        codes, steps, _ = quantize_activations(flat)
+        blocks = codes.float().view(flat.shape[0], -1, 32) * steps[..., None]
+        return (blocks.view(x.shape).to(x.dtype),)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(rounded)
+
+
+@pytest.mark.parametrize("tensor_type, tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False)])
+def test_int8_activations_generate_the_rounded_activations_model(tmp_path, tensor_type, tied):
+    """int8_activations on a GGUF's blocks: greedy tokens are transformers' on the same file with
+    every linear layer's input rounded to int8 per block of 32, in both loops (following the
+    engine where the reference's top two logits are closer than a rounding flip moves them)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_hf_folder(tmp_path / "hf", "LlamaForCausalLM", tie_word_embeddings=tied)
+    path = write_gguf(folder, tmp_path / "model.gguf", tensor_type)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    round_linear_inputs(reference)
+
+    def continuation(prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    def logits_after(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(torch.tensor([prompt])).logits[0, -1]
+
+    for async_scheduling in (True, False):
+        llm = LLM(str(path), int8_activations=True, async_scheduling=async_scheduling,
+                  max_model_len=128, num_kv_blocks=64, cpu_threads=1)  # fmt: skip
+        formats = llm.engine.execution.describe()
+        assert f"{tensor_type} with int8 activations" in formats and "float32" not in formats
+        got = [o.token_ids for o in llm.generate(PROMPTS, greedy(16))]
+        llm.close()
+        for prompt, tokens in zip(PROMPTS, got, strict=True):
+            expected = follow_near_ties(
+                tokens, 16, lambda prefix, n, p=prompt: continuation(p + prefix, n),
+                lambda prefix, p=prompt: logits_after(p + prefix), bound=1e-3,
+            )  # fmt: skip
+            assert tokens == expected, (async_scheduling, prompt)
+
+
+def test_int8_activations_run_int8_weights_and_are_refused_without_quantized_layers(
+    untied_folder,
+):
+    options = {"device": "cpu", "num_kv_blocks": 64, "max_model_len": 64}
+    llm = LLM(str(untied_folder), quantization="int8", int8_activations=True, **options)
+    assert "int8 with int8 activations" in llm.engine.execution.describe()
+    assert len(llm.generate(PROMPTS, greedy(4))[0].token_ids) == 4
+    llm.close()
+    with pytest.raises(ValueError, match="int8_activations needs quantized linear layers"):
+        LLM(str(untied_folder), int8_activations=True, **options)
+    for bad in ({"enforce_eager": True}, {"quantization": "none"}, {"dtype": "bfloat16"}):
+        with pytest.raises(ValueError, match="int8_activations runs quantized layers"):
+            LLM(str(untied_folder), int8_activations=True, **options, **bad)

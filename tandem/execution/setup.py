@@ -67,6 +67,7 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
     model = build_model(
         path, spec, hf_config, dtype, device, config.max_model_len,
         load_format=config.load_format, seed=config.seed, quantization=config.weight_quantization,
+        int8_activations=config.int8_activations,
     )  # fmt: skip
     plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
     draft = _load_draft_model(config, spec)

@@ -87,7 +87,7 @@ class _Worker:
         dtype = config.torch_dtype
         model = build_model(
             path, spec, hf_config, dtype, device, config.max_model_len, tp, config.load_format,
-            config.seed, config.weight_quantization,
+            config.seed, config.weight_quantization, config.int8_activations,
         )  # fmt: skip
         plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
         self.outputs.send(("loaded", a.rank, cache_capacity(model, config, device)))

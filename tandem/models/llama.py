@@ -26,7 +26,13 @@ from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.linear import Linear, can_prepack, linear, prepack
-from tandem.ops.quantized import BLOCK_COLS, GROUP_ROWS, can_quantize, quantize_int8
+from tandem.ops.quantized import (
+    BLOCK_COLS,
+    GROUP_ROWS,
+    can_quantize,
+    for_int8_activations,
+    quantize_int8,
+)
 
 
 class RMSNorm(nn.Module):
@@ -328,6 +334,14 @@ class LlamaModel(nn.Module):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.set_quantized(quantize_int8(self.embed.weight))
 
+    def use_int8_activations(self) -> int:
+        """Lay every quantized linear layer (the tied logits' too) out for the kernels' integer
+        products; returns how many there are."""
+        layers = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is not None]
+        for module in layers:
+            module.quantized = for_int8_activations(module.quantized)
+        return len(layers)
+
     def weight_formats(self) -> dict[str, int]:
         """How many linear layers (the logits' included) hold each format, e.g. {"Q4_1": 120}."""
         counts: dict[str, int] = {}
@@ -335,6 +349,8 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 dense = str(module.weight.dtype).removeprefix("torch.")
                 name = module.quantized.source if module.quantized else dense
+                if module.quantized is not None and module.quantized.int8_activations:
+                    name += " with int8 activations"
                 counts[name] = counts.get(name, 0) + 1
         return counts
 

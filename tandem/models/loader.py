@@ -64,11 +64,13 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    int8_activations: bool = False,
 ) -> LoadedModel:
     path, spec, hf_config = read_config(path)
     model = build_model(
-        path, spec, hf_config, dtype, device, max_model_len, tp, load_format, seed, quantization
-    )
+        path, spec, hf_config, dtype, device, max_model_len, tp, load_format, seed, quantization,
+        int8_activations,
+    )  # fmt: skip
     return LoadedModel(model, spec, hf_config, find_tokenizer(path), path)
 
 
@@ -123,11 +125,13 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    int8_activations: bool = False,
 ) -> LlamaModel:
     """This rank's model with its shard of the weights, read straight from the safetensors, or
     made up on the device (`load_format="dummy"`, seeded by `seed`). The parameters are allocated
     once, in `dtype`, on `device`; the linear layers a GGUF's blocks fill (`quantization` None,
-    float32 on a CPU) get no float copy at all."""
+    float32 on a CPU) get no float copy at all. `int8_activations` lays every quantized layer
+    out for the kernels' integer products."""
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
         model = model_class(hf_config)(spec, tp)
@@ -157,6 +161,11 @@ def build_model(
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if quantization == "int8":
         model.quantize_int8()
+    if int8_activations and not model.use_int8_activations():
+        raise ModelLoadError(
+            "int8_activations needs quantized linear layers: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K "
+            "blocks, or quantization='int8'"
+        )
     return model.eval().requires_grad_(False)
 
 

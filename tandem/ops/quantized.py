@@ -7,6 +7,12 @@ two) are all exactly this, and so is per-channel int8 (one float32 scale per row
 block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each block's
 columns one at a time, so `pack` lays them out that way; `dequantize` is the float32 weight,
 which the kernels reproduce exactly before multiplying.
+
+With int8 activations (`for_int8_activations`, llama.cpp's numerics) the codes are laid out in
+runs of 4 columns per row instead ("quads"), and the kernels quantize each row of x per block of
+32 (`quantize_activations`) and multiply codes by codes in integers: several times fewer
+instructions per weight, at the cost of rounding the activations (`int8_activation_linear` is
+the reference).
 """
 
 from __future__ import annotations
@@ -20,13 +26,17 @@ from tandem.ops import cpu_kernels
 
 GROUP_ROWS = 16  # output rows per group (csrc: kGroupRows)
 BLOCK_COLS = 32  # input columns per scale (csrc: kBlockCols)
+RUN = 4  # the quads layout's columns per row side by side (one 32-bit lane of codes)
+QUAD_BYTES = RUN * GROUP_ROWS  # csrc: kQuadBytes
 
 
 @dataclass
 class QuantizedWeight:
     """Packed codes, scales and offsets of one [out_features, in_features] weight."""
 
-    values: torch.Tensor  # int8 [G, B, 32, 16] (8-bit) or uint8 [G, B, 16, 16] (4-bit nibbles)
+    # columns: int8 [G, B, 32, 16] (8-bit) or uint8 [G, B, 16, 16] (4-bit nibbles);
+    # quads (int8 activations): int8 [G, B, 8, 64] or uint8 [G, B, 4, 64]
+    values: torch.Tensor
     scales: torch.Tensor  # [G, B, 16] float16 or float32
     offsets: torch.Tensor | None  # 4-bit: like scales; 8-bit: None
     source: str  # what the codes came from, e.g. "Q4_1", "int8"
@@ -34,6 +44,11 @@ class QuantizedWeight:
     @property
     def bits(self) -> int:
         return 4 if self.values.dtype == torch.uint8 else 8
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the kernels quantize activations to int8 for this weight (the quads layout)."""
+        return self.values.shape[-1] == QUAD_BYTES
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,19 +74,25 @@ def pack(
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     source: str,
+    quads: bool = False,
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
-    -> the kernels' layout."""
+    -> the kernels' layout: columns, or `quads` for int8 activations."""
     n, k = codes.shape
     if not can_quantize(n, k):
         raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
     groups, blocks = n // GROUP_ROWS, k // BLOCK_COLS
-    grouped = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS).permute(0, 2, 3, 1)
+    grouped = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS)
+    if quads:  # [G, B, runs, 16 rows, 4 columns]: a row's run of 4 in one 32-bit lane
+        runs = grouped.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS // RUN, RUN)
+        grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
+    else:  # [G, B, 32 columns, 16 rows]
+        grouped = grouped.permute(0, 2, 3, 1)
     if offsets is None:
         values = grouped.to(torch.int8).contiguous()
-    else:
+    else:  # the high nibbles hold the block's second half (columns, or runs) of 16
         nibbles = grouped.to(torch.uint8)
-        half = BLOCK_COLS // 2
+        half = nibbles.shape[2] // 2
         values = (nibbles[:, :, :half] | (nibbles[:, :, half:] << 4)).contiguous()
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
@@ -82,13 +103,22 @@ def pack(
     )
 
 
+def for_int8_activations(q: QuantizedWeight) -> QuantizedWeight:
+    """The same weight laid out for the kernels' integer products (int8 activations)."""
+    return q if q.int8_activations else pack(*unpack(q), q.source, quads=True)
+
+
 def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """pack's inverse: codes [N, K], scales and offsets [N, K / 32]."""
     groups, blocks = q.values.shape[:2]
     n, k = q.shape
     nibbles = q.offsets is not None
     grouped = torch.cat((q.values & 15, q.values >> 4), dim=2) if nibbles else q.values
-    codes = grouped.permute(0, 3, 1, 2).reshape(n, k)
+    if q.int8_activations:
+        runs = grouped.reshape(groups, blocks, BLOCK_COLS // RUN, GROUP_ROWS, RUN)
+        codes = runs.permute(0, 3, 1, 2, 4).reshape(n, k)
+    else:
+        codes = grouped.permute(0, 3, 1, 2).reshape(n, k)
 
     def per_row(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(n, blocks)
@@ -119,6 +149,36 @@ def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) 
     return pack(codes, scales, None, "int8")
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 per row and block of 32 as llama.cpp's Q8_0 rounds it: codes int8 [M, K]
+    = nearest-even(x * (127 / max|x|)), steps [M, K / 32] = max|x| / 127, and sums [M, K / 32] =
+    step * (the block's sum of codes), which offsets multiply."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK_COLS, BLOCK_COLS)
+    amax = blocks.abs().amax(dim=-1)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse[..., None]).to(torch.int8)
+    steps = amax / 127.0
+    return codes.reshape(m, k), steps, steps * codes.sum(dim=-1, dtype=torch.int32).float()
+
+
+def int8_activation_linear(
+    x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The integer product's reference: per block, (codes . x codes) * scale * step, plus offset *
+    the block's activation sum. Block products of codes are exact in float32 (|sum| < 2^24)."""
+    codes, scales, offsets = unpack(q)
+    xq, steps, sums = quantize_activations(x)
+    out = torch.zeros(x.shape[0], q.shape[0])
+    for b in range(q.shape[1] // BLOCK_COLS):
+        cols = slice(b * BLOCK_COLS, (b + 1) * BLOCK_COLS)
+        exact = xq[:, cols].float() @ codes[:, cols].float().T
+        out += exact * (scales[:, b].float()[None, :] * steps[:, b, None])
+        if offsets is not None:
+            out += offsets[:, b].float()[None, :] * sums[:, b, None]
+    return out if bias is None else out + bias
+
+
 def quantized_linear(
     x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -126,6 +186,8 @@ def quantized_linear(
     if cpu_kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.float32:
         x = x if x.stride(-1) == 1 else x.contiguous()
         return torch.ops.tandem.quantized_linear(x, *q.flat(), or_empty(bias))
+    if q.int8_activations:
+        return int8_activation_linear(x, q, bias)
     return F.linear(x, dequantize(q).to(x.dtype), bias)
 
 

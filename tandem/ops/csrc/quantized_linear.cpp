@@ -1,8 +1,10 @@
-// Linear layers over quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K; per-channel int8),
-// multiplied in float32 with the weights dequantized in registers.
+// Linear layers over quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K; per-channel int8), in two
+// numerics: float32 activations against the weights dequantized in registers (exact: the
+// dequantized model's product), or activations quantized to int8 per block of 32 and multiplied
+// with integer dot products (llama.cpp's numerics: several times fewer instructions per weight).
 //
-// Layout (tandem/ops/quantized.py packs it): the N output rows in groups of 16, the K inputs in
-// blocks of 32. For group g and block b:
+// Float layout ("columns"; tandem/ops/quantized.py packs both): the N output rows in groups of
+// 16, the K inputs in blocks of 32. For group g and block b:
 //   8-bit  values int8  [G, B, 32, 16]: values[g, b, i, n] is the code of row 16g+n, column 32b+i
 //   4-bit  values uint8 [G, B, 16, 16]: the low nibble is column 32b+i, the high one 32b+i+16
 //   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset
@@ -12,6 +14,16 @@
 // scale is exact, + offset rounds once as llama.cpp's dequantization does), and every output is
 // summed in the same order whatever the number of rows, so a row's result does not depend on
 // the batch it is in.
+//
+// Integer layout ("quads"): each row's columns in runs of 4, the 16 rows' runs side by side, so
+// one 32-bit lane is one row's 4 codes and a dot-product instruction (maddubs + madd, or VNNI's
+// dpbusd) sums 4 products per lane against 4 activation codes broadcast:
+//   8-bit  values int8  [G, B, 8, 64]: values[g, b, j, 4n + t] is row 16g+n, column 32b+4j+t
+//   4-bit  values uint8 [G, B, 4, 64]: the low nibble is column 32b+4j+t, the high one 32b+16+4j+t
+// Per row r, output n and block b: integer sum S of code * x code (exact in int32), then
+//   out += S * (scale * dx) + offset * (dx * sum of x codes)
+// with dx the block's activation step (max |x| / 127). Every row's sums run in the same order on
+// AVX2 and AVX-512 alike and whatever the batch.
 
 #include "vectors.h"
 
@@ -21,6 +33,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstring>
 #include <utility>
 
 namespace tandem {
@@ -234,6 +248,244 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
   });
 }
 
+// ---- Integer products: int8 activations ----
+
+constexpr int64_t kQuadBytes = 4 * kGroupRows;  // one run of 4 columns for the group's 16 rows
+
+// Activations quantized per row and block of 32: codes, step dx and dx * (sum of codes).
+struct QuantizedRows {
+  at::Tensor codes, steps, sums;  // int8 [M, K], float32 [M, B], float32 [M, B]
+};
+
+// llama.cpp's Q8_0 rounding: dx = max|x| / 127, code = nearest-even(x * (127 / max|x|)).
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlockCols, stride = x.stride(0);
+  QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
+                  at::empty({rows, blocks}, x.options()), at::empty({rows, blocks}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* cp = q.codes.data_ptr<int8_t>();
+  float *dp = q.steps.data_ptr<float>(), *sp = q.sums.data_ptr<float>();
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / blocks, b = i % blocks;
+      const float* v = xp + r * stride + b * kBlockCols;
+      int8_t* c = cp + r * k + b * kBlockCols;
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlockCols; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float step = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kBlockCols; ++j) {
+        c[j] = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
+        sum += c[j];
+      }
+      dp[i] = step;
+      sp[i] = step * static_cast<float>(sum);
+    }
+  });
+  return q;
+}
+
+// The dot-product vocabulary over one vector of 32-bit lanes, each a row's run of 4 codes.
+#if defined(__AVX512BW__)
+using IVec = __m512i;
+inline IVec load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline IVec low_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline IVec high_nibbles(IVec v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+}
+inline IVec abs8(IVec v) { return _mm512_abs_epi8(v); }
+// x with the sign of w (x * sign(w); w = 0 is multiplied by |w| = 0 anyway).
+inline IVec sign_of(IVec x, IVec w) {
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline IVec zero_ints() { return _mm512_setzero_si512(); }
+// acc + per lane the 4 products u8 * s8 (|u * s| <= 128 * 127, so maddubs' pair sum fits).
+inline IVec dot4(IVec acc, IVec u, IVec s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+// acc + two runs of 4 products with u < 16: 8 products fit the 16-bit sums.
+inline IVec dot8_nibbles(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u1, s1), u2, s2);
+#else
+  const IVec pairs = _mm512_add_epi16(_mm512_maddubs_epi16(u1, s1), _mm512_maddubs_epi16(u2, s2));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+inline VecL to_float(IVec v) { return (VecL)_mm512_cvtepi32_ps(v); }
+#define TANDEM_INTEGER_VECTORS 1
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+using IVec = __m256i;
+inline IVec load_codes(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline IVec broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline IVec low_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline IVec high_nibbles(IVec v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+}
+inline IVec abs8(IVec v) { return _mm256_abs_epi8(v); }
+inline IVec sign_of(IVec x, IVec w) { return _mm256_sign_epi8(x, w); }
+inline IVec zero_ints() { return _mm256_setzero_si256(); }
+inline IVec dot4(IVec acc, IVec u, IVec s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline IVec dot8_nibbles(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
+  const IVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline VecL to_float(IVec v) { return (VecL)_mm256_cvtepi32_ps(v); }
+#define TANDEM_INTEGER_VECTORS 1
+#endif
+
+// Rows of x per tile: per row and vector a float and an integer accumulator, plus the weights,
+// two broadcasts and the constants in the registers.
+constexpr int64_t kIntTileRows = std::min<int64_t>(8, (kRegisters - 8) / (2 * kVectors));
+
+// One group's blocks, read as integer runs of 4.
+template <typename Scale>
+struct IntGroup {
+  const uint8_t* values;
+  const Scale* scales;
+  const Scale* offsets;  // null for 8-bit
+};
+
+// The portable integer sum of block b for row n (the vector code's result, lane by lane).
+template <bool kFourBit>
+inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8_t* xq) {
+  int32_t sum = 0;
+  if constexpr (kFourBit) {
+    const uint8_t* q = values + b * 4 * kQuadBytes;
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t t = 0; t < 4; ++t) {
+        const uint8_t v = q[j * kQuadBytes + 4 * n + t];
+        sum += (v & 15) * xq[4 * j + t] + (v >> 4) * xq[16 + 4 * j + t];
+      }
+  } else {
+    const auto* q = reinterpret_cast<const int8_t*>(values) + b * 8 * kQuadBytes;
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t t = 0; t < 4; ++t) sum += q[j * kQuadBytes + 4 * n + t] * xq[4 * j + t];
+  }
+  return sum;
+}
+
+// T rows of quantized x against one group, accumulators in registers.
+template <bool kFourBit, typename Scale, int64_t T>
+void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, int64_t xq_stride,
+                    const float* steps, const float* sums, int64_t step_stride, float* out,
+                    int64_t out_stride) {
+  Column acc[T] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Column s = load_scales(g.scales + b * kGroupRows);
+#if defined(TANDEM_INTEGER_VECTORS)
+    {
+      IVec isum[T][kVectors];
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t v = 0; v < kVectors; ++v) isum[t][v] = zero_ints();
+      if constexpr (kFourBit) {
+        const uint8_t* q = g.values + b * 4 * kQuadBytes;
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t v = 0; v < kVectors; ++v) {
+            const IVec packed = load_codes(q + j * kQuadBytes + v * 4 * kLanes);
+            const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
+            for (int64_t t = 0; t < T; ++t) {
+              const int8_t* xb = xq + t * xq_stride + b * kBlockCols;
+              isum[t][v] = dot8_nibbles(isum[t][v], lo, broadcast4(xb + 4 * j), hi,
+                                        broadcast4(xb + 16 + 4 * j));
+            }
+          }
+      } else {
+        const uint8_t* q = g.values + b * 8 * kQuadBytes;
+        for (int64_t j = 0; j < 8; ++j)
+          for (int64_t v = 0; v < kVectors; ++v) {
+            const IVec w = load_codes(q + j * kQuadBytes + v * 4 * kLanes), magnitude = abs8(w);
+            for (int64_t t = 0; t < T; ++t) {
+              const IVec xb = broadcast4(xq + t * xq_stride + b * kBlockCols + 4 * j);
+              isum[t][v] = dot4(isum[t][v], magnitude, sign_of(xb, w));
+            }
+          }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        const float step = steps[t * step_stride + b];
+        for (int64_t v = 0; v < kVectors; ++v) acc[t][v] += to_float(isum[t][v]) * (s[v] * step);
+      }
+    }
+#else
+    {
+      for (int64_t t = 0; t < T; ++t) {
+        const float step = steps[t * step_stride + b];
+        for (int64_t v = 0; v < kVectors; ++v)
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const int32_t sum = block_sum<kFourBit>(g.values, b, v * kLanes + l,
+                                                    xq + t * xq_stride + b * kBlockCols);
+            acc[t][v][l] += static_cast<float>(sum) * (s[v][l] * step);
+          }
+      }
+    }
+#endif
+    if constexpr (kFourBit) {
+      const Column o = load_scales(g.offsets + b * kGroupRows);
+      for (int64_t t = 0; t < T; ++t) {
+        const float xsum = sums[t * step_stride + b];
+        for (int64_t v = 0; v < kVectors; ++v) acc[t][v] += o[v] * xsum;
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
+}
+
+template <bool kFourBit, typename Scale, int64_t... T>
+constexpr auto int_kernels(std::integer_sequence<int64_t, T...>) {
+  using Kernel = void (*)(const IntGroup<Scale>&, int64_t, const int8_t*, int64_t, const float*,
+                          const float*, int64_t, float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&int_group_rows<kFourBit, Scale, T + 1>...};
+}
+
+template <bool kFourBit, typename Scale>
+void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                 const at::Tensor& offsets, at::Tensor& out) {
+  static constexpr auto tiles =
+      int_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kIntTileRows>{});
+  const QuantizedRows xq = quantize_rows(x);
+  const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
+  const int64_t n = out.size(1), k = x.size(1);
+  const auto* vp = static_cast<const uint8_t*>(values.data_ptr());
+  const auto* sp = static_cast<const Scale*>(scales.data_ptr());
+  const auto* op = kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
+  const int64_t group_bytes = values.stride(0), group_scales = scales.stride(0);
+  const int8_t* cp = xq.codes.data_ptr<int8_t>();
+  const float *dp = xq.steps.data_ptr<float>(), *sump = xq.sums.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(group_bytes, 1));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
+      const int64_t m = std::min(kChunkRows, rows - m0);
+      for (int64_t gi = g0; gi < g1; ++gi) {
+        const IntGroup<Scale> g{vp + gi * group_bytes, sp + gi * group_scales,
+                                kFourBit ? op + gi * group_scales : nullptr};
+        for (int64_t t = 0; t < m; t += kIntTileRows) {
+          const int64_t r = m0 + t;
+          tiles[std::min(kIntTileRows, m - t) - 1](g, blocks, cp + r * k, k, dp + r * blocks,
+                                                   sump + r * blocks, blocks,
+                                                   outp + r * n + gi * kGroupRows, n);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
@@ -243,10 +495,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               "x must be float32 [M, K] with contiguous rows");
   const bool four_bit = values.scalar_type() == at::kByte;
   TORCH_CHECK(four_bit || values.scalar_type() == at::kChar, "values must be int8 or uint8");
-  TORCH_CHECK(values.is_contiguous() && values.dim() == 4 && values.size(3) == kGroupRows &&
-                  values.size(2) == (four_bit ? kBlockCols / 2 : kBlockCols),
-              "values must be [groups, blocks, ", four_bit ? kBlockCols / 2 : kBlockCols, ", ",
-              kGroupRows, "]");
+  // The layout is told by the last dimension: 16 rows of columns, or 16 rows' runs of 4.
+  const bool quads = values.dim() == 4 && values.size(3) == kQuadBytes;
+  const int64_t runs = quads ? kBlockCols / 4 / (four_bit ? 2 : 1) : kBlockCols / (four_bit ? 2 : 1);
+  const int64_t last = quads ? kQuadBytes : kGroupRows;
+  TORCH_CHECK(values.is_contiguous() && values.dim() == 4 && values.size(3) == last &&
+                  values.size(2) == runs,
+              "values must be [groups, blocks, ", runs, ", ", last, "]");
   const int64_t groups = values.size(0), blocks = values.size(1);
   TORCH_CHECK(x.size(1) == blocks * kBlockCols, "x has ", x.size(1), " columns, the weight ",
               blocks * kBlockCols);
@@ -263,9 +518,14 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               "bias must be float32 [", n, "]");
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  if (four_bit && scale_type == at::kHalf) run<true, c10::Half>(x, values, scales, offsets, out);
+  const bool half = scale_type == at::kHalf;
+  if (quads && four_bit && half) run_integer<true, c10::Half>(x, values, scales, offsets, out);
+  else if (quads && four_bit) run_integer<true, float>(x, values, scales, offsets, out);
+  else if (quads && half) run_integer<false, c10::Half>(x, values, scales, offsets, out);
+  else if (quads) run_integer<false, float>(x, values, scales, offsets, out);
+  else if (four_bit && half) run<true, c10::Half>(x, values, scales, offsets, out);
   else if (four_bit) run<true, float>(x, values, scales, offsets, out);
-  else if (scale_type == at::kHalf) run<false, c10::Half>(x, values, scales, offsets, out);
+  else if (half) run<false, c10::Half>(x, values, scales, offsets, out);
   else run<false, float>(x, values, scales, offsets, out);
   if (present(bias)) out.add_(bias);
   return out;
