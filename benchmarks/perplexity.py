@@ -16,7 +16,8 @@ the scored tokens). The same windows, the same scored tokens, for both engines:
 
 * tandem: `LLM(model=GGUF[, quantization=Q]).generate(windows, SamplingParams(max_tokens=1,
   prompt_logprobs=0))`, each scored token's log-probability (log_softmax of the raw logits);
-  float32 compute and KV cache (Tandem's CPU default);
+  float32 compute and KV cache (Tandem's CPU default); the value `int8-activations` runs the
+  file's blocks with `int8_activations=True` (activations rounded to int8, llama.cpp's way);
 * llama.cpp: `llama-perplexity -m GGUF -f TEXT -c CONTEXT -b CONTEXT -t THREADS -ctk f32 -ctv
   f32` (the KV cache in float32, as Tandem's), its "Final estimate".
 
@@ -31,6 +32,7 @@ quantized from that: against it, the Q4_1 rows measure the engines' arithmetic a
 
     python benchmarks/perplexity.py   # setup_llama_server.sh's F32 and Q8_0 GGUFs, the packaged Q4_1
     python benchmarks/perplexity.py F32.gguf Q4_0.gguf --tandem-quantization default,none,int8
+    python benchmarks/perplexity.py --tandem-quantization default,int8-activations
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, help="score only the first N windows (llama's --chunks)")
     p.add_argument("--tandem-quantization", default="default",
                    help="comma-separated values of LLM(quantization=...), a Tandem row each: "
-                        "default (not passed), none, int8, ...")  # fmt: skip
+                        "default (not passed), none, int8, ...; int8-activations: the file's "
+                        "blocks with int8_activations=True")  # fmt: skip
     p.add_argument("--engines", default="tandem,llamacpp", help="tandem, llamacpp or both")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="llama-perplexity -t (default: every core); Tandem picks its own")  # fmt: skip
@@ -177,10 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         first_ids = first_ids or ids
         chunks = windows(ids, gguf, args.context, args.windows)
         for q in args.quantizations if "tandem" in args.engine_list else []:
-            engine = "tandem" if q == "default" else f"tandem quantization={q}"
+            engine = {"default": "tandem", "int8-activations": "tandem int8 activations"}.get(
+                q, f"tandem quantization={q}"
+            )
+            options = {"default": {}, "int8-activations": {"int8_activations": True}}.get(
+                q, {"quantization": q}
+            )
             start = time.perf_counter()
             try:
-                llm = LLM(str(gguf), **({} if q == "default" else {"quantization": q}))
+                llm = LLM(str(gguf), **options)
             except Exception as exc:  # an unknown value, a keyword Tandem lacks yet: no row
                 print(f"{gguf.name} {engine}: failed: {type(exc).__name__}: {exc}", flush=True)
                 continue

@@ -14,7 +14,8 @@ once), at M = 1, 4, 32 and 128 rows, for each implementation that runs here:
     int4 dynamic (aten._dyn_quant_matmul_4bit; KleidiAI on Arm, a reference loop elsewhere)
     int8 fbgemm dynamic (torch.ao.nn.quantized.dynamic.Linear: activations quantized per call)
     Tandem int8 and int4 (tandem.ops.quantized: quantize_int8 or pack, quantized_linear), where
-    it exists: rows in groups of 16, a scale per row and block of 32 columns (+ an offset, 4-bit)
+    it exists: rows in groups of 16, a scale per row and block of 32 columns (+ an offset, 4-bit);
+    and both again with int8 activations (xint8: the integer products)
 
 Every layer has its own copy of its weights (the model's ~135M weights, far beyond the caches),
 so each forward reads its weights from memory as a real decode step does; the implementations
@@ -217,29 +218,31 @@ def fbgemm_dynamic() -> Impl:
     )
 
 
-def tandem_quantized(bits: int) -> Impl:
+def tandem_quantized(bits: int, int8_activations: bool = False) -> Impl:
     """Tandem's layout (rows in groups of 16, a scale per row and block of 32 columns, 4-bit with
-    an offset too) through its fused kernel; int4 here is Q4_0-like: code + 8, offset -8 * scale."""
+    an offset too) through its fused kernel; int4 here is Q4_0-like: code + 8, offset -8 * scale.
+    `int8_activations`: the runs-of-4 layout, activations rounded to int8, integer products."""
     from tandem.ops import cpu_kernels, quantized
 
     build = cpu_kernels.load()
     if not build.available:  # quantized_linear would fall back to F.linear on a dequantized copy
         raise RuntimeError(f"fused CPU kernels not built: {build.error}")
-    if bits == 8:
-        prepare = quantized.quantize_int8
-    else:
 
-        def prepare(w):
+    def prepare(w):
+        if bits == 8:
+            q = quantized.quantize_int8(w)
+        else:
             codes, scale = int4_groups(w, quantized.BLOCK_COLS)
             scale = scale.half()
-            return quantized.pack((codes + 8).to(torch.uint8), scale, -8 * scale, "int4")
+            q = quantized.pack((codes + 8).to(torch.uint8), scale, -8 * scale, "int4")
+        return quantized.for_int8_activations(q) if int8_activations else q
 
     n, k = LAYER_SHAPES["qkv"]
     q = prepare(torch.randn(n, k))
     per_weight = getattr(q, "nbytes", None) or tensor_bytes(q)  # what its object holds
     dequantize = getattr(quantized, "dequantize", None)
     return Impl(
-        f"int{bits} tandem quantized_linear",
+        f"int{bits} tandem quantized_linear" + (" xint8" if int8_activations else ""),
         prepare,
         quantized.quantized_linear,
         lambda w, qw: dequantize(qw).double() if dequantize else None,
@@ -307,6 +310,8 @@ def implementations() -> list[Impl]:
         "int8 fbgemm dynamic": fbgemm_dynamic,
         "int8 tandem quantized_linear": lambda: tandem_quantized(8),
         "int4 tandem quantized_linear": lambda: tandem_quantized(4),
+        "int8 tandem quantized_linear xint8": lambda: tandem_quantized(8, True),
+        "int4 tandem quantized_linear xint8": lambda: tandem_quantized(4, True),
     }
     for name, make in makers.items():
         try:
