@@ -312,13 +312,21 @@ inline IVec dot4(IVec acc, IVec u, IVec s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
-// acc + two runs of 4 products with u < 16: 8 products fit the 16-bit sums.
-inline IVec dot8_nibbles(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
+// A block's 4-bit products: acc + two runs of 4 products per lane (u < 16). Without VNNI the
+// sums stay in 16 bits for the whole block (16 products of at most 15 * 127 fit) and widen once.
+inline IVec nibble_dot8(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u1, s1), u2, s2);
 #else
   const IVec pairs = _mm512_add_epi16(_mm512_maddubs_epi16(u1, s1), _mm512_maddubs_epi16(u2, s2));
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  return _mm512_add_epi16(acc, pairs);
+#endif
+}
+inline IVec nibble_total(IVec acc) {
+#if defined(__AVX512VNNI__)
+  return acc;
+#else
+  return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
 #endif
 }
 inline VecL to_float(IVec v) { return (VecL)_mm512_cvtepi32_ps(v); }
@@ -341,10 +349,11 @@ inline IVec zero_ints() { return _mm256_setzero_si256(); }
 inline IVec dot4(IVec acc, IVec u, IVec s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-inline IVec dot8_nibbles(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
-  const IVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+inline IVec nibble_dot8(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
+  return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1),
+                                                _mm256_maddubs_epi16(u2, s2)));
 }
+inline IVec nibble_total(IVec acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 inline VecL to_float(IVec v) { return (VecL)_mm256_cvtepi32_ps(v); }
 #define TANDEM_INTEGER_VECTORS 1
 #endif
@@ -401,10 +410,12 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
             const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
             for (int64_t t = 0; t < T; ++t) {
               const int8_t* xb = xq + t * xq_stride + b * kBlockCols;
-              isum[t][v] = dot8_nibbles(isum[t][v], lo, broadcast4(xb + 4 * j), hi,
-                                        broadcast4(xb + 16 + 4 * j));
+              isum[t][v] = nibble_dot8(isum[t][v], lo, broadcast4(xb + 4 * j), hi,
+                                       broadcast4(xb + 16 + 4 * j));
             }
           }
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t v = 0; v < kVectors; ++v) isum[t][v] = nibble_total(isum[t][v]);
       } else {
         const uint8_t* q = g.values + b * 8 * kQuadBytes;
         for (int64_t j = 0; j < 8; ++j)
