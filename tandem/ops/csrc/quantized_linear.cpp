@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace tandem {
 namespace {
@@ -252,19 +253,26 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
 
 constexpr int64_t kQuadBytes = 4 * kGroupRows;  // one run of 4 columns for the group's 16 rows
 
-// Activations quantized per row and block of 32: codes, step dx and dx * (sum of codes).
+// Activations quantized per row and block of 32: codes, step dx and dx * (sum of codes). The
+// buffers are the calling thread's, reused from call to call: a step makes a hundred of these,
+// and three allocations each cost more than quantizing a decode row.
 struct QuantizedRows {
-  at::Tensor codes, steps, sums;  // int8 [M, K], float32 [M, B], float32 [M, B]
+  const int8_t* codes;  // [M, K]
+  const float* steps;   // [M, B]
+  const float* sums;    // [M, B]
 };
 
 // llama.cpp's Q8_0 rounding: dx = max|x| / 127, code = nearest-even(x * (127 / max|x|)).
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlockCols, stride = x.stride(0);
-  QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
-                  at::empty({rows, blocks}, x.options()), at::empty({rows, blocks}, x.options())};
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> steps, sums;
+  codes.resize(rows * k);
+  steps.resize(rows * blocks);
+  sums.resize(rows * blocks);
   const float* xp = x.data_ptr<float>();
-  int8_t* cp = q.codes.data_ptr<int8_t>();
-  float *dp = q.steps.data_ptr<float>(), *sp = q.sums.data_ptr<float>();
+  int8_t* cp = codes.data();
+  float *dp = steps.data(), *sp = sums.data();
   at::parallel_for(0, rows * blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / blocks, b = i % blocks;
@@ -282,7 +290,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
       sp[i] = step * static_cast<float>(sum);
     }
   });
-  return q;
+  return {cp, dp, sp};
 }
 
 // The dot-product vocabulary over one vector of 32-bit lanes, each a row's run of 4 codes.
@@ -476,8 +484,8 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   const auto* sp = static_cast<const Scale*>(scales.data_ptr());
   const auto* op = kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
   const int64_t group_bytes = values.stride(0), group_scales = scales.stride(0);
-  const int8_t* cp = xq.codes.data_ptr<int8_t>();
-  const float *dp = xq.steps.data_ptr<float>(), *sump = xq.sums.data_ptr<float>();
+  const int8_t* cp = xq.codes;
+  const float *dp = xq.steps, *sump = xq.sums;
   float* outp = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
