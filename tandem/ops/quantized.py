@@ -156,7 +156,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK_COLS, BLOCK_COLS)
     amax = blocks.abs().amax(dim=-1)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor divided, not a number by a tensor: torch computes 127.0 / t as 127 * (1 / t),
+    # which rounds differently from the kernels' (and llama.cpp's) single division.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inverse[..., None]).to(torch.int8)
     steps = amax / 127.0
     return codes.reshape(m, k), steps, steps * codes.sum(dim=-1, dtype=torch.int32).float()
