@@ -587,43 +587,38 @@ enum LayerWeight {
   kDown = kGateUp + 5, kWeightsPerLayer = kDown + 5
 };
 
-// out[m, o] = x[m] . w[o] (+ bias[o]) for the M rows of x and weight rows [o0, o1): R weight rows
-// at a time, each read once, in order, for every row of x.
-template <int64_t M, int64_t R>
+// out[m, o] = x[m] . w[o] (+ bias[o]) for the M rows of x and weight rows [o0, o1): one weight
+// row at a time, read once, in order, for every row of x. One sequential stream per thread is
+// what memory serves fastest: 2 or 4 weight rows read side by side (for more independent sums at
+// one row of x) read slower (docs/performance.md). Each row of x is summed in the same
+// order whatever M is, so a sequence's output does not depend on how many rows its step has.
+template <int64_t M>
 void gemv_block(const float* x, int64_t x_stride, const float* w, int64_t in, int64_t o0,
                 int64_t o1, const float* bias, float* out, int64_t out_stride) {
   constexpr int64_t W = kLanes;
   const int64_t vec_end = in / W * W;
-  int64_t o = o0;
-  for (; o + R <= o1; o += R) {
-    VecL acc[M][R] = {};
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* row = w + o * in;
+    VecL acc[M] = {};
     for (int64_t k = 0; k < vec_end; k += W) {
-      VecL xv[M];
-      for (int64_t m = 0; m < M; ++m) xv[m] = load_lanes(x + m * x_stride + k);
-      for (int64_t r = 0; r < R; ++r) {
-        const VecL wv = load_lanes(w + (o + r) * in + k);
-        for (int64_t m = 0; m < M; ++m) acc[m][r] += xv[m] * wv;
-      }
+      const VecL wv = load_lanes(row + k);
+      for (int64_t m = 0; m < M; ++m) acc[m] += load_lanes(x + m * x_stride + k) * wv;
     }
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t r = 0; r < R; ++r) {
-        float s = 0.f;
-        for (int l = 0; l < W; ++l) s += acc[m][r][l];
-        for (int64_t k = vec_end; k < in; ++k) s += x[m * x_stride + k] * w[(o + r) * in + k];
-        out[m * out_stride + o + r] = bias != nullptr ? s + bias[o + r] : s;
-      }
+      float s = 0.f;
+      for (int l = 0; l < W; ++l) s += acc[m][l];
+      for (int64_t k = vec_end; k < in; ++k) s += x[m * x_stride + k] * row[k];
+      out[m * out_stride + o] = bias != nullptr ? s + bias[o] : s;
     }
   }
-  if (o < o1) gemv_block<M, 1>(x, x_stride, w, in, o, o1, bias, out, out_stride);
 }
 
 constexpr int64_t kGemvMaxRows = 8;  // ops/linear.py's GEMV_MAX_ROWS
 
 // x [M, in] @ weight [out, in].T (+ bias) for a step of at most kGemvMaxRows rows (sequences,
 // or a verification's tokens under speculative decoding). Why: there the product only streams
-// the weights, and MKL's packed GEMM read them from memory at
-// 10-11 GB/s on two Zen 3 cores where this reads 14-16 (the whole batch-1 decode step of
-// SmolLM2: 43-47 against 54-68 ms); the output rows are split over torch's threads.
+// the weights, and MKL's packed GEMM reads them from memory well below the rate this does
+// (docs/performance.md); the output rows are split over torch's threads.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   check_float_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows,
@@ -644,14 +639,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const int64_t grain = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(in, 1));
   at::parallel_for(0, outs, grain, [&](int64_t o0, int64_t o1) {
     switch (rows) {
-      case 1: gemv_block<1, 4>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 2: gemv_block<2, 2>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 3: gemv_block<3, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 4: gemv_block<4, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 5: gemv_block<5, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 6: gemv_block<6, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 7: gemv_block<7, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      default: gemv_block<8, 1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 1: gemv_block<1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 2: gemv_block<2>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 3: gemv_block<3>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 4: gemv_block<4>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 5: gemv_block<5>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 6: gemv_block<6>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      case 7: gemv_block<7>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+      default: gemv_block<8>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
     }
   });
   return out;
