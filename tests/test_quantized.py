@@ -46,6 +46,9 @@ def random_weight(kind: str, n: int, k: int, seed: int = 0):
         codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         return pack(codes, (torch.rand(blocks, generator=g) * 0.02).half(), None, kind)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    if kind == "4-bit symmetric":  # Q4_0: weight = (code - 8) * scale
+        scales = (torch.rand(blocks, generator=g) * 0.02).half()
+        return pack(codes, scales, scales * -8, kind)
     # As Q4_K's: a float16 times a 6-bit integer, so code * scale is exact and + offset rounds
     # once (the layouts' formats all are so).
     scales = (torch.rand(blocks, generator=g) * 0.001).half().float()
@@ -56,7 +59,7 @@ def random_weight(kind: str, n: int, k: int, seed: int = 0):
     return pack(codes, scales, offsets, kind)
 
 
-LAYOUTS = ["8-bit", "4-bit f16", "4-bit f32"]
+LAYOUTS = ["8-bit", "4-bit f16", "4-bit f32", "4-bit symmetric"]
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -66,6 +69,8 @@ def test_pack_and_unpack_are_inverse(kind):
     assert torch.equal(pack(codes, scales, offsets, kind).values, q.values)
     quads = for_int8_activations(q)
     assert quads.int8_activations and not q.int8_activations and quads.shape == q.shape
+    # Symmetric 4-bit codes keep no offsets in the integer layout (-8 * scale, implied).
+    assert (quads.offsets is None) == (kind in ("8-bit", "4-bit symmetric"))
     for mine, theirs in zip(unpack(quads), (codes, scales, offsets), strict=True):
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
     # One 32-bit lane is a row's run of 4 columns: row 17 (group 1, row 1), columns 36-39.
@@ -159,7 +164,11 @@ def test_bad_operands_are_refused():
                                           torch.empty(0))  # fmt: skip
     with pytest.raises(ValueError, match="rows in 16s"):
         pack(torch.zeros(10, 32, dtype=torch.int8), torch.ones(10, 1), None, "int8")
-    quads = for_int8_activations(random_weight("4-bit f16", 16, 64))
+    four_bit = random_weight("4-bit f16", 16, 64)
+    with pytest.raises(RuntimeError, match="4-bit weights have offsets"):
+        torch.ops.tandem.quantized_linear(torch.randn(2, 64), four_bit.values, four_bit.scales,
+                                          torch.empty(0), torch.empty(0))  # fmt: skip
+    quads = for_int8_activations(four_bit)
     with pytest.raises(RuntimeError, match=r"values must be \[groups, blocks, 4, 64\]"):
         torch.ops.tandem.quantized_linear(torch.randn(2, 64), quads.values[:, :, :3].contiguous(),
                                           *quads.flat()[1:], torch.empty(0))  # fmt: skip

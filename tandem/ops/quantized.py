@@ -38,7 +38,9 @@ class QuantizedWeight:
     # quads (int8 activations): int8 [G, B, 8, 64] or uint8 [G, B, 4, 64]
     values: torch.Tensor
     scales: torch.Tensor  # [G, B, 16] float16 or float32
-    offsets: torch.Tensor | None  # 4-bit: like scales; 8-bit: None
+    # 4-bit: like scales; 8-bit: None. 4-bit quads without offsets are symmetric (GGUF's Q4_0):
+    # weight = (code - 8) * scale, the offset -8 * scale not stored.
+    offsets: torch.Tensor | None
     source: str  # what the codes came from, e.g. "Q4_1", "int8"
 
     @property
@@ -77,7 +79,8 @@ def pack(
     quads: bool = False,
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
-    -> the kernels' layout: columns, or `quads` for int8 activations."""
+    -> the kernels' layout: columns, or `quads` for int8 activations (which store no offsets
+    where they are -8 * scale, as Q4_0's are)."""
     n, k = codes.shape
     if not can_quantize(n, k):
         raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
@@ -88,7 +91,9 @@ def pack(
         grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
     else:  # [G, B, 32 columns, 16 rows]
         grouped = grouped.permute(0, 2, 3, 1)
-    if offsets is None:
+    if quads and offsets is not None and torch.equal(offsets, scales * -8):
+        offsets = None  # symmetric: the kernel subtracts 8 from the codes in integers
+    if codes.dtype != torch.uint8:
         values = grouped.to(torch.int8).contiguous()
     else:  # the high nibbles hold the block's second half (columns, or runs) of 16
         nibbles = grouped.to(torch.uint8)
@@ -109,10 +114,11 @@ def for_int8_activations(q: QuantizedWeight) -> QuantizedWeight:
 
 
 def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """pack's inverse: codes [N, K], scales and offsets [N, K / 32]."""
+    """pack's inverse: codes [N, K], scales and offsets [N, K / 32] (-8 * scale where a
+    symmetric 4-bit weight stores none)."""
     groups, blocks = q.values.shape[:2]
     n, k = q.shape
-    nibbles = q.offsets is not None
+    nibbles = q.bits == 4
     grouped = torch.cat((q.values & 15, q.values >> 4), dim=2) if nibbles else q.values
     if q.int8_activations:
         runs = grouped.reshape(groups, blocks, BLOCK_COLS // RUN, GROUP_ROWS, RUN)
@@ -123,6 +129,8 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     def per_row(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(n, blocks)
 
+    if nibbles and q.offsets is None:
+        return codes, per_row(q.scales), per_row(q.scales) * -8
     return codes, per_row(q.scales), None if q.offsets is None else per_row(q.offsets)
 
 

@@ -22,6 +22,8 @@
 //   4-bit  values uint8 [G, B, 4, 64]: the low nibble is column 32b+4j+t, the high one 32b+16+4j+t
 // Per row r, output n and block b: integer sum S of code * x code (exact in int32), then
 //   out += S * (scale * dx) + offset * (dx * sum of x codes)
+// or, for symmetric 4-bit weights (Q4_0: no offsets stored, weight = (code - 8) * scale),
+//   out += (S - 8 * sum of x codes) * (scale * dx)
 // with dx the block's activation step (max |x| / 127). Every row's sums run in the same order on
 // AVX2 and AVX-512 alike and whatever the batch.
 
@@ -257,9 +259,10 @@ constexpr int64_t kQuadBytes = 4 * kGroupRows;  // one run of 4 columns for the 
 // buffers are the calling thread's, reused from call to call: a step makes a hundred of these,
 // and three allocations each cost more than quantizing a decode row.
 struct QuantizedRows {
-  const int8_t* codes;  // [M, K]
-  const float* steps;   // [M, B]
-  const float* sums;    // [M, B]
+  const int8_t* codes;       // [M, K]
+  const float* steps;        // [M, B]
+  const float* sums;         // [M, B]
+  const int32_t* code_sums;  // [M, B]: the sums of codes themselves
 };
 
 // llama.cpp's Q8_0 rounding: dx = max|x| / 127, code = nearest-even(x * (127 / max|x|)).
@@ -267,12 +270,15 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlockCols, stride = x.stride(0);
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> steps, sums;
+  thread_local std::vector<int32_t> code_sums;
   codes.resize(rows * k);
   steps.resize(rows * blocks);
   sums.resize(rows * blocks);
+  code_sums.resize(rows * blocks);
   const float* xp = x.data_ptr<float>();
   int8_t* cp = codes.data();
   float *dp = steps.data(), *sp = sums.data();
+  int32_t* csp = code_sums.data();
   at::parallel_for(0, rows * blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / blocks, b = i % blocks;
@@ -288,9 +294,10 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
       }
       dp[i] = step;
       sp[i] = step * static_cast<float>(sum);
+      csp[i] = sum;
     }
   });
-  return {cp, dp, sp};
+  return {cp, dp, sp, csp};
 }
 
 // The dot-product vocabulary over one vector of 32-bit lanes, each a row's run of 4 codes.
@@ -338,6 +345,7 @@ inline IVec nibble_total(IVec acc) {
 #endif
 }
 inline VecL to_float(IVec v) { return (VecL)_mm512_cvtepi32_ps(v); }
+inline IVec minus(IVec v, int32_t c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
 #define TANDEM_INTEGER_VECTORS 1
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 using IVec = __m256i;
@@ -363,6 +371,7 @@ inline IVec nibble_dot8(IVec acc, IVec u1, IVec s1, IVec u2, IVec s2) {
 }
 inline IVec nibble_total(IVec acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 inline VecL to_float(IVec v) { return (VecL)_mm256_cvtepi32_ps(v); }
+inline IVec minus(IVec v, int32_t c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
 #define TANDEM_INTEGER_VECTORS 1
 #endif
 
@@ -397,11 +406,12 @@ inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8
   return sum;
 }
 
-// T rows of quantized x against one group, accumulators in registers.
-template <bool kFourBit, typename Scale, int64_t T>
+// T rows of quantized x against one group, accumulators in registers. kSymmetric: 4-bit codes
+// whose weight is (code - 8) * scale, no offsets stored.
+template <bool kFourBit, bool kSymmetric, typename Scale, int64_t T>
 void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, int64_t xq_stride,
-                    const float* steps, const float* sums, int64_t step_stride, float* out,
-                    int64_t out_stride) {
+                    const float* steps, const float* sums, const int32_t* code_sums,
+                    int64_t step_stride, float* out, int64_t out_stride) {
   Column acc[T] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const Column s = load_scales(g.scales + b * kGroupRows);
@@ -423,7 +433,10 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
             }
           }
         for (int64_t t = 0; t < T; ++t)
-          for (int64_t v = 0; v < kVectors; ++v) isum[t][v] = nibble_total(isum[t][v]);
+          for (int64_t v = 0; v < kVectors; ++v) {
+            isum[t][v] = nibble_total(isum[t][v]);
+            if constexpr (kSymmetric) isum[t][v] = minus(isum[t][v], 8 * code_sums[t * step_stride + b]);
+          }
       } else {
         const uint8_t* q = g.values + b * 8 * kQuadBytes;
         for (int64_t j = 0; j < 8; ++j)
@@ -446,14 +459,15 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
         const float step = steps[t * step_stride + b];
         for (int64_t v = 0; v < kVectors; ++v)
           for (int64_t l = 0; l < kLanes; ++l) {
-            const int32_t sum = block_sum<kFourBit>(g.values, b, v * kLanes + l,
-                                                    xq + t * xq_stride + b * kBlockCols);
+            int32_t sum = block_sum<kFourBit>(g.values, b, v * kLanes + l,
+                                              xq + t * xq_stride + b * kBlockCols);
+            if constexpr (kSymmetric) sum -= 8 * code_sums[t * step_stride + b];
             acc[t][v][l] += static_cast<float>(sum) * (s[v][l] * step);
           }
       }
     }
 #endif
-    if constexpr (kFourBit) {
+    if constexpr (kFourBit && !kSymmetric) {
       const Column o = load_scales(g.offsets + b * kGroupRows);
       for (int64_t t = 0; t < T; ++t) {
         const float xsum = sums[t * step_stride + b];
@@ -465,24 +479,24 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
     for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
 }
 
-template <bool kFourBit, typename Scale, int64_t... T>
+template <bool kFourBit, bool kSymmetric, typename Scale, int64_t... T>
 constexpr auto int_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const IntGroup<Scale>&, int64_t, const int8_t*, int64_t, const float*,
-                          const float*, int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&int_group_rows<kFourBit, Scale, T + 1>...};
+                          const float*, const int32_t*, int64_t, float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&int_group_rows<kFourBit, kSymmetric, Scale, T + 1>...};
 }
 
-template <bool kFourBit, typename Scale>
+template <bool kFourBit, bool kSymmetric, typename Scale>
 void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                  const at::Tensor& offsets, at::Tensor& out) {
-  static constexpr auto tiles =
-      int_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kIntTileRows>{});
+  static constexpr auto tiles = int_kernels<kFourBit, kSymmetric, Scale>(
+      std::make_integer_sequence<int64_t, kIntTileRows>{});
   const QuantizedRows xq = quantize_rows(x);
   const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
   const int64_t n = out.size(1), k = x.size(1);
   const auto* vp = static_cast<const uint8_t*>(values.data_ptr());
   const auto* sp = static_cast<const Scale*>(scales.data_ptr());
-  const auto* op = kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
+  const auto* op = kFourBit && !kSymmetric ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
   const int64_t group_bytes = values.stride(0), group_scales = scales.stride(0);
   const int8_t* cp = xq.codes;
   const float *dp = xq.steps, *sump = xq.sums;
@@ -493,11 +507,12 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
       const int64_t m = std::min(kChunkRows, rows - m0);
       for (int64_t gi = g0; gi < g1; ++gi) {
         const IntGroup<Scale> g{vp + gi * group_bytes, sp + gi * group_scales,
-                                kFourBit ? op + gi * group_scales : nullptr};
+                                op != nullptr ? op + gi * group_scales : nullptr};
         for (int64_t t = 0; t < m; t += kIntTileRows) {
           const int64_t r = m0 + t;
           tiles[std::min(kIntTileRows, m - t) - 1](g, blocks, cp + r * k, k, dp + r * blocks,
-                                                   sump + r * blocks, blocks,
+                                                   sump + r * blocks, xq.code_sums + r * blocks,
+                                                   blocks,
                                                    outp + r * n + gi * kGroupRows, n);
         }
       }
@@ -528,8 +543,11 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, "scales must be float16/32");
   TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({groups, blocks, kGroupRows}),
               "scales must be [groups, blocks, ", kGroupRows, "]");
-  TORCH_CHECK(four_bit == present(offsets), "4-bit weights have offsets, 8-bit ones none");
-  TORCH_CHECK(!four_bit || (offsets.is_contiguous() && offsets.sizes() == scales.sizes() &&
+  // 4-bit weights have offsets, except symmetric ones in the integer layout; 8-bit ones none.
+  const bool symmetric = quads && four_bit && !present(offsets);
+  TORCH_CHECK(four_bit == (present(offsets) || symmetric),
+              "4-bit weights have offsets, 8-bit ones none");
+  TORCH_CHECK(!present(offsets) || (offsets.is_contiguous() && offsets.sizes() == scales.sizes() &&
                             offsets.scalar_type() == scale_type),
               "offsets must be shaped and typed as the scales");
   const int64_t n = groups * kGroupRows;
@@ -538,10 +556,12 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
   const bool half = scale_type == at::kHalf;
-  if (quads && four_bit && half) run_integer<true, c10::Half>(x, values, scales, offsets, out);
-  else if (quads && four_bit) run_integer<true, float>(x, values, scales, offsets, out);
-  else if (quads && half) run_integer<false, c10::Half>(x, values, scales, offsets, out);
-  else if (quads) run_integer<false, float>(x, values, scales, offsets, out);
+  if (symmetric && half) run_integer<true, true, c10::Half>(x, values, scales, offsets, out);
+  else if (symmetric) run_integer<true, true, float>(x, values, scales, offsets, out);
+  else if (quads && four_bit && half) run_integer<true, false, c10::Half>(x, values, scales, offsets, out);
+  else if (quads && four_bit) run_integer<true, false, float>(x, values, scales, offsets, out);
+  else if (quads && half) run_integer<false, false, c10::Half>(x, values, scales, offsets, out);
+  else if (quads) run_integer<false, false, float>(x, values, scales, offsets, out);
   else if (four_bit && half) run<true, c10::Half>(x, values, scales, offsets, out);
   else if (four_bit) run<true, float>(x, values, scales, offsets, out);
   else if (half) run<false, c10::Half>(x, values, scales, offsets, out);
