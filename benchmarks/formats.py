@@ -5,10 +5,10 @@ with B requests of the same prompt length and the same number of output tokens, 
 ignored: the time of the whole job (prefill and decode) is what is compared, in rounds that
 alternate the engines (median of --repeats). Tandem runs each quantized file twice: with float32
 activations (the dequantized model's outputs exactly) and with `int8_activations` (activations
-rounded to int8 per block of 32 and multiplied in integers, which is what llama.cpp does). llama.cpp runs `llama-batched-bench -npp P -ntg
-N -npl B -t THREADS` and its total time `T s` is read; Tandem runs `LLM.generate` on B random
-prompts with the synchronous loop (one request per core has nothing to overlap). The files and
-binaries come from benchmarks/setup_llama_server.sh.
+rounded to int8 per block of 32 and multiplied in integers, which is what llama.cpp does).
+llama.cpp runs `llama-batched-bench -npp P -ntg N -npl B -t THREADS` and its total time `T s` is
+read; Tandem runs `LLM.generate` on B random prompts with the synchronous loop (one request per
+core has nothing to overlap). The files and binaries come from benchmarks/setup_llama_server.sh.
 
     python benchmarks/formats.py [--batches 1,32] [--repeats 3] [GGUF ...]
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tandem import LLM, SamplingParams
 from tandem.models.catalog import resolve_model
+from tandem.models.gguf_blocks import NATIVE_TYPES
 
 CACHE = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 BATCHED_BENCH = CACHE / "llama.cpp" / "bin" / "llama-batched-bench"
@@ -77,7 +78,7 @@ def main() -> None:
         options = dict(async_scheduling=False, max_model_len=1024, max_num_seqs=max(batches))
         llm = LLM(str(path), **options)
         formats = llm.engine.execution.describe_weights().removeprefix("linear layers: ")
-        quantized = any(kind in formats for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K"))
+        quantized = any(kind in formats for kind in NATIVE_TYPES)
         engines = [llm, LLM(str(path), int8_activations=True, **options) if quantized else None]
         for batch in batches:
             times: list[list[float]] = [[], [], []]

@@ -255,29 +255,27 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
 
 constexpr int64_t kQuadBytes = 4 * kGroupRows;  // one run of 4 columns for the group's 16 rows
 
-// Activations quantized per row and block of 32: codes, step dx and dx * (sum of codes). The
+// Activations quantized per row and block of 32: codes, step dx and the sum of codes. The
 // buffers are the calling thread's, reused from call to call: a step makes a hundred of these,
 // and three allocations each cost more than quantizing a decode row.
 struct QuantizedRows {
   const int8_t* codes;       // [M, K]
   const float* steps;        // [M, B]
-  const float* sums;         // [M, B]
-  const int32_t* code_sums;  // [M, B]: the sums of codes themselves
+  const int32_t* code_sums;  // [M, B]
 };
 
 // llama.cpp's Q8_0 rounding: dx = max|x| / 127, code = nearest-even(x * (127 / max|x|)).
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlockCols, stride = x.stride(0);
   thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> steps, sums;
+  thread_local std::vector<float> steps;
   thread_local std::vector<int32_t> code_sums;
   codes.resize(rows * k);
   steps.resize(rows * blocks);
-  sums.resize(rows * blocks);
   code_sums.resize(rows * blocks);
   const float* xp = x.data_ptr<float>();
   int8_t* cp = codes.data();
-  float *dp = steps.data(), *sp = sums.data();
+  float* dp = steps.data();
   int32_t* csp = code_sums.data();
   at::parallel_for(0, rows * blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -293,22 +291,24 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
         sum += c[j];
       }
       dp[i] = step;
-      sp[i] = step * static_cast<float>(sum);
       csp[i] = sum;
     }
   });
-  return {cp, dp, sp, csp};
+  return {cp, dp, csp};
+}
+
+// A run of 4 activation codes as one 32-bit value, to broadcast to every lane.
+inline int32_t four_codes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 // The dot-product vocabulary over one vector of 32-bit lanes, each a row's run of 4 codes.
 #if defined(__AVX512BW__)
 using IVec = __m512i;
 inline IVec load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline IVec broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+inline IVec broadcast4(const int8_t* p) { return _mm512_set1_epi32(four_codes(p)); }
 inline IVec low_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline IVec high_nibbles(IVec v) {
   return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
@@ -350,11 +350,7 @@ inline IVec minus(IVec v, int32_t c) { return _mm512_sub_epi32(v, _mm512_set1_ep
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 using IVec = __m256i;
 inline IVec load_codes(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline IVec broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+inline IVec broadcast4(const int8_t* p) { return _mm256_set1_epi32(four_codes(p)); }
 inline IVec low_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 inline IVec high_nibbles(IVec v) {
   return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
@@ -410,8 +406,8 @@ inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8
 // whose weight is (code - 8) * scale, no offsets stored.
 template <bool kFourBit, bool kSymmetric, typename Scale, int64_t T>
 void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, int64_t xq_stride,
-                    const float* steps, const float* sums, const int32_t* code_sums,
-                    int64_t step_stride, float* out, int64_t out_stride) {
+                    const float* steps, const int32_t* code_sums, int64_t step_stride,
+                    float* out, int64_t out_stride) {
   Column acc[T] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const Column s = load_scales(g.scales + b * kGroupRows);
@@ -470,7 +466,8 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
     if constexpr (kFourBit && !kSymmetric) {
       const Column o = load_scales(g.offsets + b * kGroupRows);
       for (int64_t t = 0; t < T; ++t) {
-        const float xsum = sums[t * step_stride + b];
+        const int64_t i = t * step_stride + b;
+        const float xsum = steps[i] * static_cast<float>(code_sums[i]);  // dx * sum of x codes
         for (int64_t v = 0; v < kVectors; ++v) acc[t][v] += o[v] * xsum;
       }
     }
@@ -482,7 +479,7 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
 template <bool kFourBit, bool kSymmetric, typename Scale, int64_t... T>
 constexpr auto int_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const IntGroup<Scale>&, int64_t, const int8_t*, int64_t, const float*,
-                          const float*, const int32_t*, int64_t, float*, int64_t);
+                          const int32_t*, int64_t, float*, int64_t);
   return std::array<Kernel, sizeof...(T)>{&int_group_rows<kFourBit, kSymmetric, Scale, T + 1>...};
 }
 
@@ -499,7 +496,7 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   const auto* op = kFourBit && !kSymmetric ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
   const int64_t group_bytes = values.stride(0), group_scales = scales.stride(0);
   const int8_t* cp = xq.codes;
-  const float *dp = xq.steps, *sump = xq.sums;
+  const float* dp = xq.steps;
   float* outp = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
@@ -511,8 +508,7 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
         for (int64_t t = 0; t < m; t += kIntTileRows) {
           const int64_t r = m0 + t;
           tiles[std::min(kIntTileRows, m - t) - 1](g, blocks, cp + r * k, k, dp + r * blocks,
-                                                   sump + r * blocks, xq.code_sums + r * blocks,
-                                                   blocks,
+                                                   xq.code_sums + r * blocks, blocks,
                                                    outp + r * n + gi * kGroupRows, n);
         }
       }
