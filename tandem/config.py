@@ -108,7 +108,8 @@ class EngineConfig:
     # dequantized); "none": every weight dequantized; "int8": per-channel int8 linear layers (CPU).
     quantization: str | None = None
     # True: quantized layers multiply int8-quantized activations (per row and block of 32) in
-    # integers, as llama.cpp does: 2-3x faster kernels, outputs no longer the float model's.
+    # integers, as llama.cpp does: fewer instructions per weight, outputs no longer the float
+    # model's.
     int8_activations: bool = False
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
