@@ -25,7 +25,8 @@ class StepRecord:
     device_wait: float = 0.0  # seconds within `device` the device waited for a grammar bitmask
     discarded: int = 0  # sampled tokens dropped at retirement: their request had finished
     # Speculative decoding: draft tokens verified, how many of them were accepted, and the
-    # requests that verified drafts (each also gains one token of its own).
+    # requests that verified drafts (each also gains one token of its own). A request that had
+    # finished a step earlier (the async loop's extra step) counts in `discarded` only.
     drafted: int = 0
     accepted: int = 0
     verified: int = 0

@@ -156,6 +156,28 @@ def test_stop_inside_an_accepted_run(cycling_llama, async_scheduling):
     assert len(deltas[-1]) > 1  # the stop came inside an accepted run
 
 
+def test_drafts_past_a_finish_are_not_counted(cycling_llama):
+    """The async loop has verified a request's next drafts by the time it learns the request
+    stopped; those are discarded with its tokens and count neither as drafted nor as rejected
+    (nor in the adaptive policy's estimate), so both loops report the same counters. The prompt
+    is the model's own cycle of 7 distinct tokens, and the request stops at the cycle's last."""
+    path = generate(cycling_llama, prompts_with_repeats()[:1], greedy(21))[0][0][0]
+    prompt = path[-7:] * 3
+    continued = generate(cycling_llama, [prompt], greedy(8))[0][0][0]
+    params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[continued[6]])
+    counted = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(cycling_llama, speculative_config=ALWAYS, async_scheduling=async_scheduling)
+        (out,) = llm.generate([prompt], params)
+        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (continued[:7], "stop")
+        counted[async_scheduling] = llm.engine.summary()
+        assert_idle_and_balanced(llm.engine)
+        llm.engine.close()
+    assert counted[True].discarded_tokens > counted[False].discarded_tokens  # a verification
+    assert counted[True].speculative == counted[False].speculative
+    assert counted[True].speculative.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stop_string_inside_an_accepted_run(cycling_llama, async_scheduling):
     """A stop string found in an accepted run ends the request there, as without drafts."""

@@ -347,14 +347,14 @@ class Engine:
         for item, (tokens, logprobs) in zip(sampled, kept, strict=True):
             request = item.request
             self.scheduler.settle(item, len(tokens))
+            if request.finished:  # drafts past its end say nothing of how well it drafts
+                record.discarded += len(tokens)  # summed into RunSummary.discarded_tokens
+                continue  # the speculative tokens of a request that finished a step earlier
             if item.num_drafts:
                 record.drafted += item.num_drafts
                 record.accepted += len(tokens) - 1
                 record.verified += 1
                 self.scheduler.drafts.observe(request, item.num_drafts, len(tokens) - 1)
-            if request.finished:
-                record.discarded += len(tokens)  # summed into RunSummary.discarded_tokens
-                continue  # the speculative tokens of a request that finished a step earlier
             reason, new = None, []
             for token, lp in zip(tokens, logprobs, strict=True):
                 reason = self.outputs.append_token(request, token, t1, lp)

@@ -11,18 +11,20 @@ Per step: a draft token costs device time even when it is rejected, and what it 
 on the step's size and the device (where a step is bound by reading the weights, a few more
 tokens are almost free; where it is bound by compute, each costs nearly a token's time; kernels
 change at some row counts). The policy measures it: the device time of decoding steps by their
-token count (a running mean per count seen often enough, a least-squares line for the others), and gives
-each step the number of drafts, taken in order of their chance of acceptance, that maximises
-the expected tokens per second of device time. So speculation does not slow a large batch: it
-drafts there only what pays. In a small step, a request that got no drafts for `PROBE_INTERVAL`
-steps gets one (a probe), or it would never learn that its drafts became good; the interval
-doubles after each verification that accepted nothing (free text probes rarely), and resets on
-an accepted draft.
-Until the cost line exists, one request in every other step drafts (two step sizes to time).
+token count (the median of a count's latest times once it has a few, a least-squares line
+through those medians for the others), and gives each step the number of drafts, taken in order
+of their chance of acceptance, that maximises the expected tokens per second of device time. So
+speculation does not slow a large batch: it drafts there only what pays. In a small step, a
+request that got no drafts for `PROBE_INTERVAL` steps gets one (a probe), or it would never
+learn that its drafts became good; the interval doubles after each verification that accepted
+nothing (free text probes rarely), and resets on an accepted draft.
+Until the line exists, one request in every other step drafts (two step sizes to time).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.request import Request
@@ -36,62 +38,62 @@ COUNT_DECAY = 0.9  # weight of a request's earlier tries in its estimate (about 
 PRIOR_WEIGHT = 2.0  # tries at the rate over all requests added to each request's own
 POOLED_DECAY = 0.8  # weight of earlier verifications in the rate over all requests
 INITIAL_ACCEPTANCE = 0.7
-FIT_DECAY = 0.98  # weight of earlier steps in the time fit (about the last 50 steps count)
-COST_DECAY = 0.8  # weight of earlier steps in a token count's running mean
-TRUSTED = 3  # measurements of a token count before its mean replaces the line
+COST_WINDOW = 9  # a token count's latest step times kept; its cost is their median
+TRUSTED = 3  # step times of a token count before its median stands for it
 # Drafts are made only where they promise this much more tokens per second than none: the
 # estimates are noisy, and a draft that barely pays in them may cost in fact (a large batch).
 MIN_GAIN = 1.1
 
 
 @dataclass
-class StepCostFit:
-    """Exponentially weighted least squares of device time against tokens per step."""
-
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        d = FIT_DECAY
-        self.n = d * self.n + 1
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * seconds
-
-    def coefficients(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None until steps of different sizes were seen."""
-        var = self.n * self.sxx - self.sx * self.sx
-        if self.n < 4 or var <= 1e-9 * max(self.sxx, 1.0) * self.n:
-            return None
-        per_token = max((self.n * self.sxy - self.sx * self.sy) / var, 0.0)
-        fixed = max((self.sy - per_token * self.sx) / self.n, 0.0)
-        return fixed, per_token
-
-
-@dataclass
 class StepCosts:
-    """Device seconds of a decoding step by its token count: a count measured `TRUSTED` times by
-    its running mean (an odd slow step alone does not mark a size as slow), others by the line
-    through all measurements (None until it exists)."""
+    """Device seconds of a decoding step by its token count.
 
-    by_tokens: dict[int, tuple[float, int]] = field(default_factory=dict)  # mean, times seen
-    fit: StepCostFit = field(default_factory=StepCostFit)
+    A count timed `TRUSTED` times costs the median of its latest `COST_WINDOW` times: other work
+    on the machine only lengthens steps, and a mean would keep an odd slow step (a first run of
+    a kernel, a busy neighbour) for good, since a count that looks slow is not chosen, so never
+    timed, again. A count not yet trusted costs what the least-squares line through the trusted
+    counts' medians says, and never less than the largest trusted count below it (more tokens
+    never cost less); None until two counts are trusted."""
+
+    times: dict[int, deque[float]] = field(default_factory=dict)
+    _trusted: dict[int, float] = field(default_factory=dict)  # count -> median, kept current
+    _line: tuple[float, float] | None = None
 
     def add(self, tokens: int, seconds: float) -> None:
-        mean, seen = self.by_tokens.get(tokens, (seconds, 0))
-        self.by_tokens[tokens] = (COST_DECAY * mean + (1 - COST_DECAY) * seconds, seen + 1)
-        self.fit.add(tokens, seconds)
+        times = self.times.setdefault(tokens, deque(maxlen=COST_WINDOW))
+        times.append(seconds)
+        if len(times) >= TRUSTED:
+            self._trusted[tokens] = statistics.median(times)
+            self._line = self._fit()
 
-    def line(self) -> tuple[float, float] | None:
-        return self.fit.coefficients()
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) through the trusted counts' medians."""
+        if len(self._trusted) < 2:
+            return None
+        n = len(self._trusted)
+        sx = sum(self._trusted)
+        sy = sum(self._trusted.values())
+        sxx = sum(t * t for t in self._trusted)
+        sxy = sum(t * c for t, c in self._trusted.items())
+        per_token = max((n * sxy - sx * sy) / (n * sxx - sx * sx), 0.0)
+        return max((sy - per_token * sx) / n, 0.0), per_token
 
-    def cost(self, tokens: int, line: tuple[float, float]) -> float:
-        mean, seen = self.by_tokens.get(tokens, (0.0, 0))
-        return mean if seen >= TRUSTED else line[0] + line[1] * tokens
+    def costs(self, first: int, last: int) -> list[float] | None:
+        """The costs of steps of `first` to `last` tokens (None until the line exists)."""
+        if self._line is None:
+            return None
+        fixed, per_token = self._line
+        floor = max((c for t, c in self._trusted.items() if t < first), default=0.0)
+        costs = []
+        for tokens in range(first, last + 1):
+            trusted = self._trusted.get(tokens)
+            if trusted is None:
+                costs.append(max(fixed + per_token * tokens, floor))
+            else:
+                costs.append(trusted)
+                floor = max(floor, trusted)
+        return costs
 
 
 class DraftPolicy:
@@ -131,8 +133,8 @@ class DraftPolicy:
         k = max(min(self.max_drafts, room), 0)
         if not self.adaptive or k == 0:
             return [k] * len(requests)
-        line = self.costs.line()
-        if line is None:  # time steps with and without drafts first
+        costs = self.costs.costs(base_tokens, base_tokens + len(requests) * k)
+        if costs is None:  # time steps with and without drafts first
             self._untimed_steps += 1
             return [k * (i == 0 and self._untimed_steps % 2) for i in range(len(requests))]
         probing = base_tokens <= PROBE_MAX_TOKENS
@@ -150,11 +152,11 @@ class DraftPolicy:
         )
         forced = sum(probes)
         gain = float(len(requests)) + sum(c[1] for c in ranked[:forced])
-        best, best_rate = forced, gain / max(self.costs.cost(base_tokens + forced, line), 1e-9)
+        best, best_rate = forced, gain / max(costs[forced], 1e-9)
         least = MIN_GAIN * best_rate
         for d in range(forced + 1, len(ranked) + 1):
             gain += ranked[d - 1][1]
-            rate = gain / max(self.costs.cost(base_tokens + d, line), 1e-9)
+            rate = gain / max(costs[d], 1e-9)
             if rate > max(best_rate, least):
                 best, best_rate = d, rate
         allotted = [0] * len(requests)
