@@ -8,7 +8,7 @@ o [576, 576], gate_up [3072, 576], down [576, 1536]; 30 layers, then the logits 
 once), at M = 1, 4, 32 and 128 rows, for each implementation that runs here:
 
     fp32 F.linear / bf16 F.linear / fp32 MKL packed (torch.ops.mkl._mkl_linear)
-    fp32 Tandem GEMV (torch.ops.tandem.gemv, Tandem's fast path for up to 4 rows)
+    fp32 Tandem small GEMM (torch.ops.tandem.small_gemm, Tandem's fast path for up to 256 rows)
     int8 per-channel weight-only (aten._weight_int8pack_mm), fp32 and bf16 activations
     int4 groups of 32 (aten._weight_int4pack_mm_for_cpu), bf16 and fp32 activations
     int4 dynamic (aten._dyn_quant_matmul_4bit; KleidiAI on Arm, a reference loop elsewhere)
@@ -263,20 +263,21 @@ def tensor_bytes(obj: object) -> int:
     return 0
 
 
-def tandem_gemv() -> Impl:
+def tandem_small_gemm() -> Impl:
     from tandem.ops import cpu_kernels
+    from tandem.ops.linear import SMALL_GEMM_MAX_ROWS
 
     build = cpu_kernels.load()
     if not build.available:
         raise RuntimeError(f"fused CPU kernels not built: {build.error}")
     no_bias = torch.empty(0)
     return Impl(
-        "fp32 tandem gemv",
+        "fp32 tandem small_gemm",
         lambda w: w.clone(),
-        lambda x, w: torch.ops.tandem.gemv(x, w, no_bias),
+        lambda x, w: torch.ops.tandem.small_gemm(x, w, no_bias),
         lambda w, st: st.double(),
         lambda n, k: 4 * n * k,
-        max_rows=4,
+        max_rows=SMALL_GEMM_MAX_ROWS,
     )
 
 
@@ -301,7 +302,7 @@ def implementations() -> list[Impl]:
         ),
     ]
     makers = {
-        "fp32 tandem gemv": tandem_gemv,
+        "fp32 tandem small_gemm": tandem_small_gemm,
         "int8 _weight_int8pack_mm xfloat32": lambda: int8_pack(torch.float32),
         "int8 _weight_int8pack_mm xbfloat16": lambda: int8_pack(torch.bfloat16),
         "int4 _weight_int4pack_mm xbfloat16": lambda: int4_tinygemm(torch.bfloat16),

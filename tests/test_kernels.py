@@ -319,19 +319,36 @@ def test_kernel_build_is_cached_on_disk(kernels, monkeypatch) -> None:
     assert again.available and again.cached and again.path == kernels.path
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 14, 32, 67, 256])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (7, 37), (1, 16), (4099, 64)])
-def test_gemv_equals_a_float64_linear(rows, out_features, in_features, torch_threads) -> None:
-    """The few-row GEMV of the fast path: any row count it takes, widths with and without a
-    tail past the last whole vector, odd output counts, a strided x, with and without bias."""
+def test_small_gemm_equals_a_float64_linear(rows, out_features, in_features, torch_threads) -> None:
+    """The fast path's decode-sized GEMM, one weight row at a time up to 8 rows and register
+    tiles above: row counts with and without a partial tile, widths with and without a tail
+    past the last whole vector, output counts with a partial tile, a strided x, with and
+    without bias."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features + 3, generator=g)[:, :in_features]  # rows 3 floats apart
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
     expected = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
-    got = torch.ops.tandem.gemv(x, w, b)
+    got = torch.ops.tandem.small_gemm(x, w, b)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    no_bias = torch.ops.tandem.gemv(x, w, torch.empty(0))
+    no_bias = torch.ops.tandem.small_gemm(x, w, torch.empty(0))
     torch.testing.assert_close(no_bias, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="gemv takes 1 to 8 rows"):
-        torch.ops.tandem.gemv(torch.randn(9, in_features), w, b)
+    with pytest.raises(RuntimeError, match="small_gemm takes 1 to 256 rows"):
+        torch.ops.tandem.small_gemm(torch.randn(257, in_features), w, b)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (4099, 37)])
+def test_small_gemm_rows_do_not_depend_on_their_step(out_features, in_features, torch_threads):
+    """A row's output is the same bits whether its step has 1, 8 (one weight row at a time) or
+    more rows (register tiles), and wherever it sits in a tile: a sequence decodes the same in
+    any batch."""
+    g = torch.Generator().manual_seed(out_features)
+    x = torch.randn(45, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    whole = torch.ops.tandem.small_gemm(x, w, b)
+    for first, count in [(0, 1), (5, 1), (8, 8), (3, 9), (1, 13), (40, 5), (2, 43)]:
+        part = torch.ops.tandem.small_gemm(x[first : first + count], w, b)
+        assert torch.equal(part, whole[first : first + count]), (first, count)

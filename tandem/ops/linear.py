@@ -1,12 +1,12 @@
 """Linear layers that can run through MKL's pre-packed single-precision GEMM on a CPU, or over
 quantized weights (`quantized.py`).
 
-At decode batch sizes (tens of rows) a GEMM's time goes into streaming the weight matrix, and
 MKL's packed format (`cblas_sgemm_pack`, reached through `torch.ops.mkl._mkl_linear`, the op
 that inductor's CPU freezing emits) lays the weight out the way its micro-kernel reads it, so
-decode-sized GEMMs run faster than through `F.linear` and prefill-sized ones no slower. The
-packed copy costs 1.5x the weight's memory on top of the weight itself (the op keeps the
-original for its shape checks), which is why it is a CPU float32 choice only.
+prefill-sized GEMMs run faster than through `F.linear`. Decode-sized ones (up to
+`SMALL_GEMM_MAX_ROWS` rows) go through the fused kernels' own GEMM instead, faster than MKL's
+at those sizes. The packed copy costs 1.5x the weight's memory on top of the weight itself (the
+op keeps the original for its shape checks), which is why it is a CPU float32 choice only.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from torch import nn
 from tandem.ops import cpu_kernels
 from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, or_empty, quantized_linear
 
-# Up to this many rows (a decode step of that many sequences) the fast path streams the weight
-# through the fused kernels' GEMV (csrc: `gemv`, kGemvMaxRows), faster from memory than MKL's.
-GEMV_MAX_ROWS = 8
+# Up to this many rows (a decode step of that many sequences) the fast path multiplies through
+# the fused kernels' own GEMM (csrc: `small_gemm`, kSmallGemmMaxRows): up to 8 rows it streams
+# the weights faster than MKL's packed GEMM, above that its register tiles compute faster.
+SMALL_GEMM_MAX_ROWS = 256
 
 # The M that MKL tunes the packed layout for; any M runs correctly. 128 is as fast as a layout
 # for 32 at decode sizes and faster from 64 rows up; layouts for 2048 rows are slow at small M.
@@ -49,13 +50,13 @@ def linear(
 ) -> torch.Tensor:
     """x [M, in] @ weight [out, in].T (+ bias): over the quantized weight when there is one, else
     through the packed weight when there is one (the fast path), or on that path through the
-    fused GEMV for a few rows."""
+    fused kernels' GEMM for decode-sized steps."""
     if quantized is not None:
         return quantized_linear(x, quantized, bias)
     if packed is None:
         return F.linear(x, weight, bias)
-    if 1 <= x.shape[0] <= GEMV_MAX_ROWS and cpu_kernels.loaded() and x.stride(-1) == 1:
-        return torch.ops.tandem.gemv(x, weight, or_empty(bias))
+    if 1 <= x.shape[0] <= SMALL_GEMM_MAX_ROWS and cpu_kernels.loaded() and x.stride(-1) == 1:
+        return torch.ops.tandem.small_gemm(x, weight, or_empty(bias))
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <latch>
@@ -587,11 +588,21 @@ enum LayerWeight {
   kDown = kGateUp + 5, kWeightsPerLayer = kDown + 5
 };
 
+// The sum of one output: a row of x times a weight row, lane by lane over the whole vectors of
+// `in` (acc), then the lanes in order, the tail and the bias. Every kernel below sums this way,
+// so a sequence's output is the same bits whatever its step's row count or tile.
+inline float finish_dot(VecL acc, const float* x, const float* row, int64_t vec_end, int64_t in,
+                        const float* bias, int64_t o) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (int64_t k = vec_end; k < in; ++k) s += x[k] * row[k];
+  return bias != nullptr ? s + bias[o] : s;
+}
+
 // out[m, o] = x[m] . w[o] (+ bias[o]) for the M rows of x and weight rows [o0, o1): one weight
 // row at a time, read once, in order, for every row of x. One sequential stream per thread is
 // what memory serves fastest: 2 or 4 weight rows read side by side (for more independent sums at
-// one row of x) read slower (docs/performance.md). Each row of x is summed in the same
-// order whatever M is, so a sequence's output does not depend on how many rows its step has.
+// one row of x) read slower (docs/performance.md).
 template <int64_t M>
 void gemv_block(const float* x, int64_t x_stride, const float* w, int64_t in, int64_t o0,
                 int64_t o1, const float* bias, float* out, int64_t out_stride) {
@@ -604,25 +615,88 @@ void gemv_block(const float* x, int64_t x_stride, const float* w, int64_t in, in
       const VecL wv = load_lanes(row + k);
       for (int64_t m = 0; m < M; ++m) acc[m] += load_lanes(x + m * x_stride + k) * wv;
     }
-    for (int64_t m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int l = 0; l < W; ++l) s += acc[m][l];
-      for (int64_t k = vec_end; k < in; ++k) s += x[m * x_stride + k] * row[k];
-      out[m * out_stride + o] = bias != nullptr ? s + bias[o] : s;
+    for (int64_t m = 0; m < M; ++m)
+      out[m * out_stride + o] = finish_dot(acc[m], x + m * x_stride, row, vec_end, in, bias, o);
+  }
+}
+
+// Beyond kGemvMaxRows rows the product is bound by arithmetic, not by the weights' bytes: a
+// register tile of kTileRows rows of x by kTileOutputs weight rows loads kTileRows +
+// kTileOutputs vectors for kTileRows x kTileOutputs FMAs (12 of 16 registers on AVX2 hold sums,
+// 24 of 32 on AVX-512). MKL's packed GEMM reached about a third of the FMA units' rate here.
+constexpr int64_t kTileRows = 4;
+constexpr int64_t kTileOutputs = kRegisters >= 32 ? 6 : 3;
+
+// Rows [0, MR) of x by weight rows [o, o + NR).
+template <int64_t MR, int64_t NR>
+void gemm_tile(const float* x, int64_t x_stride, const float* w, int64_t in, int64_t o,
+               const float* bias, float* out, int64_t out_stride) {
+  constexpr int64_t W = kLanes;
+  const int64_t vec_end = in / W * W;
+  const float* rows = w + o * in;
+  VecL acc[MR][NR] = {};
+  for (int64_t k = 0; k < vec_end; k += W) {
+    VecL wv[NR];
+    for (int64_t n = 0; n < NR; ++n) wv[n] = load_lanes(rows + n * in + k);
+    for (int64_t m = 0; m < MR; ++m) {
+      const VecL xv = load_lanes(x + m * x_stride + k);
+      for (int64_t n = 0; n < NR; ++n) acc[m][n] += xv * wv[n];
     }
+  }
+  for (int64_t m = 0; m < MR; ++m)
+    for (int64_t n = 0; n < NR; ++n)
+      out[m * out_stride + o + n] =
+          finish_dot(acc[m][n], x + m * x_stride, rows + n * in, vec_end, in, bias, o + n);
+}
+
+// Every row of x by NR weight rows from o: the weight rows stay in L1 while x (in L2) passes.
+template <int64_t NR>
+void gemm_outputs(const float* x, int64_t x_stride, int64_t rows, const float* w, int64_t in,
+                  int64_t o, const float* bias, float* out, int64_t out_stride) {
+  int64_t m = 0;
+  for (; m + kTileRows <= rows; m += kTileRows)
+    gemm_tile<kTileRows, NR>(x + m * x_stride, x_stride, w, in, o, bias, out + m * out_stride,
+                             out_stride);
+  const float* xm = x + m * x_stride;
+  float* om = out + m * out_stride;
+  switch (rows - m) {
+    case 3: gemm_tile<3, NR>(xm, x_stride, w, in, o, bias, om, out_stride); break;
+    case 2: gemm_tile<2, NR>(xm, x_stride, w, in, o, bias, om, out_stride); break;
+    case 1: gemm_tile<1, NR>(xm, x_stride, w, in, o, bias, om, out_stride); break;
+    default: break;
+  }
+}
+
+void gemm_block(const float* x, int64_t x_stride, int64_t rows, const float* w, int64_t in,
+                int64_t o0, int64_t o1, const float* bias, float* out, int64_t out_stride) {
+  int64_t o = o0;
+  for (; o + kTileOutputs <= o1; o += kTileOutputs)
+    gemm_outputs<kTileOutputs>(x, x_stride, rows, w, in, o, bias, out, out_stride);
+  auto tail = [&](auto outputs) {  // fewer than kTileOutputs weight rows left
+    gemm_outputs<decltype(outputs)::value>(x, x_stride, rows, w, in, o, bias, out, out_stride);
+  };
+  switch (o1 - o) {
+    case 1: tail(std::integral_constant<int64_t, 1>{}); break;
+    case 2: tail(std::integral_constant<int64_t, 2>{}); break;
+    case 3: if constexpr (kTileOutputs > 3) tail(std::integral_constant<int64_t, 3>{}); break;
+    case 4: if constexpr (kTileOutputs > 4) tail(std::integral_constant<int64_t, 4>{}); break;
+    case 5: if constexpr (kTileOutputs > 5) tail(std::integral_constant<int64_t, 5>{}); break;
+    default: break;
   }
 }
 
 constexpr int64_t kGemvMaxRows = 8;  // ops/linear.py's GEMV_MAX_ROWS
+constexpr int64_t kSmallGemmMaxRows = 256;  // ops/linear.py's SMALL_GEMM_MAX_ROWS
 
-// x [M, in] @ weight [out, in].T (+ bias) for a step of at most kGemvMaxRows rows (sequences,
-// or a verification's tokens under speculative decoding). Why: there the product only streams
-// the weights, and MKL's packed GEMM reads them from memory well below the rate this does
-// (docs/performance.md); the output rows are split over torch's threads.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+// x [M, in] @ weight [out, in].T (+ bias) for a step of at most kSmallGemmMaxRows rows (decode
+// steps' sequences, a verification's tokens). Why: MKL's packed GEMM reads the weights well
+// below the memory's rate at a few rows, and computes well below the FMA units' rate at tens
+// (docs/performance.md). Up to kGemvMaxRows rows one weight row at a time, above that register
+// tiles; the output rows are split over torch's threads.
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   check_float_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows,
-              "gemv takes 1 to ", kGemvMaxRows, " rows of x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kSmallGemmMaxRows,
+              "small_gemm takes 1 to ", kSmallGemmMaxRows, " rows of x");
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   weight.size(1) == x.size(1),
               "weight must be a contiguous float32 [out, in] matching x");
@@ -636,7 +710,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const float* bp = present(bias) ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   // 64 KiB of weights per task at least: smaller tasks cost more to hand out than they save.
-  const int64_t grain = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(in, 1));
+  int64_t grain = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(in, 1));
+  if (rows > kGemvMaxRows) {  // whole tiles per task
+    grain = (grain + kTileOutputs - 1) / kTileOutputs * kTileOutputs;
+    at::parallel_for(0, (outs + grain - 1) / grain, 1, [&](int64_t t0, int64_t t1) {
+      gemm_block(xp, x_stride, rows, wp, in, t0 * grain, std::min(outs, t1 * grain), bp, op, outs);
+    });
+    return out;
+  }
   at::parallel_for(0, outs, grain, [&](int64_t o0, int64_t o1) {
     switch (rows) {
       case 1: gemv_block<1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
@@ -660,8 +741,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t first, bool wit
   const at::Tensor& b = with_bias ? bias : none;
   if (weight.scalar_type() != at::kFloat) return quantized_linear(x, weight, w[first + 2], w[first + 3], b);
   const c10::optional<at::Tensor> ob = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
-  if (present(packed) && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows && x.stride(-1) == 1)
-    return gemv(x, weight, b);  // the fast path's few-row steps (packed: float32, dense)
+  if (present(packed) && x.size(0) >= 1 && x.size(0) <= kSmallGemmMaxRows && x.stride(-1) == 1)
+    return small_gemm(x, weight, b);  // the fast path's decode-sized steps (packed: float32)
   if (!present(packed)) return at::linear(x, weight, ob);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkl::_mkl_linear", "")
@@ -1033,7 +1114,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
-  m.def("gemv(Tensor x, Tensor weight, Tensor bias) -> Tensor");
+  m.def("small_gemm(Tensor x, Tensor weight, Tensor bias) -> Tensor");
   m.def(
       "quantized_linear(Tensor x, Tensor values, Tensor scales, Tensor offsets, Tensor bias) "
       "-> Tensor");
@@ -1061,7 +1142,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
-  m.impl("gemv", &gemv);
+  m.impl("small_gemm", &small_gemm);
   m.impl("quantized_linear", &tandem::quantized_linear);
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
