@@ -34,6 +34,8 @@ discarded and run again, for up to --patience seconds per M. Per implementation:
 
     python benchmarks/quantized_gemm.py [--rows 1,4,32,128] [--rounds 7] [--budget 3]
                                         [--busy 0.1] [--patience 900]
+    python benchmarks/quantized_gemm.py --only "fp32 MKL packed,fp32 tandem small_gemm" \
+        --rows 8,16,32,64,128,256                     # float32 at decode sizes
 
 An implementation whose first forward takes longer than --budget seconds gets that single run
 as its time (marked *) instead of the rounds, and no larger M. An op that is missing or fails
@@ -335,7 +337,11 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=3.0, help="seconds; see the docstring")
     parser.add_argument("--busy", type=float, default=0.1, help="see the docstring")
     parser.add_argument("--patience", type=float, default=900, help="seconds per M")
+    parser.add_argument(
+        "--only", default="", help="comma-separated implementation names (default: every one)"
+    )
     args = parser.parse_args()
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
     rows = [int(m) for m in args.rows.split(",")]
     torch.manual_seed(0)
 
@@ -356,6 +362,8 @@ def main() -> int:
     prepared: dict[str, dict[tuple[str, int], object]] = {}
     impls = []
     for impl in implementations():
+        if only and impl.name not in only:
+            continue
         try:
             start = time.perf_counter()
             state = {key: impl.prepare(base[key[0]]) for key in forward_shapes()}
