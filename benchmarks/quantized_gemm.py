@@ -361,7 +361,11 @@ def main() -> int:
 
     prepared: dict[str, dict[tuple[str, int], object]] = {}
     impls = []
-    for impl in implementations():
+    available = implementations()
+    unknown = only - {impl.name for impl in available}
+    if unknown:
+        parser.error(f"--only: no implementation here is named {', '.join(sorted(unknown))}")
+    for impl in available:
         if only and impl.name not in only:
             continue
         try:

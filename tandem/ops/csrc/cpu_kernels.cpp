@@ -21,12 +21,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <latch>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -685,7 +685,7 @@ void gemm_block(const float* x, int64_t x_stride, int64_t rows, const float* w, 
   }
 }
 
-constexpr int64_t kGemvMaxRows = 8;  // ops/linear.py's GEMV_MAX_ROWS
+constexpr int64_t kGemvMaxRows = 8;  // up to here one weight row at a time, then tiles
 constexpr int64_t kSmallGemmMaxRows = 256;  // ops/linear.py's SMALL_GEMM_MAX_ROWS
 
 // x [M, in] @ weight [out, in].T (+ bias) for a step of at most kSmallGemmMaxRows rows (decode
