@@ -75,7 +75,13 @@ def main() -> None:
           "time; above 1, Tandem is faster)")  # fmt: skip
     for file in args.files:
         path = resolve_model(str(file))
-        options = dict(async_scheduling=False, max_model_len=1024, max_num_seqs=max(batches))
+        # No prefix cache: every round's prompts are the same, and llama.cpp prefills each time.
+        options = dict(
+            async_scheduling=False,
+            max_model_len=1024,
+            max_num_seqs=max(batches),
+            enable_prefix_caching=False,
+        )
         llm = LLM(str(path), **options)
         formats = llm.engine.execution.describe_weights().removeprefix("linear layers: ")
         quantized = any(kind in formats for kind in NATIVE_TYPES)

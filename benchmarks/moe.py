@@ -8,7 +8,7 @@ Each (model, loop) pair generates `--requests` greedy requests of `--prompt-len`
 `--output-len` tokens through `tandem.LLM`; pairs are interleaved over `--repeats` rounds, and the
 table shows each pair's median output tokens per second and its ratio to `dense-active`'s.
 `--expert-gemm` also times one MoE layer's experts per path (F.linear, MKL packed, Tandem's own
-GEMM for decode-sized rows) at several token counts.
+GEMM over panels) at several token counts.
 
     python benchmarks/moe.py
     python benchmarks/moe.py --repeats 5 --requests 32 --output-len 64 --expert-gemm
@@ -100,48 +100,35 @@ def expert_gemm_table(a: argparse.Namespace) -> None:
     """One layer's active experts per path, each expert's rows as the grouped path gives them."""
     from tandem.models.moe import Experts
     from tandem.ops import cpu_kernels, elementwise
-    from tandem.ops.linear import SMALL_GEMM_MAX_ROWS
+    from tandem.ops.linear import PACK_BATCH_HINT
 
     cpu_kernels.load()
     experts = Experts(a.experts, a.hidden, a.expert_inter)
     torch.nn.init.normal_(experts.gate_up, std=0.02)
     torch.nn.init.normal_(experts.down, std=0.02)
+    mkl = lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT)  # noqa: E731
+    packings = {
+        "plain": None,
+        "packed": [(mkl(g), mkl(d)) for g, d in zip(experts.gate_up, experts.down, strict=True)],
+        "own": experts.prepack() and experts.packed,  # the fast path's panels
+    }
     print(f"\nexperts of one layer, {a.top_k} of {a.experts} per token, ms per call (median of 20)")
     print(f"{'tokens':>7} {'rows/expert':>12} {'F.linear':>9} {'MKL packed':>11} {'own GEMM':>9}")
     for tokens in (1, 4, 16, 64, 256):
         rows = max(1, tokens * a.top_k // a.experts)
         x = torch.randn(rows, a.hidden)
         times = {}
-        for path in ("plain", "packed", "own"):
-            experts.packed = None
-            if path != "plain":
-                experts.prepack()
-            if path == "own" and rows > SMALL_GEMM_MAX_ROWS:
-                times[path] = float("nan")
-                continue
-            own = SMALL_GEMM_MAX_ROWS if path == "own" else 0
+        for path, packed in packings.items():
+            experts.packed = packed
             runs = []
             for _ in range(20):
                 start = time.perf_counter()
                 for e in range(min(a.experts, tokens * a.top_k)):
-                    _call(experts, e, x, elementwise, own)
+                    experts(e, x, elementwise)
                 runs.append(time.perf_counter() - start)
             times[path] = statistics.median(runs) * 1e3
         print(f"{tokens:>7} {rows:>12} {times['plain']:>9.3f} {times['packed']:>11.3f} "
               f"{times['own']:>9.3f}")  # fmt: skip
-
-
-def _call(experts, e: int, x: torch.Tensor, ops, own: int) -> torch.Tensor:
-    """Expert e on x: packed (MKL) where packed, unless `own` allows Tandem's GEMM for these
-    rows."""
-    from tandem.ops import linear as linear_module
-
-    before = linear_module.SMALL_GEMM_MAX_ROWS
-    linear_module.SMALL_GEMM_MAX_ROWS = own
-    try:
-        return experts(e, x, ops)
-    finally:
-        linear_module.SMALL_GEMM_MAX_ROWS = before
 
 
 def main(argv: list[str] | None = None) -> None:

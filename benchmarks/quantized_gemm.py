@@ -8,7 +8,7 @@ o [576, 576], gate_up [3072, 576], down [576, 1536]; 30 layers, then the logits 
 once), at M = 1, 4, 32 and 128 rows, for each implementation that runs here:
 
     fp32 F.linear / bf16 F.linear / fp32 MKL packed (torch.ops.mkl._mkl_linear)
-    fp32 Tandem small GEMM (torch.ops.tandem.small_gemm, Tandem's fast path for up to 256 rows)
+    fp32 Tandem GEMM (torch.ops.tandem.gemm over the weight packed in panels: Tandem's fast path)
     int8 per-channel weight-only (aten._weight_int8pack_mm), fp32 and bf16 activations
     int4 groups of 32 (aten._weight_int4pack_mm_for_cpu), bf16 and fp32 activations
     int4 dynamic (aten._dyn_quant_matmul_4bit; KleidiAI on Arm, a reference loop elsewhere)
@@ -34,8 +34,8 @@ discarded and run again, for up to --patience seconds per M. Per implementation:
 
     python benchmarks/quantized_gemm.py [--rows 1,4,32,128] [--rounds 7] [--budget 3]
                                         [--busy 0.1] [--patience 900]
-    python benchmarks/quantized_gemm.py --only "fp32 MKL packed,fp32 tandem small_gemm" \
-        --rows 8,16,32,64,128,256                     # float32 at decode sizes
+    python benchmarks/quantized_gemm.py --only "fp32 MKL packed,fp32 tandem gemm" \
+        --rows 1,8,32,256,2048 --budget 20            # float32, decode to prefill sizes
 
 An implementation whose first forward takes longer than --budget seconds gets that single run
 as its time (marked *) instead of the rounds, and no larger M. An op that is missing or fails
@@ -132,7 +132,6 @@ class Impl:
     run: Callable[[torch.Tensor, object], torch.Tensor]  # x [M, K] fp32 -> y [M, N]
     held: Callable[[torch.Tensor, object], torch.Tensor | None]  # the weights the format holds
     nbytes: Callable[[int, int], float]  # (N, K) -> codes + scales: what a forward must read
-    max_rows: int = 1 << 30
 
 
 def int8_pack(dtype: torch.dtype) -> Impl:
@@ -265,21 +264,20 @@ def tensor_bytes(obj: object) -> int:
     return 0
 
 
-def tandem_small_gemm() -> Impl:
+def tandem_gemm() -> Impl:
     from tandem.ops import cpu_kernels
-    from tandem.ops.linear import SMALL_GEMM_MAX_ROWS
+    from tandem.ops.linear import pack_panels
 
     build = cpu_kernels.load()
     if not build.available:
         raise RuntimeError(f"fused CPU kernels not built: {build.error}")
     no_bias = torch.empty(0)
     return Impl(
-        "fp32 tandem small_gemm",
-        lambda w: w.clone(),
-        lambda x, w: torch.ops.tandem.small_gemm(x, w, no_bias),
-        lambda w, st: st.double(),
+        "fp32 tandem gemm",
+        lambda w: (pack_panels(w), w.shape[0]),
+        lambda x, st: torch.ops.tandem.gemm(x, st[0], no_bias, st[1]),
+        lambda w, st: w.double(),
         lambda n, k: 4 * n * k,
-        max_rows=SMALL_GEMM_MAX_ROWS,
     )
 
 
@@ -304,7 +302,7 @@ def implementations() -> list[Impl]:
         ),
     ]
     makers = {
-        "fp32 tandem small_gemm": tandem_small_gemm,
+        "fp32 tandem gemm": tandem_gemm,
         "int8 _weight_int8pack_mm xfloat32": lambda: int8_pack(torch.float32),
         "int8 _weight_int8pack_mm xbfloat16": lambda: int8_pack(torch.bfloat16),
         "int4 _weight_int4pack_mm xbfloat16": lambda: int4_tinygemm(torch.bfloat16),
@@ -388,9 +386,7 @@ def main() -> int:
         ref = {name: xs[shapes[name][1]].double() @ base[name].double().T for name in check}
         active = []
         for impl in impls:
-            if m > impl.max_rows:
-                print(f"M={m}: {impl.name} skipped: it takes at most {impl.max_rows} rows")
-            elif impl.name in too_slow:
+            if impl.name in too_slow:
                 print(f"M={m}: {impl.name} skipped: over --budget at M={too_slow[impl.name]}")
             else:
                 active.append(impl)

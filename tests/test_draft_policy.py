@@ -49,8 +49,21 @@ def test_untimed_sizes_follow_the_line_and_never_cost_less_than_a_smaller_one():
     estimated = costs.costs(32, 44)
     assert estimated[0] == times[32] and estimated[4] == times[36] and estimated[8] == times[40]
     assert all(later >= times[40] for later in estimated[9:])  # the floor of the slow size
-    slope, fixed = np.polyfit(list(times), list(times.values()), 1)  # through the medians
-    assert estimated[2] == pytest.approx(max(fixed, 0.0) + slope * 34)  # no negative fixed cost
+    tokens, seconds = np.array(list(times)), np.array(list(times.values()))
+    slope, fixed = np.polyfit(tokens, seconds, 1)  # through the medians...
+    assert fixed < 0  # ... would give a step of no tokens a negative cost, so:
+    (through_origin,), *_ = np.linalg.lstsq(tokens[:, None], seconds, rcond=None)
+    assert estimated[2] == pytest.approx(through_origin * 34)
+    assert times[32] < estimated[2] < estimated[3] < times[40]
+
+
+def test_a_line_that_falls_is_flat_at_the_mean():
+    costs = StepCosts()
+    for tokens, seconds in {4: 0.012, 8: 0.010}.items():  # noise: the larger step timed faster
+        for _ in range(TRUSTED):
+            costs.add(tokens, seconds)
+    assert costs.costs(2, 3) == [pytest.approx(0.011), pytest.approx(0.011)]
+    assert costs.costs(9, 9) == [pytest.approx(0.012)]  # never below a smaller count's cost
 
 
 def test_a_slow_first_verification_does_not_stop_drafting():

@@ -20,6 +20,7 @@ from tandem.ops import cpu_kernels
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata
+from tandem.ops.linear import linear, pack_panels
 
 from conftest import (
     FAST_PATH_LOGITS_ATOL,
@@ -319,36 +320,46 @@ def test_kernel_build_is_cached_on_disk(kernels, monkeypatch) -> None:
     assert again.available and again.cached and again.path == kernels.path
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 14, 32, 67, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 14, 32, 67, 256, 1100])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (7, 37), (1, 16), (4099, 64)])
-def test_small_gemm_equals_a_float64_linear(rows, out_features, in_features, torch_threads) -> None:
-    """The fast path's decode-sized GEMM, one weight row at a time up to 8 rows and register
-    tiles above: row counts with and without a partial tile, widths with and without a tail
-    past the last whole vector, output counts with a partial tile, a strided x, with and
-    without bias."""
+def test_gemm_equals_a_float64_linear(rows, out_features, in_features, torch_threads) -> None:
+    """The fast path's float32 GEMM over the weight's panels: row counts with and without a
+    partial tile and beyond one task's block of rows (1100), output counts with a partial last
+    panel, a strided x, with and without bias; through `linear` as the model calls it too."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features + 3, generator=g)[:, :in_features]  # rows 3 floats apart
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
+    panels = pack_panels(w)
     expected = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
-    got = torch.ops.tandem.small_gemm(x, w, b)
+    got = torch.ops.tandem.gemm(x, panels, b, out_features)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    no_bias = torch.ops.tandem.small_gemm(x, w, torch.empty(0))
+    no_bias = torch.ops.tandem.gemm(x, panels, torch.empty(0), out_features)
     torch.testing.assert_close(no_bias, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="small_gemm takes 1 to 256 rows"):
-        torch.ops.tandem.small_gemm(torch.randn(257, in_features), w, b)
+    assert torch.equal(linear(x, w, b, panels), got)
+
+
+def test_gemm_refuses_panels_that_do_not_match() -> None:
+    w, x = torch.randn(50, 32), torch.randn(3, 32)
+    panels = pack_panels(w)
+    with pytest.raises(RuntimeError, match="panels must be float32"):
+        torch.ops.tandem.gemm(x, panels, torch.empty(0), 200)  # another weight's row count
+    with pytest.raises(RuntimeError, match="panels must be float32"):
+        torch.ops.tandem.gemm(torch.randn(3, 31), panels, torch.empty(0), 50)
+    assert torch.ops.tandem.gemm(x[:0], panels, torch.empty(0), 50).shape == (0, 50)
 
 
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (4099, 37)])
-def test_small_gemm_rows_do_not_depend_on_their_step(out_features, in_features, torch_threads):
-    """A row's output is the same bits whether its step has 1, 8 (one weight row at a time) or
-    more rows (register tiles), and wherever it sits in a tile: a sequence decodes the same in
-    any batch."""
+def test_gemm_rows_do_not_depend_on_their_step(out_features, in_features, torch_threads):
+    """A row's output is the same bits whether its step has 1, 8 (the panels streamed once) or
+    more rows (tiles, blocks of rows), and wherever it sits in a tile: a sequence decodes the
+    same in any batch, and a prompt prefills the same in any chunks."""
     g = torch.Generator().manual_seed(out_features)
-    x = torch.randn(45, in_features, generator=g)
+    x = torch.randn(700, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
-    whole = torch.ops.tandem.small_gemm(x, w, b)
-    for first, count in [(0, 1), (5, 1), (8, 8), (3, 9), (1, 13), (40, 5), (2, 43)]:
-        part = torch.ops.tandem.small_gemm(x[first : first + count], w, b)
+    panels = pack_panels(w)
+    whole = torch.ops.tandem.gemm(x, panels, b, out_features)
+    for first, count in [(0, 1), (5, 1), (8, 8), (3, 9), (1, 13), (40, 5), (2, 43), (100, 600)]:
+        part = torch.ops.tandem.gemm(x[first : first + count], panels, b, out_features)
         assert torch.equal(part, whole[first : first + count]), (first, count)

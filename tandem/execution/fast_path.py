@@ -1,7 +1,8 @@
 """Choose how the model executes on this machine: fused kernels and packed GEMMs, or eager.
 
-The choice is automatic. On a CPU in float32 the fast path pre-packs every GEMM weight for MKL
-and runs the fused kernels (built once and cached on disk; the build time is reported). On CUDA
+The choice is automatic. On a CPU in float32 the fast path runs the fused kernels (built once and
+cached on disk; the build time is reported), and packs every GEMM weight for their GEMM (for
+MKL's where the kernels cannot be built). On CUDA
 the norms, the rotary embedding and SiLU run as fused Triton kernels
 (`ops/triton_elementwise.py`). Where a piece is unavailable (no MKL, no compiler, no triton,
 another dtype or device) that piece falls back to portable PyTorch. `enforce_eager=True` keeps
@@ -39,7 +40,10 @@ class ExecutionPlan:
         return "linear layers: " + ", ".join(f"{n} {name}" for name, n in counts)
 
     def describe(self) -> str:
-        gemm = "MKL pre-packed GEMMs" if self.packed_gemm else "default GEMMs"
+        own = self.kernels is not None and self.kernels.available
+        gemm = "default GEMMs"
+        if self.packed_gemm:
+            gemm = "own GEMMs over packed panels" if own else "MKL pre-packed GEMMs"
         text = f"{self.ops} ops, {gemm}"
         if self.tensor_parallel_size > 1:
             threads = f" x {self.cpu_threads} compute thread(s)" if self.cpu_threads else ""

@@ -185,8 +185,8 @@ class LlamaModel(nn.Module):
         self.rotary = tables[None]
 
     def use_fast_path(self, fused: bool) -> bool:
-        """Pre-pack every GEMM weight where MKL's packed path exists and, if `fused` (the CPU
-        kernels are loaded), run the whole forward as one kernel call (`tandem::llama_forward`),
+        """Pack every float32 GEMM weight for the CPU GEMMs (`ops/linear.py`) and, if `fused` (the
+        CPU kernels are loaded), run the whole forward as one kernel call (`tandem::llama_forward`),
         which needs the GIL once per step instead of once per op. A mixture-of-experts model
         runs the per-op forward with its packed GEMMs (the one kernel has no sparse MLP).
 

@@ -87,7 +87,7 @@ class Experts(nn.Module):
         return self.gate_up.shape[0]
 
     def prepack(self) -> bool:
-        """Pack each expert's two matrices for MKL where that path exists; True if it did."""
+        """Pack each expert's two matrices for the CPU GEMMs where they exist; True if it did."""
         if can_prepack(self.gate_up):
             self.packed = [
                 (prepack(g), prepack(d)) for g, d in zip(self.gate_up, self.down, strict=True)

@@ -1,12 +1,13 @@
-"""Linear layers that can run through MKL's pre-packed single-precision GEMM on a CPU, or over
-quantized weights (`quantized.py`).
+"""Linear layers over float32 weights packed for the CPU, or over quantized weights
+(`quantized.py`).
 
-MKL's packed format (`cblas_sgemm_pack`, reached through `torch.ops.mkl._mkl_linear`, the op
-that inductor's CPU freezing emits) lays the weight out the way its micro-kernel reads it, so
-prefill-sized GEMMs run faster than through `F.linear`. Decode-sized ones (up to
-`SMALL_GEMM_MAX_ROWS` rows) go through the fused kernels' own GEMM instead, faster than MKL's
-at those sizes. The packed copy costs 1.5x the weight's memory on top of the weight itself (the
-op keeps the original for its shape checks), which is why it is a CPU float32 choice only.
+On a CPU in float32 the fast path packs every weight once: into panels of output rows for the
+fused kernels' own GEMM (csrc: `gemm`), which multiplies a step of any row count as sums of outer
+products, faster than MKL's packed GEMM at every size measured (docs/performance.md) and with a
+row's result the same bits whatever the step's row count. Without the kernels (no compiler) the
+weight is packed for MKL's single-precision GEMM instead (`cblas_sgemm_pack`, reached through
+`torch.ops.mkl._mkl_linear`). Either copy costs memory on top of the weight itself (1x for the
+panels, 1.5x for MKL), which is why packing is a CPU float32 choice only.
 """
 
 from __future__ import annotations
@@ -18,27 +19,33 @@ from torch import nn
 from tandem.ops import cpu_kernels
 from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, or_empty, quantized_linear
 
-# Up to this many rows (a decode step of that many sequences) the fast path multiplies through
-# the fused kernels' own GEMM (csrc: `small_gemm`, kSmallGemmMaxRows): up to 8 rows it streams
-# the weights faster than MKL's packed GEMM, above that its register tiles compute faster.
-SMALL_GEMM_MAX_ROWS = 256
-
-# The M that MKL tunes the packed layout for; any M runs correctly. 128 is as fast as a layout
-# for 32 at decode sizes and faster from 64 rows up; layouts for 2048 rows are slow at small M.
+# The M that MKL tunes its packed layout for (the fallback without the kernels); any M runs
+# correctly. 128 is as fast as a layout for 32 at decode sizes and faster from 64 rows up.
 PACK_BATCH_HINT = 128
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    )
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return cpu_kernels.loaded() or mkl
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight packed for the fused kernels' GEMM (3-D panels) or else for MKL's (2-D)."""
+    if cpu_kernels.loaded():
+        return pack_panels(weight)
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] as panels [ceil(out / width), in, width] of `width` output rows (the
+    build's vector width x 3), zero past the last row: panels[p, k, j] = weight[p * width + j,
+    k], so a panel is read in order, a step of weights for every input k."""
+    width = torch.ops.tandem.gemm_panel_width()
+    out_features, in_features = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % width))
+    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
 
 
 def linear(
@@ -49,14 +56,15 @@ def linear(
     quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
     """x [M, in] @ weight [out, in].T (+ bias): over the quantized weight when there is one, else
-    through the packed weight when there is one (the fast path), or on that path through the
-    fused kernels' GEMM for decode-sized steps."""
+    through the packed weight when there is one (the fast path), else F.linear."""
     if quantized is not None:
         return quantized_linear(x, quantized, bias)
     if packed is None:
         return F.linear(x, weight, bias)
-    if 1 <= x.shape[0] <= SMALL_GEMM_MAX_ROWS and cpu_kernels.loaded() and x.stride(-1) == 1:
-        return torch.ops.tandem.small_gemm(x, weight, or_empty(bias))
+    if packed.dim() == 3:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.tandem.gemm(rows, packed, or_empty(bias), weight.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
@@ -100,14 +108,14 @@ class Linear(nn.Module):
                 whole.narrow(0, group, piece.shape[0]).copy_(piece)
 
     def prepack(self) -> bool:
-        """Pack the weight for MKL where that path exists; True if it did."""
+        """Pack the weight for the CPU GEMMs where they exist; True if it did."""
         if self.quantized is None and can_prepack(self.weight):
             self.packed = prepack(self.weight)
         return self.packed is not None or self.quantized is not None
 
     def flat(self) -> list[torch.Tensor]:
         """The five tensors the fused forward reads per linear layer (csrc: LayerWeight): the
-        float weight or the quantized values, MKL's packed weight, scales, offsets, bias."""
+        float weight or the quantized values, the packed weight, scales, offsets, bias."""
         packed, bias = or_empty(self.packed), or_empty(self.bias)
         if self.quantized is not None:
             values, scales, offsets = self.quantized.flat()

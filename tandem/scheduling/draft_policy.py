@@ -68,7 +68,9 @@ class StepCosts:
             self._line = self._fit()
 
     def _fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token) through the trusted counts' medians."""
+        """(fixed seconds, seconds per token): least squares through the trusted counts'
+        medians, neither part below zero (a line bent to zero at one end is refitted with that
+        part fixed, so the other still fits the points)."""
         if len(self._trusted) < 2:
             return None
         n = len(self._trusted)
@@ -76,8 +78,13 @@ class StepCosts:
         sy = sum(self._trusted.values())
         sxx = sum(t * t for t in self._trusted)
         sxy = sum(t * c for t, c in self._trusted.items())
-        per_token = max((n * sxy - sx * sy) / (n * sxx - sx * sx), 0.0)
-        return max((sy - per_token * sx) / n, 0.0), per_token
+        per_token = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        fixed = (sy - per_token * sx) / n
+        if per_token < 0:  # larger steps timed faster (noise): a flat line at the mean
+            return sy / n, 0.0
+        if fixed < 0:  # a steep line: through the origin
+            return 0.0, sxy / sxx
+        return fixed, per_token
 
     def costs(self, first: int, last: int) -> list[float] | None:
         """The costs of steps of `first` to `last` tokens (None until the line exists)."""

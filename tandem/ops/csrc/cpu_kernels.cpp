@@ -582,152 +582,122 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 // Per layer, in this order; a missing optional weight is an empty tensor. Each linear layer is
 // five tensors (`Linear.flat()` in ops/linear.py): its float32 weight, or its quantized values,
-// then MKL's packed weight, the quantized scales and offsets, and the bias.
+// then its panels (the float32 GEMM's packed weight), the quantized scales and offsets, and the
+// bias.
 enum LayerWeight {
   kInputNorm, kQNorm, kKNorm, kPostNorm, kQkv, kO = kQkv + 5, kGateUp = kO + 5,
   kDown = kGateUp + 5, kWeightsPerLayer = kDown + 5
 };
 
-// The sum of one output: a row of x times a weight row, lane by lane over the whole vectors of
-// `in` (acc), then the lanes in order, the tail and the bias. Every kernel below sums this way,
-// so a sequence's output is the same bits whatever its step's row count or tile.
-inline float finish_dot(VecL acc, const float* x, const float* row, int64_t vec_end, int64_t in,
-                        const float* bias, int64_t o) {
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  for (int64_t k = vec_end; k < in; ++k) s += x[k] * row[k];
-  return bias != nullptr ? s + bias[o] : s;
-}
+// ---- Float32 GEMM over weights packed in panels ----
+// The weight [out, in] is packed once (ops/linear.py's pack_panels) as panels of kPanel output
+// rows: panels[p, k, j] = weight[p * kPanel + j, k], zero past the last row. A tile of up to
+// kPanelRows rows of x times one panel is a sum of outer products: per input k, the panel's
+// kPanel weights (3 vectors, read in order) times x[m, k] broadcast, into kPanelRows x 3 vectors
+// of sums. Why: each output is one lane's sum over k in order, then + bias, so
+//   - there is no reduction across lanes, which held dot-product tiles to half the FMA rate;
+//   - a row's result is the same bits whatever the step's row count, the tile, the thread split
+//     or the vector width (the AVX2 and AVX-512 builds agree);
+//   - a panel is one sequential stream, what the memory serves fastest at one row of x.
+constexpr int64_t kPanelVectors = 3;
+constexpr int64_t kPanel = kPanelVectors * kLanes;  // 48 outputs on AVX-512, 24 on AVX2
+// Rows of x per tile: their sums, the panel's 3 vectors and a broadcast fill the registers (28
+// of AVX-512's 32, 16 of AVX2's 16).
+constexpr int64_t kPanelRows = kRegisters >= 32 ? 8 : 4;
+constexpr int64_t kGemvMaxRows = 8;  // steps up to here walk the panels once, for all their rows
 
-// out[m, o] = x[m] . w[o] (+ bias[o]) for the M rows of x and weight rows [o0, o1): one weight
-// row at a time, read once, in order, for every row of x. One sequential stream per thread is
-// what memory serves fastest: 2 or 4 weight rows read side by side (for more independent sums at
-// one row of x) read slower (docs/performance.md).
-template <int64_t M>
-void gemv_block(const float* x, int64_t x_stride, const float* w, int64_t in, int64_t o0,
-                int64_t o1, const float* bias, float* out, int64_t out_stride) {
-  constexpr int64_t W = kLanes;
-  const int64_t vec_end = in / W * W;
-  for (int64_t o = o0; o < o1; ++o) {
-    const float* row = w + o * in;
-    VecL acc[M] = {};
-    for (int64_t k = 0; k < vec_end; k += W) {
-      const VecL wv = load_lanes(row + k);
-      for (int64_t m = 0; m < M; ++m) acc[m] += load_lanes(x + m * x_stride + k) * wv;
-    }
-    for (int64_t m = 0; m < M; ++m)
-      out[m * out_stride + o] = finish_dot(acc[m], x + m * x_stride, row, vec_end, in, bias, o);
-  }
-}
-
-// Beyond kGemvMaxRows rows the product is bound by arithmetic, not by the weights' bytes: a
-// register tile of kTileRows rows of x by kTileOutputs weight rows loads kTileRows +
-// kTileOutputs vectors for kTileRows x kTileOutputs FMAs (12 of 16 registers on AVX2 hold sums,
-// 24 of 32 on AVX-512). MKL's packed GEMM reached about a third of the FMA units' rate here.
-constexpr int64_t kTileRows = 4;
-constexpr int64_t kTileOutputs = kRegisters >= 32 ? 6 : 3;
-
-// Rows [0, MR) of x by weight rows [o, o + NR).
-template <int64_t MR, int64_t NR>
-void gemm_tile(const float* x, int64_t x_stride, const float* w, int64_t in, int64_t o,
-               const float* bias, float* out, int64_t out_stride) {
-  constexpr int64_t W = kLanes;
-  const int64_t vec_end = in / W * W;
-  const float* rows = w + o * in;
-  VecL acc[MR][NR] = {};
-  for (int64_t k = 0; k < vec_end; k += W) {
-    VecL wv[NR];
-    for (int64_t n = 0; n < NR; ++n) wv[n] = load_lanes(rows + n * in + k);
+// Rows [0, MR) of x times one panel of `width` valid outputs into out (+ bias, from the panel's
+// first output).
+template <int64_t MR>
+void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t in, const float* bias,
+                float* out, int64_t out_stride, int64_t width) {
+  VecL acc[MR][kPanelVectors] = {};
+  for (int64_t k = 0; k < in; ++k) {
+    VecL w[kPanelVectors];
+    for (int64_t v = 0; v < kPanelVectors; ++v) w[v] = load_lanes(panel + k * kPanel + v * kLanes);
     for (int64_t m = 0; m < MR; ++m) {
-      const VecL xv = load_lanes(x + m * x_stride + k);
-      for (int64_t n = 0; n < NR; ++n) acc[m][n] += xv * wv[n];
+      const float xs = x[m * x_stride + k];
+      for (int64_t v = 0; v < kPanelVectors; ++v) acc[m][v] += w[v] * xs;
     }
   }
-  for (int64_t m = 0; m < MR; ++m)
-    for (int64_t n = 0; n < NR; ++n)
-      out[m * out_stride + o + n] =
-          finish_dot(acc[m][n], x + m * x_stride, rows + n * in, vec_end, in, bias, o + n);
-}
-
-// Every row of x by NR weight rows from o: the weight rows stay in L1 while x (in L2) passes.
-template <int64_t NR>
-void gemm_outputs(const float* x, int64_t x_stride, int64_t rows, const float* w, int64_t in,
-                  int64_t o, const float* bias, float* out, int64_t out_stride) {
-  int64_t m = 0;
-  for (; m + kTileRows <= rows; m += kTileRows)
-    gemm_tile<kTileRows, NR>(x + m * x_stride, x_stride, w, in, o, bias, out + m * out_stride,
-                             out_stride);
-  const float* xm = x + m * x_stride;
-  float* om = out + m * out_stride;
-  switch (rows - m) {
-    case 3: gemm_tile<3, NR>(xm, x_stride, w, in, o, bias, om, out_stride); break;
-    case 2: gemm_tile<2, NR>(xm, x_stride, w, in, o, bias, om, out_stride); break;
-    case 1: gemm_tile<1, NR>(xm, x_stride, w, in, o, bias, om, out_stride); break;
-    default: break;
+  for (int64_t m = 0; m < MR; ++m) {
+    alignas(64) float sums[kPanel];
+    for (int64_t v = 0; v < kPanelVectors; ++v) store_lanes(sums + v * kLanes, acc[m][v]);
+    float* row = out + m * out_stride;
+    for (int64_t j = 0; j < width; ++j) row[j] = bias != nullptr ? sums[j] + bias[j] : sums[j];
   }
 }
 
-void gemm_block(const float* x, int64_t x_stride, int64_t rows, const float* w, int64_t in,
-                int64_t o0, int64_t o1, const float* bias, float* out, int64_t out_stride) {
-  int64_t o = o0;
-  for (; o + kTileOutputs <= o1; o += kTileOutputs)
-    gemm_outputs<kTileOutputs>(x, x_stride, rows, w, in, o, bias, out, out_stride);
-  auto tail = [&](auto outputs) {  // fewer than kTileOutputs weight rows left
-    gemm_outputs<decltype(outputs)::value>(x, x_stride, rows, w, in, o, bias, out, out_stride);
-  };
-  switch (o1 - o) {
-    case 1: tail(std::integral_constant<int64_t, 1>{}); break;
-    case 2: tail(std::integral_constant<int64_t, 2>{}); break;
-    case 3: if constexpr (kTileOutputs > 3) tail(std::integral_constant<int64_t, 3>{}); break;
-    case 4: if constexpr (kTileOutputs > 4) tail(std::integral_constant<int64_t, 4>{}); break;
-    case 5: if constexpr (kTileOutputs > 5) tail(std::integral_constant<int64_t, 5>{}); break;
-    default: break;
+// Rows [0, rows) of x times one panel, kPanelRows at a time.
+void panel_rows(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t in,
+                const float* bias, float* out, int64_t out_stride, int64_t width) {
+  for (int64_t m = 0; m < rows; m += kPanelRows) {
+    const float* xm = x + m * x_stride;
+    float* om = out + m * out_stride;
+    switch (std::min(kPanelRows, rows - m)) {
+      case 1: panel_tile<1>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+      case 2: panel_tile<2>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+      case 3: panel_tile<3>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+      case 4: panel_tile<4>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+      default:
+        if constexpr (kPanelRows > 4) {
+          switch (rows - m) {
+            case 5: panel_tile<5>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+            case 6: panel_tile<6>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+            case 7: panel_tile<7>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
+            default: panel_tile<kPanelRows>(xm, x_stride, panel, in, bias, om, out_stride, width);
+          }
+        }
+    }
   }
 }
 
-constexpr int64_t kGemvMaxRows = 8;  // up to here one weight row at a time, then tiles
-constexpr int64_t kSmallGemmMaxRows = 256;  // ops/linear.py's SMALL_GEMM_MAX_ROWS
+// Rows of x one task multiplies in a large step: about 256 KiB of them, which stay in L2 while
+// the task's panels pass over them; a thread's next task keeps the same panels (in L2).
+int64_t rows_per_task(int64_t in) {
+  const int64_t rows = (int64_t{1} << 16) / std::max<int64_t>(in, 1) / kPanelRows * kPanelRows;
+  return std::max<int64_t>(rows, 2 * kPanelRows);
+}
 
-// x [M, in] @ weight [out, in].T (+ bias) for a step of at most kSmallGemmMaxRows rows (decode
-// steps' sequences, a verification's tokens). Why: MKL's packed GEMM reads the weights well
-// below the memory's rate at a few rows, and computes well below the FMA units' rate at tens
-// (docs/performance.md). Up to kGemvMaxRows rows one weight row at a time, above that register
-// tiles; the output rows are split over torch's threads.
-at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+int64_t gemm_panel_width() { return kPanel; }
+
+// x [M, in] @ weight.T (+ bias) over the weight's panels [ceil(outs / kPanel), in, kPanel]: out
+// [M, outs]. Tasks are (a run of panels, a block of rows); steps up to kGemvMaxRows rows take
+// every row in one block, so each thread streams its panels once.
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias, int64_t outs) {
   check_float_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kSmallGemmMaxRows,
-              "small_gemm takes 1 to ", kSmallGemmMaxRows, " rows of x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
-                  weight.size(1) == x.size(1),
-              "weight must be a contiguous float32 [out, in] matching x");
-  TORCH_CHECK(!present(bias) || (bias.is_contiguous() && bias.numel() == weight.size(0) &&
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in]");
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
+                  panels.size(1) == x.size(1) && panels.size(2) == kPanel &&
+                  panels.size(0) == (outs + kPanel - 1) / kPanel,
+              "panels must be float32 [ceil(out / ", kPanel, "), in, ", kPanel,
+              "] matching x (packed by ops/linear.py's pack_panels on this build)");
+  TORCH_CHECK(!present(bias) || (bias.is_contiguous() && bias.numel() == outs &&
                                  bias.scalar_type() == at::kFloat),
               "bias must be float32 [out]");
-  const int64_t rows = x.size(0), in = x.size(1), outs = weight.size(0), x_stride = x.stride(0);
+  const int64_t rows = x.size(0), in = x.size(1), x_stride = x.stride(0);
   auto out = at::empty({rows, outs}, x.options());
+  if (rows == 0) return out;
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
   const float* bp = present(bias) ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  const int64_t num_panels = panels.size(0);
   // 64 KiB of weights per task at least: smaller tasks cost more to hand out than they save.
-  int64_t grain = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(in, 1));
-  if (rows > kGemvMaxRows) {  // whole tiles per task
-    grain = (grain + kTileOutputs - 1) / kTileOutputs * kTileOutputs;
-    at::parallel_for(0, (outs + grain - 1) / grain, 1, [&](int64_t t0, int64_t t1) {
-      gemm_block(xp, x_stride, rows, wp, in, t0 * grain, std::min(outs, t1 * grain), bp, op, outs);
-    });
-    return out;
-  }
-  at::parallel_for(0, outs, grain, [&](int64_t o0, int64_t o1) {
-    switch (rows) {
-      case 1: gemv_block<1>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 2: gemv_block<2>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 3: gemv_block<3>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 4: gemv_block<4>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 5: gemv_block<5>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 6: gemv_block<6>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      case 7: gemv_block<7>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
-      default: gemv_block<8>(xp, x_stride, wp, in, o0, o1, bp, op, outs); break;
+  const int64_t run = std::max<int64_t>(1, ((1 << 14) + kPanel * in - 1) / (kPanel * in));
+  const int64_t row_block = rows <= kGemvMaxRows ? rows : rows_per_task(in);
+  const int64_t row_blocks = (rows + row_block - 1) / row_block;
+  const int64_t runs = (num_panels + run - 1) / run;
+  at::parallel_for(0, runs * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m = t % row_blocks * row_block, block = std::min(row_block, rows - m);
+      for (int64_t p = t / row_blocks * run; p < std::min(num_panels, (t / row_blocks + 1) * run);
+           ++p) {
+        const int64_t o = p * kPanel;
+        panel_rows(xp + m * x_stride, x_stride, block, pp + p * in * kPanel, in,
+                   bp != nullptr ? bp + o : nullptr, op + m * outs + o, outs,
+                   std::min(kPanel, outs - o));
+      }
     }
   });
   return out;
@@ -736,19 +706,12 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
 // The linear layer whose five tensors start at w[first]; `with_bias` false leaves the bias to the
 // caller (a row-parallel layer adds it once, after the all-reduce).
 at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t first, bool with_bias = true) {
-  const at::Tensor &weight = w[first], &packed = w[first + 1], &bias = w[first + 4];
+  const at::Tensor &weight = w[first], &panels = w[first + 1], &bias = w[first + 4];
   const at::Tensor none;
   const at::Tensor& b = with_bias ? bias : none;
   if (weight.scalar_type() != at::kFloat) return quantized_linear(x, weight, w[first + 2], w[first + 3], b);
-  const c10::optional<at::Tensor> ob = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
-  if (present(packed) && x.size(0) >= 1 && x.size(0) <= kSmallGemmMaxRows && x.stride(-1) == 1)
-    return small_gemm(x, weight, b);  // the fast path's decode-sized steps (packed: float32)
-  if (!present(packed)) return at::linear(x, weight, ob);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkl::_mkl_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const c10::optional<at::Tensor>&, int64_t)>();
-  return op.call(x, packed, weight, ob, x.size(0));
+  if (present(panels)) return gemm(x.contiguous(), panels, b, weight.size(0));
+  return at::linear(x, weight, present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt);
 }
 
 struct ForwardShape {
@@ -1114,7 +1077,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
-  m.def("small_gemm(Tensor x, Tensor weight, Tensor bias) -> Tensor");
+  m.def("gemm(Tensor x, Tensor panels, Tensor bias, int outs) -> Tensor");
+  m.def("gemm_panel_width() -> int", &gemm_panel_width);
   m.def(
       "quantized_linear(Tensor x, Tensor values, Tensor scales, Tensor offsets, Tensor bias) "
       "-> Tensor");
@@ -1142,12 +1106,9 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
-  m.impl("small_gemm", &small_gemm);
+  m.impl("gemm", &gemm);
   m.impl("quantized_linear", &tandem::quantized_linear);
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);
 }
-
-// MKL's packed weights are opaque MkldnnCPU tensors: the whole forward is reached through them.
-TORCH_LIBRARY_IMPL(tandem, MkldnnCPU, m) { m.impl("llama_forward", &llama_forward); }
