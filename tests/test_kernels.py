@@ -321,11 +321,14 @@ def test_kernel_build_is_cached_on_disk(kernels, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 14, 32, 67, 256, 1100])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (7, 37), (1, 16), (4099, 64)])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(960, 576), (7, 37), (1, 16), (4099, 64), (50, 2100)]
+)
 def test_gemm_equals_a_float64_linear(rows, out_features, in_features, torch_threads) -> None:
     """The fast path's float32 GEMM over the weight's panels: row counts with and without a
     partial tile and beyond one task's block of rows (1100), output counts with a partial last
-    panel, a strided x, with and without bias; through `linear` as the model calls it too."""
+    panel, inputs in several passes (2100), a strided x, with and without bias; through
+    `linear` as the model calls it too."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features + 3, generator=g)[:, :in_features]  # rows 3 floats apart
     w = torch.randn(out_features, in_features, generator=g)
@@ -333,9 +336,10 @@ def test_gemm_equals_a_float64_linear(rows, out_features, in_features, torch_thr
     panels = pack_panels(w)
     expected = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
     got = torch.ops.tandem.gemm(x, panels, b, out_features)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    atol = 1e-4 * max(1.0, in_features / 1024)  # one float32 sum per output: error grows with in
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol)
     no_bias = torch.ops.tandem.gemm(x, panels, torch.empty(0), out_features)
-    torch.testing.assert_close(no_bias, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(no_bias, (x.double() @ w.double().T).float(), rtol=1e-5, atol=atol)
     assert torch.equal(linear(x, w, b, panels), got)
 
 
@@ -349,7 +353,7 @@ def test_gemm_refuses_panels_that_do_not_match() -> None:
     assert torch.ops.tandem.gemm(x[:0], panels, torch.empty(0), 50).shape == (0, 50)
 
 
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (4099, 37)])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (4099, 37), (100, 1500)])
 def test_gemm_rows_do_not_depend_on_their_step(out_features, in_features, torch_threads):
     """A row's output is the same bits whether its step has 1, 8 (the panels streamed once) or
     more rows (tiles, blocks of rows), and wherever it sits in a tile: a sequence decodes the

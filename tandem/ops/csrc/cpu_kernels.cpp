@@ -606,13 +606,26 @@ constexpr int64_t kPanel = kPanelVectors * kLanes;  // 48 outputs on AVX-512, 24
 constexpr int64_t kPanelRows = kRegisters >= 32 ? 8 : 4;
 constexpr int64_t kGemvMaxRows = 8;  // steps up to here walk the panels once, for all their rows
 
-// Rows [0, MR) of x times one panel of `width` valid outputs into out (+ bias, from the panel's
-// first output).
+// Inputs a panel is multiplied over in one pass: its slice (48 x 1024 floats on AVX-512) stays
+// in L2 while the task's rows pass; a longer `in` (a large model's down projection) takes
+// several passes.
+constexpr int64_t kInputsPerPass = 1024;
+
+// Rows [0, MR) of x times one panel over inputs [k0, k1), into `width` outputs: sums start at
+// zero for k0 = 0, else from the partial sums an earlier pass left in out (float32 either way,
+// so the roundings are those of one pass); the bias is added after the last pass.
 template <int64_t MR>
-void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t in, const float* bias,
-                float* out, int64_t out_stride, int64_t width) {
+void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t k0, int64_t k1,
+                const float* bias, float* out, int64_t out_stride, int64_t width) {
+  alignas(64) float sums[kPanel] = {};
   VecL acc[MR][kPanelVectors] = {};
-  for (int64_t k = 0; k < in; ++k) {
+  if (k0 > 0) {
+    for (int64_t m = 0; m < MR; ++m) {
+      std::copy(out + m * out_stride, out + m * out_stride + width, sums);
+      for (int64_t v = 0; v < kPanelVectors; ++v) acc[m][v] = load_lanes(sums + v * kLanes);
+    }
+  }
+  for (int64_t k = k0; k < k1; ++k) {
     VecL w[kPanelVectors];
     for (int64_t v = 0; v < kPanelVectors; ++v) w[v] = load_lanes(panel + k * kPanel + v * kLanes);
     for (int64_t m = 0; m < MR; ++m) {
@@ -621,41 +634,41 @@ void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t in
     }
   }
   for (int64_t m = 0; m < MR; ++m) {
-    alignas(64) float sums[kPanel];
     for (int64_t v = 0; v < kPanelVectors; ++v) store_lanes(sums + v * kLanes, acc[m][v]);
     float* row = out + m * out_stride;
     for (int64_t j = 0; j < width; ++j) row[j] = bias != nullptr ? sums[j] + bias[j] : sums[j];
   }
 }
 
-// Rows [0, rows) of x times one panel, kPanelRows at a time.
-void panel_rows(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t in,
-                const float* bias, float* out, int64_t out_stride, int64_t width) {
+// Rows [0, rows) of x times one panel over inputs [k0, k1), kPanelRows at a time (bias: null
+// but in the last pass).
+void panel_rows(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t k0,
+                int64_t k1, const float* bias, float* out, int64_t out_stride, int64_t width) {
   for (int64_t m = 0; m < rows; m += kPanelRows) {
     const float* xm = x + m * x_stride;
     float* om = out + m * out_stride;
+    auto tile = [&](auto r) {
+      panel_tile<decltype(r)::value>(xm, x_stride, panel, k0, k1, bias, om, out_stride, width);
+    };
     switch (std::min(kPanelRows, rows - m)) {
-      case 1: panel_tile<1>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-      case 2: panel_tile<2>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-      case 3: panel_tile<3>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-      case 4: panel_tile<4>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-      default:
-        if constexpr (kPanelRows > 4) {
-          switch (rows - m) {
-            case 5: panel_tile<5>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-            case 6: panel_tile<6>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-            case 7: panel_tile<7>(xm, x_stride, panel, in, bias, om, out_stride, width); break;
-            default: panel_tile<kPanelRows>(xm, x_stride, panel, in, bias, om, out_stride, width);
-          }
-        }
+      case 1: tile(std::integral_constant<int64_t, 1>{}); break;
+      case 2: tile(std::integral_constant<int64_t, 2>{}); break;
+      case 3: tile(std::integral_constant<int64_t, 3>{}); break;
+      case 4: tile(std::integral_constant<int64_t, 4>{}); break;
+      case 5: if constexpr (kPanelRows > 5) tile(std::integral_constant<int64_t, 5>{}); break;
+      case 6: if constexpr (kPanelRows > 6) tile(std::integral_constant<int64_t, 6>{}); break;
+      case 7: if constexpr (kPanelRows > 7) tile(std::integral_constant<int64_t, 7>{}); break;
+      default: if constexpr (kPanelRows > 4) tile(std::integral_constant<int64_t, kPanelRows>{});
     }
   }
 }
 
-// Rows of x one task multiplies in a large step: about 256 KiB of them, which stay in L2 while
-// the task's panels pass over them; a thread's next task keeps the same panels (in L2).
+// Rows of x one task multiplies in a large step: about 256 KiB of them (over one pass's
+// inputs), which stay in L2 while the task's panels pass over them; a thread's next task keeps
+// the same panels (in L2).
 int64_t rows_per_task(int64_t in) {
-  const int64_t rows = (int64_t{1} << 16) / std::max<int64_t>(in, 1) / kPanelRows * kPanelRows;
+  const int64_t inputs = std::clamp<int64_t>(in, 1, kInputsPerPass);
+  const int64_t rows = (int64_t{1} << 16) / inputs / kPanelRows * kPanelRows;
   return std::max<int64_t>(rows, 2 * kPanelRows);
 }
 
@@ -694,9 +707,12 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, const at::Tensor&
       for (int64_t p = t / row_blocks * run; p < std::min(num_panels, (t / row_blocks + 1) * run);
            ++p) {
         const int64_t o = p * kPanel;
-        panel_rows(xp + m * x_stride, x_stride, block, pp + p * in * kPanel, in,
-                   bp != nullptr ? bp + o : nullptr, op + m * outs + o, outs,
-                   std::min(kPanel, outs - o));
+        for (int64_t k0 = 0; k0 < in; k0 += kInputsPerPass) {
+          const int64_t k1 = std::min(in, k0 + kInputsPerPass);
+          panel_rows(xp + m * x_stride, x_stride, block, pp + p * in * kPanel, k0, k1,
+                     bp != nullptr && k1 == in ? bp + o : nullptr, op + m * outs + o, outs,
+                     std::min(kPanel, outs - o));
+        }
       }
     }
   });
