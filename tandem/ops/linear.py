@@ -62,7 +62,9 @@ def linear(
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.dim() == 3:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:  # a row stride is honoured, a column stride is not
+            rows = rows.contiguous()
         out = torch.ops.tandem.gemm(rows, packed, or_empty(bias), weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])

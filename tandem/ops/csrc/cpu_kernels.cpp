@@ -726,7 +726,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t first, bool wit
   const at::Tensor none;
   const at::Tensor& b = with_bias ? bias : none;
   if (weight.scalar_type() != at::kFloat) return quantized_linear(x, weight, w[first + 2], w[first + 3], b);
-  if (present(panels)) return gemm(x.contiguous(), panels, b, weight.size(0));
+  if (present(panels))  // gemm honours a row stride (views of a fused projection need no copy)
+    return gemm(x.stride(-1) == 1 ? x : x.contiguous(), panels, b, weight.size(0));
   return at::linear(x, weight, present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt);
 }
 
