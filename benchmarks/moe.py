@@ -102,15 +102,18 @@ def expert_gemm_table(a: argparse.Namespace) -> None:
     from tandem.ops import cpu_kernels, elementwise
     from tandem.ops.linear import PACK_BATCH_HINT
 
-    cpu_kernels.load()
+    build = cpu_kernels.load()
+    if not build.available:
+        raise SystemExit(f"--expert-gemm needs the CPU kernels: {build.error}")
     experts = Experts(a.experts, a.hidden, a.expert_inter)
     torch.nn.init.normal_(experts.gate_up, std=0.02)
     torch.nn.init.normal_(experts.down, std=0.02)
+    experts.prepack()  # the fast path's panels
     mkl = lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT)  # noqa: E731
     packings = {
         "plain": None,
         "packed": [(mkl(g), mkl(d)) for g, d in zip(experts.gate_up, experts.down, strict=True)],
-        "own": experts.prepack() and experts.packed,  # the fast path's panels
+        "own": experts.packed,
     }
     print(f"\nexperts of one layer, {a.top_k} of {a.experts} per token, ms per call (median of 20)")
     print(f"{'tokens':>7} {'rows/expert':>12} {'F.linear':>9} {'MKL packed':>11} {'own GEMM':>9}")

@@ -22,10 +22,13 @@ def test_thp_mode_reads_the_kernel_setting() -> None:
 
 
 def test_the_kv_cache_is_in_huge_pages() -> None:
-    caches = allocate_kv_cache(2, 1024, 16, 2, 32, torch.float32, torch.device("cpu"))
+    # 64 MiB a layer: above glibc's largest mmap threshold (32 MiB), so each is a new mapping
+    # (a smaller buffer may reuse heap memory already faulted in small pages, as a real
+    # cache of gigabytes never does).
+    caches = allocate_kv_cache(2, 8192, 16, 2, 32, torch.float32, torch.device("cpu"))
     for cache in caches:
         assert torch.count_nonzero(cache) == 0  # zeroed as before
-        size_kib = cache.untyped_storage().nbytes() // 1024  # 8 MiB
+        size_kib = cache.untyped_storage().nbytes() // 1024  # 64 MiB
         if THP_OFFERED:
             # All but the partial 2 MiB pages at either end.
             assert huge_pages.huge_kib(cache) >= size_kib - 4096
@@ -35,7 +38,7 @@ def test_the_kv_cache_is_in_huge_pages() -> None:
 
 def test_importing_tandem_puts_torchs_large_buffers_in_huge_pages() -> None:
     """The KV cache is advised even after torch allocated with the setting off; other big
-    tensors (weights, MKL's packed copies) get huge pages through torch's allocator."""
+    tensors (weights and their packed copies) get huge pages through torch's allocator."""
     code = textwrap.dedent(
         """
         import os, sys

@@ -6,7 +6,7 @@ Why: a decode step reads every weight and every running request's K/V. With 4 Ki
 
 Two ways in. PyTorch's CPU allocator advises huge pages for every allocation of 2 MiB or more
 when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation: ``import tandem`` sets it
-unless the user has set it (``0`` turns it off). That covers weights and MKL's packed copies. The
+unless the user has set it (``0`` turns it off). That covers weights and their packed copies. The
 KV cache, the largest buffer, is also advised here directly, so that it gets huge pages even in a
 process where torch allocated before tandem was imported.
 """

@@ -44,8 +44,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     k], so a panel is read in order, a step of weights for every input k."""
     width = torch.ops.tandem.gemm_panel_width()
     out_features, in_features = weight.shape
-    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % width))
-    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+    full, rest = divmod(out_features, width)
+    # Copied straight into place: a padded temporary as large as the weight, freed at once,
+    # would raise glibc's mmap threshold and put later buffers in reused, small-paged memory.
+    panels = weight.new_zeros(full + (rest > 0), in_features, width)
+    weight = weight.detach()
+    panels[:full].transpose(1, 2).copy_(weight[: full * width].view(full, width, in_features))
+    if rest:
+        panels[full, :, :rest].copy_(weight[full * width :].T)
+    return panels
 
 
 def linear(
