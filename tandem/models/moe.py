@@ -6,9 +6,9 @@ replicated matrix, never packed or quantized, so the experts chosen are transfor
 `top_k` experts per token; the experts run grouped by expert (`ops/moe.py`), each a SwiGLU MLP.
 A layer's experts are two stacked parameters ([experts, 2 * inter, hidden] and [experts, hidden,
 inter]), not a module per expert: Qwen3-30B-A3B has 6144 experts, and a module each costs a
-minute to build. On the CPU fast path each expert's matrices are packed for MKL and decode-sized
-rows go through Tandem's own GEMM, through `ops/linear.linear` as every dense layer does. The
-experts stay in float under `quantization="int8"`, and a GGUF's expert blocks are dequantized.
+minute to build. On the CPU fast path each expert's matrices are packed into panels for
+Tandem's own GEMM, through `ops/linear.linear` as every dense layer does. The experts stay in
+float under `quantization="int8"`, and a GGUF's expert blocks are dequantized.
 Qwen2-MoE adds a shared expert that every token takes, scaled by a sigmoid gate.
 
 Under tensor parallelism every expert's intermediate dimension is split across the ranks (gate

@@ -3,8 +3,9 @@
 
 On a CPU in float32 the fast path packs every weight once: into panels of output rows for the
 fused kernels' own GEMM (csrc: `gemm`), which multiplies a step of any row count as sums of outer
-products, faster than MKL's packed GEMM at every size measured (docs/performance.md) and with a
-row's result the same bits whatever the step's row count. Without the kernels (no compiler) the
+products (faster than MKL's packed GEMM at every size measured, on AMD Zen 5 in both builds;
+Intel is unmeasured: docs/performance.md), with a row's result the same bits whatever the step's
+row count. Without the kernels (no compiler) the
 weight is packed for MKL's single-precision GEMM instead (`cblas_sgemm_pack`, reached through
 `torch.ops.mkl._mkl_linear`). Either copy costs memory on top of the weight itself (1x for the
 panels, 1.5x for MKL), which is why packing is a CPU float32 choice only.
