@@ -5,7 +5,9 @@ that costs beside the alternatives, on the same weights:
 
 * ``tandem-gguf``: ``tandem.models.load_model(gguf, float32, cpu)``, the weights (and tokenizer);
 * ``tandem-llm``: Tandem's whole start, ``LLM("smollm2-135m-instruct", max_model_len=2048)``:
-  weights, KV cache and fast-path setup (CPU thread tuning, packed GEMMs);
+  weights (Q4_1 blocks kept), KV cache and fast-path setup (CPU thread tuning, packed GEMMs);
+* ``tandem-llm-fp32``: the same start with ``quantization="none"``: the weights dequantized to
+  fp32 and packed into the GEMM's panels;
 * ``hf-gguf``: transformers' ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``;
 * ``tandem-safetensors``: ``load_model`` of the fp32 safetensors folder made from the same GGUF
   (``benchmarks/real_model.py``): no dequantization, the floor for a load.
@@ -13,7 +15,8 @@ that costs beside the alternatives, on the same weights:
 Each load runs in a fresh subprocess, so no import, file cache of the parser or torch state
 carries over from one to the next (the OS page cache does: every file is read once, warm, before
 timing). A child reports the seconds its imports took, the seconds of the load call alone, its
-resident memory before the load and its peak resident memory (``ru_maxrss``, imports included).
+resident memory before the load, after it (what the process holds while it serves) and its peak
+resident memory (``ru_maxrss``, imports included).
 The kinds take turns over ``--repeats`` rounds; the table shows medians and ratios to transformers.
 
     python3 benchmarks/gguf_load.py --repeats 3
@@ -31,7 +34,7 @@ from pathlib import Path
 
 SHORT_NAME = "smollm2-135m-instruct"
 SAFETENSORS = Path.home() / ".cache" / "tandem" / "models" / SHORT_NAME
-KINDS = ("tandem-gguf", "tandem-llm", "hf-gguf", "tandem-safetensors")
+KINDS = ("tandem-gguf", "tandem-llm", "tandem-llm-fp32", "hf-gguf", "tandem-safetensors")
 REFERENCE = "hf-gguf"
 
 
@@ -65,6 +68,8 @@ def child(kind: str) -> dict[str, float]:
         loaded = load_model(gguf, torch.float32, cpu)
     elif kind == "tandem-llm":
         loaded = LLM(SHORT_NAME, max_model_len=2048)
+    elif kind == "tandem-llm-fp32":
+        loaded = LLM(SHORT_NAME, max_model_len=2048, quantization="none")
     elif kind == REFERENCE:
         loaded = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -72,9 +77,16 @@ def child(kind: str) -> dict[str, float]:
     else:
         loaded = load_model(SAFETENSORS, torch.float32, cpu)
     load_s = time.perf_counter() - start
+    after = rss_mib()
     del loaded
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"import_s": import_s, "load_s": load_s, "rss_before_mib": before, "peak_mib": peak}
+    return {
+        "import_s": import_s,
+        "load_s": load_s,
+        "rss_before_mib": before,
+        "rss_after_mib": after,
+        "peak_mib": peak,
+    }
 
 
 def gguf_path() -> Path:
@@ -123,7 +135,10 @@ def main() -> None:
     }
     ref = med.get(REFERENCE)
     print(f"median of {args.repeats} fresh processes per kind; ratios are to {REFERENCE}")
-    header = ("kind", "import s", "load s", "RSS before MiB", "peak RSS MiB", "load x", "peak x")
+    header = (
+        "kind", "import s", "load s", "RSS before MiB", "RSS after MiB", "peak RSS MiB", "load x",
+        "peak x",
+    )  # fmt: skip
     print(f"{header[0]:<20}" + "".join(f"{h:>16}" for h in header[1:]))
     for kind, m in med.items():
         load_x = f"{m['load_s'] / ref['load_s']:.2f}" if ref else "-"
@@ -132,6 +147,7 @@ def main() -> None:
             f"{m['import_s']:.2f}",
             f"{m['load_s']:.2f}",
             f"{m['rss_before_mib']:.0f}",
+            f"{m['rss_after_mib']:.0f}",
             f"{m['peak_mib']:.0f}",
             load_x,
             peak_x,

@@ -8,6 +8,7 @@ llama.cpp's converter lays them out; transformers' own GGUF loading is the refer
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -26,7 +27,6 @@ from tandem.models.gguf_blocks import NATIVE_TYPES
 from tandem.models.loader import build_model, read_config
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.ops.linear import Linear
-from tandem.ops.quantized import dequantize
 
 from gguf_files import K_QUANTS, TENSOR_TYPES, tiny_hf_folder, write_gguf
 from helpers import greedy
@@ -58,17 +58,12 @@ def hf_state(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
-def dense(linear) -> torch.Tensor:
-    """A linear layer's float32 weight: its own, or its quantized one dequantized."""
-    return linear.weight if linear.quantized is None else dequantize(linear.quantized)
-
-
 def full_weight(model, name: str) -> torch.Tensor:
     """A Hugging Face tensor as the loaded (unsharded) Tandem model holds it (a layer kept in
     its GGUF blocks, dequantized)."""
     place = model._place(name)
     quantized = model._quantized_target(place.target)
-    param = model.get_parameter(place.target) if quantized is None else dense(quantized)
+    param = model.get_parameter(place.target) if quantized is None else quantized.float_weight()
     if place.offset is None:
         return param
     rows = place.rows.stop - place.rows.start
@@ -130,6 +125,29 @@ def test_greedy_equals_transformers_on_the_same_file(tmp_path, architecture, ten
         assert got == expected, (async_scheduling, eager, got, expected)
 
 
+def resident_kib(path: Path) -> int:
+    """KiB of `path`'s mappings resident in this process (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_the_file_s_pages_are_released_once_its_weights_are_loaded(llama_folder, tmp_path):
+    """The model holds its own copies of the weights, so the file's mapping, read through while
+    loading, does not stay resident beside them (it did: as large as the file)."""
+    path = write_gguf(llama_folder, tmp_path / "m.gguf", "F32").resolve()
+    loaded = load_model(path, torch.float32, CPU)
+    size_kib = path.stat().st_size // 1024
+    assert size_kib > 1024 and resident_kib(path) < size_kib // 16, (resident_kib(path), size_kib)
+    assert loaded.model.layers[0].mlp.down.float_weight().abs().sum() > 0
+
+
 def test_tokenizer_and_template_come_from_the_file(llama_folder, gguf_dir):
     from transformers import AutoTokenizer
 
@@ -172,13 +190,17 @@ def test_each_rank_dequantizes_only_its_slices(tmp_path, tensor_type, quantizati
     layer, halves = full.layers[1], [r.layers[1] for r in ranks]
     kept = quantization is None and tensor_type in NATIVE_TYPES
     assert all((h.attn.o.quantized is not None) == kept for h in [layer, *halves])
-    assert torch.equal(torch.cat([dense(h.attn.o) for h in halves], 1), dense(layer.attn.o))
-    assert torch.equal(torch.cat([dense(h.mlp.down) for h in halves], 1), dense(layer.mlp.down))
+    assert torch.equal(
+        torch.cat([h.attn.o.float_weight() for h in halves], 1), layer.attn.o.float_weight()
+    )
+    assert torch.equal(
+        torch.cat([h.mlp.down.float_weight() for h in halves], 1), layer.mlp.down.float_weight()
+    )
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    qkv = [dense(h.attn.qkv) for h in halves]
-    assert torch.equal(torch.cat([w[: q // 2] for w in qkv]), dense(layer.attn.qkv)[:q])
+    qkv = [h.attn.qkv.float_weight() for h in halves]
+    assert torch.equal(torch.cat([w[: q // 2] for w in qkv]), layer.attn.qkv.float_weight()[:q])
     k_rows = torch.cat([w[q // 2 : q // 2 + kv // 2] for w in qkv])
-    assert torch.equal(k_rows, dense(layer.attn.qkv)[q : q + kv])
+    assert torch.equal(k_rows, layer.attn.qkv.float_weight()[q : q + kv])
 
 
 # ----------------------------------------------------------------- files and names

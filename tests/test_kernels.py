@@ -20,7 +20,7 @@ from tandem.ops import cpu_kernels
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata
-from tandem.ops.linear import linear, pack_panels
+from tandem.ops.linear import Linear, linear, pack_panels
 
 from conftest import (
     FAST_PATH_LOGITS_ATOL,
@@ -275,6 +275,22 @@ def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> 
         assert (gaps[ids != reference.argmax(-1)] < FAST_PATH_LOGITS_ATOL).all(), gaps.min()
     assert diffs[True] < 2e-5, diffs  # the portable path is transformers' arithmetic
     assert diffs[False] < FAST_PATH_LOGITS_ATOL, diffs
+
+
+def test_the_fast_path_keeps_panels_in_place_of_float_weights(tiny_checkpoints) -> None:
+    """Packed into panels, a linear layer holds no float weight beside them (it doubled the
+    weights' memory), and `float_weight` reads the checkpoint's tensor back bit for bit."""
+    loaded = load_model(tiny_checkpoints["Qwen2ForCausalLM"], torch.float32, torch.device("cpu"))
+    layers = {name: m for name, m in loaded.model.named_modules() if isinstance(m, Linear)}
+    before = {name: m.weight.detach().clone() for name, m in layers.items()}
+    assert fast_path.prepare(loaded.model, torch.device("cpu"), torch.float32, False).packed_gemm
+    for name, m in layers.items():
+        assert m.packed.dim() == 3 and m.weight.shape == (m.out_features, 0), name
+        assert m.weight.untyped_storage().nbytes() == 0, name
+        assert torch.equal(m.float_weight(), before[name]), name
+        assert m.bias is None or m.bias.numel() == m.out_features  # Qwen2's q/k/v biases stay
+    with pytest.raises(RuntimeError):  # the stand-in cannot be multiplied by mistake
+        torch.nn.functional.linear(torch.randn(1, m.in_features), m.weight)
 
 
 def test_enforce_eager_keeps_the_portable_path_and_matches_transformers(tiny_llama) -> None:

@@ -20,7 +20,7 @@ from tandem.models.default_model import build_checkpoint
 from tandem.models.dummy import dummy_tensors
 from tandem.models.llama import LlamaModel
 from tandem.models.loader import load_model, read_config
-from tandem.models.moe import SparseMoE
+from tandem.models.moe import Experts, SparseMoE
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import checkpoint_shapes
 from tandem.ops import elementwise
@@ -117,6 +117,9 @@ def test_greedy_and_logprobs_equal_transformers(moe_models, name, async_scheduli
     llm = make_llm(path, async_scheduling=async_scheduling, max_num_batched_tokens=32, **OPTIONS)
     assert llm.engine.execution.packed_gemm  # the fast path: packed experts, per-op forward
     assert llm.engine.runner.model._fused_weights is None
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+    # The panels are the experts' weights: no stacked float copy beside them.
+    assert experts and all(e.gate_up.shape[-1] == e.down.shape[-1] == 0 for e in experts)
     outputs = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outputs, strict=True):
         tokens = out.token_ids

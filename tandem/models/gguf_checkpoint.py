@@ -15,6 +15,7 @@ a safetensors checkpoint has. llama.cpp stores Mixtral as "llama" with `llama.ex
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,12 @@ class GGUFFile:
     def arch_field(self, key: str, default=None):
         return self.field(f"{self.architecture}.{key}", default)
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's memory once its weights are copied out (the
+        model holds its own copies): a mapping read through stays resident, as large as the
+        file, for as long as the file is cached here. Later reads fault pages back in."""
+        self.reader.release_pages()
+
     @property
     def tensor_types(self) -> str:
         """The file's storage types, most common first, e.g. "Q4_1, F32, Q8_0"."""
@@ -206,6 +213,11 @@ class _Reader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
+        self._map = value.base if isinstance(value.base, mmap.mmap) else None
+
+    def release_pages(self) -> None:
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
 
 def gguf_config(file: GGUFFile) -> PretrainedConfig:

@@ -284,6 +284,7 @@ def _load_gguf_weights(model: LlamaModel, path: Path) -> None:
         if model.load_weight(name, tensor):
             loaded.add(name)
     _check_complete(model, loaded, path)
+    file.release_pages()
 
 
 def _check_complete(model: LlamaModel, loaded: set[str], path: Path) -> None:

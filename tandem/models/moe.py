@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 
 from tandem.models.parallel import Placement, Shard, TensorParallel
 from tandem.models.spec import LlamaSpec, MoESpec
-from tandem.ops.linear import Linear, can_prepack, linear, prepack
+from tandem.ops.linear import Linear, can_prepack, linear, prepack, shape_only
 from tandem.ops.moe import grouped_experts, grouped_experts_on_device, grouped_mm_runs, route
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
@@ -87,11 +87,15 @@ class Experts(nn.Module):
         return self.gate_up.shape[0]
 
     def prepack(self) -> bool:
-        """Pack each expert's two matrices for the CPU GEMMs where they exist; True if it did."""
+        """Pack each expert's two matrices for the CPU GEMMs where they exist; True if it did.
+        Panels replace the stacked float weights (as in `Linear.prepack`)."""
         if can_prepack(self.gate_up):
             self.packed = [
                 (prepack(g), prepack(d)) for g, d in zip(self.gate_up, self.down, strict=True)
             ]
+            if self.packed[0][0].dim() == 3:
+                self.gate_up = shape_only(*self.gate_up.shape[:2])
+                self.down = shape_only(*self.down.shape[:2])
         return self.packed is not None
 
     def forward(self, e: int, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:

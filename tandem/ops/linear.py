@@ -8,7 +8,9 @@ Intel is unmeasured: docs/performance.md), with a row's result the same bits wha
 row count. Without the kernels (no compiler) the
 weight is packed for MKL's single-precision GEMM instead (`cblas_sgemm_pack`, reached through
 `torch.ops.mkl._mkl_linear`). Either copy costs memory on top of the weight itself (1x for the
-panels, 1.5x for MKL), which is why packing is a CPU float32 choice only.
+panels, 1.5x for MKL), which is why packing is a CPU float32 choice only. A layer packed into
+panels keeps no float weight beside them (`Linear.prepack`): the panels are the weight, and
+`Linear.float_weight` reads it back.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.ops import cpu_kernels
-from tandem.ops.quantized import GROUP_ROWS, QuantizedWeight, or_empty, quantized_linear
+from tandem.ops.quantized import (
+    GROUP_ROWS,
+    QuantizedWeight,
+    dequantize,
+    or_empty,
+    quantized_linear,
+)
 
 # The M that MKL tunes its packed layout for (the fallback without the kernels); any M runs
 # correctly. 128 is as fast as a layout for 32 at decode sizes and faster from 64 rows up.
@@ -54,6 +62,18 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     if rest:
         panels[full, :, :rest].copy_(weight[full * width :].T)
     return panels
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight [out_features, in] that `pack_panels` packed (a copy)."""
+    count, in_features, width = panels.shape
+    return panels.transpose(1, 2).reshape(count * width, in_features)[:out_features].clone()
+
+
+def shape_only(*leading: int) -> nn.Parameter:
+    """A weight that holds no values, only its leading sizes: [*leading, 0] (the GEMMs read the
+    out features from it; anything that would multiply by it fails on its shape)."""
+    return nn.Parameter(torch.empty(*leading, 0), requires_grad=False)
 
 
 def linear(
@@ -118,10 +138,21 @@ class Linear(nn.Module):
                 whole.narrow(0, group, piece.shape[0]).copy_(piece)
 
     def prepack(self) -> bool:
-        """Pack the weight for the CPU GEMMs where they exist; True if it did."""
+        """Pack the weight for the CPU GEMMs where they exist; True if it did. Panels replace the
+        float weight (kept, it would double the weights' memory); MKL's packing needs it."""
         if self.quantized is None and can_prepack(self.weight):
             self.packed = prepack(self.weight)
+            if self.packed.dim() == 3:
+                self.weight = shape_only(self.out_features)
         return self.packed is not None or self.quantized is not None
+
+    def float_weight(self) -> torch.Tensor:
+        """The layer's weight [out, in] in float32, however it is held (for inspection)."""
+        if self.quantized is not None:
+            return dequantize(self.quantized)
+        if self.packed is not None and self.packed.dim() == 3:
+            return unpack_panels(self.packed, self.out_features)
+        return self.weight.detach()
 
     def flat(self) -> list[torch.Tensor]:
         """The five tensors the fused forward reads per linear layer (csrc: LayerWeight): the

@@ -119,50 +119,99 @@ struct Group {
   const Scale* offsets;
 };
 
-// Calls f(j, column) for the 32 columns of block b, in the order every kernel sums them
-// (j: the column within the block).
-template <bool kFourBit, typename Scale, typename F>
-inline void for_each_column(const Group<Scale>& g, int64_t b, F&& f) {
-  const Column s = load_scales(g.scales + b * kGroupRows);
+// A weight's groups, evenly strided in memory.
+template <typename Scale>
+struct Groups {
+  const uint8_t* values;
+  const Scale* scales;
+  const Scale* offsets;  // null for 8-bit
+  int64_t group_bytes, group_scales;
+  Group<Scale> operator[](int64_t i) const {
+    return {values + i * group_bytes, scales + i * group_scales,
+            offsets != nullptr ? offsets + i * group_scales : nullptr};
+  }
+};
+
+// Calls f(j, columns) for the 32 columns of block b in P groups side by side, in the order every
+// kernel sums them (j: the column within the block; columns[p]: group p's weights there).
+template <bool kFourBit, int64_t P, typename Scale, typename F>
+inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
+  Column s[P], w[P];
+  for (int64_t p = 0; p < P; ++p) s[p] = load_scales(g[p].scales + b * kGroupRows);
   if constexpr (kFourBit) {
-    const Column o = load_scales(g.offsets + b * kGroupRows);
-    const uint8_t* q = g.values + b * (kBlockCols / 2) * kGroupRows;
+    Column o[P], hi[P];
+    for (int64_t p = 0; p < P; ++p) o[p] = load_scales(g[p].offsets + b * kGroupRows);
     for (int64_t i = 0; i < kBlockCols / 2; ++i) {
-      Column lo, hi;
-      widen_nibbles(q + i * kGroupRows, lo, hi);
-      for (int64_t v = 0; v < kVectors; ++v) {
-        lo[v] = lo[v] * s[v] + o[v];
-        hi[v] = hi[v] * s[v] + o[v];
+      for (int64_t p = 0; p < P; ++p) {
+        widen_nibbles(g[p].values + (b * (kBlockCols / 2) + i) * kGroupRows, w[p], hi[p]);
+        for (int64_t v = 0; v < kVectors; ++v) {
+          w[p][v] = w[p][v] * s[p][v] + o[p][v];
+          hi[p][v] = hi[p][v] * s[p][v] + o[p][v];
+        }
       }
-      f(i, lo);
+      f(i, w);
       f(i + kBlockCols / 2, hi);
     }
   } else {
-    const int8_t* q = reinterpret_cast<const int8_t*>(g.values) + b * kBlockCols * kGroupRows;
+    const int64_t first = b * kBlockCols * kGroupRows;
     for (int64_t i = 0; i < kBlockCols; ++i) {
-      Column w = widen_i8(q + i * kGroupRows);
-      for (int64_t v = 0; v < kVectors; ++v) w[v] *= s[v];
+      for (int64_t p = 0; p < P; ++p) {
+        w[p] = widen_i8(reinterpret_cast<const int8_t*>(g[p].values) + first + i * kGroupRows);
+        for (int64_t v = 0; v < kVectors; ++v) w[p][v] *= s[p][v];
+      }
       f(i, w);
     }
   }
 }
 
-// T rows of x (T <= kTileRows) against one group: the accumulators stay in registers.
-template <bool kFourBit, typename Scale, int64_t T>
-void group_in_registers(const Group<Scale>& g, int64_t blocks, const float* x, int64_t x_stride,
-                        float* out, int64_t out_stride) {
-  Column acc[T] = {};
+// Groups side by side in a one-row tile of 4-bit weights, so that 4 independent sums are in
+// flight: a row's sum is a chain of dependent FMAs, two per byte of 4-bit codes, and a single
+// chain waits on their latency. 8-bit weights (one FMA per byte) are bound by reading them, and
+// more streams side by side read them slower.
+constexpr int64_t groups_per_tile(bool four_bit, int64_t rows) {
+  return four_bit && rows == 1 ? std::max<int64_t>(1, 4 / kVectors) : 1;
+}
+
+// T rows of x (T <= kTileRows) against P adjacent groups: the accumulators stay in registers.
+template <bool kFourBit, typename Scale, int64_t T, int64_t P>
+void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float* x,
+                         int64_t x_stride, float* out, int64_t out_stride) {
+  Column acc[T][P] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlockCols;
-    for_each_column<kFourBit>(g, b, [&](int64_t j, const Column& w) {
+    for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&w)[P]) {
       for (int64_t t = 0; t < T; ++t) {
         const float xv = xb[t * x_stride + j];
-        for (int64_t v = 0; v < kVectors; ++v) acc[t][v] += xv * w[v];
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t v = 0; v < kVectors; ++v) acc[t][p][v] += xv * w[p][v];
       }
     });
   }
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t v = 0; v < kVectors; ++v)
+        store_lanes(out + t * out_stride + p * kGroupRows + v * kLanes, acc[t][p][v]);
+}
+
+// T rows against the groups [g0, g1) (out: the rows' first column): P at a time, then the rest
+// one by one.
+template <bool kFourBit, typename Scale, int64_t T>
+void tile_in_registers(const Groups<Scale>& groups, int64_t g0, int64_t g1, int64_t blocks,
+                       const float* x, int64_t x_stride, float* out, int64_t out_stride) {
+  constexpr int64_t P = groups_per_tile(kFourBit, T);
+  int64_t gi = g0;
+  if constexpr (P > 1)
+    for (; gi + P <= g1; gi += P) {
+      Group<Scale> side[P];
+      for (int64_t p = 0; p < P; ++p) side[p] = groups[gi + p];
+      groups_in_registers<kFourBit, Scale, T, P>(side, blocks, x, x_stride,
+                                                 out + gi * kGroupRows, out_stride);
+    }
+  for (; gi < g1; ++gi) {
+    const Group<Scale> one[1] = {groups[gi]};
+    groups_in_registers<kFourBit, Scale, T, 1>(one, blocks, x, x_stride, out + gi * kGroupRows,
+                                               out_stride);
+  }
 }
 
 // T rows of x against a block already dequantized into w (its columns in summation order),
@@ -194,23 +243,25 @@ constexpr auto tile_kernels(std::integer_sequence<int64_t, T...>) {
 
 template <bool kFourBit, typename Scale, int64_t... T>
 constexpr auto register_kernels(std::integer_sequence<int64_t, T...>) {
-  using Kernel = void (*)(const Group<Scale>&, int64_t, const float*, int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&group_in_registers<kFourBit, Scale, T + 1>...};
+  using Kernel = void (*)(const Groups<Scale>&, int64_t, int64_t, int64_t, const float*, int64_t,
+                          float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&tile_in_registers<kFourBit, Scale, T + 1>...};
 }
 
 // More rows than a tile: each block is dequantized once into a buffer that every tile reads.
 template <bool kFourBit, typename Scale>
-void group_through_buffer(const Group<Scale>& g, int64_t blocks, const float* x, int64_t x_stride,
-                          int64_t rows, float* out, int64_t out_stride) {
+void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const float* x,
+                          int64_t x_stride, int64_t rows, float* out, int64_t out_stride) {
   static constexpr auto tiles = tile_kernels(std::make_integer_sequence<int64_t, kTileRows>{});
   alignas(64) float w[kBlockCols * kGroupRows];
   int64_t order[kBlockCols];
   for (int64_t t = 0; t < rows; ++t) std::fill_n(out + t * out_stride, kGroupRows, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t c = 0;
-    for_each_column<kFourBit>(g, b, [&](int64_t j, const Column& col) {
+    for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&col)[1]) {
       order[c] = j;
-      for (int64_t v = 0; v < kVectors; ++v) store_lanes(w + c * kGroupRows + v * kLanes, col[v]);
+      for (int64_t v = 0; v < kVectors; ++v)
+        store_lanes(w + c * kGroupRows + v * kLanes, col[0][v]);
       ++c;
     });
     for (int64_t t = 0; t < rows; t += kTileRows) {
@@ -228,24 +279,26 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
       register_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
   const int64_t rows = x.size(0), x_stride = x.stride(0), groups = values.size(0);
   const int64_t blocks = values.size(1), n = out.size(1);
-  const auto* vp = static_cast<const uint8_t*>(values.data_ptr());
-  const auto* sp = static_cast<const Scale*>(scales.data_ptr());
-  const auto* op = kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
-  const int64_t group_bytes = values.stride(0), group_scales = scales.stride(0);
+  const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
+                             static_cast<const Scale*>(scales.data_ptr()),
+                             kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
+                             values.stride(0), scales.stride(0)};
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   // At least ~64 KiB of weights per task: smaller tasks cost more to hand out than they save.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(group_bytes, 1));
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
+      float* o = outp + m0 * n;
+      const float* xm = xp + m0 * x_stride;
+      if (m <= kTileRows) {
+        in_registers[m - 1](weight, g0, g1, blocks, xm, x_stride, o, n);
+        continue;
+      }
       for (int64_t gi = g0; gi < g1; ++gi) {
-        const Group<Scale> g{vp + gi * group_bytes, sp + gi * group_scales,
-                             kFourBit ? op + gi * group_scales : nullptr};
-        float* o = outp + m0 * n + gi * kGroupRows;
-        const float* xm = xp + m0 * x_stride;
-        if (m <= kTileRows) in_registers[m - 1](g, blocks, xm, x_stride, o, n);
-        else group_through_buffer<kFourBit>(g, blocks, xm, x_stride, m, o, n);
+        const Group<Scale> one[1] = {weight[gi]};
+        group_through_buffer<kFourBit>(one, blocks, xm, x_stride, m, o + gi * kGroupRows, n);
       }
     }
   });
