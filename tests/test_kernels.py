@@ -277,13 +277,21 @@ def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> 
     assert diffs[False] < FAST_PATH_LOGITS_ATOL, diffs
 
 
-def test_the_fast_path_keeps_panels_in_place_of_float_weights(tiny_checkpoints) -> None:
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MistralForCausalLM"])  # Mistral's tied
+def test_the_fast_path_keeps_panels_in_place_of_float_weights(tiny_checkpoints, arch) -> None:
     """Packed into panels, a linear layer holds no float weight beside them (it doubled the
-    weights' memory), and `float_weight` reads the checkpoint's tensor back bit for bit."""
-    loaded = load_model(tiny_checkpoints["Qwen2ForCausalLM"], torch.float32, torch.device("cpu"))
-    layers = {name: m for name, m in loaded.model.named_modules() if isinstance(m, Linear)}
+    weights' memory), and `float_weight` reads the checkpoint's tensor back bit for bit; a tied
+    embedding's lookups read the logits' panels, its only copy."""
+    model = load_model(tiny_checkpoints[arch], torch.float32, torch.device("cpu")).model
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     before = {name: m.weight.detach().clone() for name, m in layers.items()}
-    assert fast_path.prepare(loaded.model, torch.device("cpu"), torch.float32, False).packed_gemm
+    embedding = model.embed.weight.detach().clone()
+    assert fast_path.prepare(model, torch.device("cpu"), torch.float32, False).packed_gemm
+    tied = model.spec.tie_word_embeddings
+    assert (model.embed.weight.shape == (embedding.shape[0], 0)) == tied
+    assert model.embedding_table.dim() == (3 if tied else 2)
+    ids = torch.tensor([0, 1, 47, 48, 49, embedding.shape[0] - 1, 5])
+    assert torch.equal(model._embed(ids), embedding[ids])
     for name, m in layers.items():
         assert m.packed.dim() == 3 and m.weight.shape == (m.out_features, 0), name
         assert m.weight.untyped_storage().nbytes() == 0, name

@@ -25,7 +25,7 @@ from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, hea
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention_metadata import AttentionMetadata
-from tandem.ops.linear import Linear, can_prepack, linear, prepack
+from tandem.ops.linear import Linear, can_prepack, linear, prepack, rows_from_panels, shape_only
 from tandem.ops.quantized import (
     BLOCK_COLS,
     GROUP_ROWS,
@@ -195,6 +195,8 @@ class LlamaModel(nn.Module):
         tied = self.spec.tie_word_embeddings and self.tied_logits is None
         if tied and can_prepack(self.embed.weight):
             self._packed_logits_weight = prepack(self.embed.weight)
+            if self._packed_logits_weight.dim() == 3:  # the panels serve the lookups too
+                self.embed.weight = shape_only(self.embed.weight.shape[0])
         if fused and self.has_fused_forward:
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
@@ -226,18 +228,30 @@ class LlamaModel(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
-            return self.embed(input_ids)
+            return self._lookup(input_ids)
         local = input_ids - self.shard.vocab.start
         outside = (local < 0) | (local >= self.shard.vocab_per_rank)
-        x = self.embed(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0.0)
+        x = self._lookup(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0.0)
         return self.tp.all_reduce(x)  # each id's row comes from the one rank that holds it
+
+    @property
+    def embedding_table(self) -> torch.Tensor:
+        """What lookups read: the embedding, or the tied logits' panels once they replace it."""
+        packed = self._packed_logits_weight
+        return (
+            packed if packed is not None and self.embed.weight.shape[1] == 0 else self.embed.weight
+        )
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.embedding_table
+        return rows_from_panels(table, ids) if table.dim() == 3 else self.embed(ids)
 
     def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         s = self.local_spec
         segments = [(p.token_start, p.num_tokens, p.context_len, p.row) for p in meta.prefills]
         prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 4)
         return torch.ops.tandem.llama_forward(
-            input_ids, positions, self.embed.weight, self._fused_weights, kv_caches,
+            input_ids, positions, self.embedding_table, self._fused_weights, kv_caches,
             self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
             meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,

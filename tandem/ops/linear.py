@@ -7,10 +7,9 @@ products (faster than MKL's packed GEMM at every size measured, on AMD Zen 5 in 
 Intel is unmeasured: docs/performance.md), with a row's result the same bits whatever the step's
 row count. Without the kernels (no compiler) the
 weight is packed for MKL's single-precision GEMM instead (`cblas_sgemm_pack`, reached through
-`torch.ops.mkl._mkl_linear`). Either copy costs memory on top of the weight itself (1x for the
-panels, 1.5x for MKL), which is why packing is a CPU float32 choice only. A layer packed into
-panels keeps no float weight beside them (`Linear.prepack`): the panels are the weight, and
-`Linear.float_weight` reads it back.
+`torch.ops.mkl._mkl_linear`), a copy that needs the weight beside it (2.5x the weight's memory),
+which is why packing is a CPU float32 choice only. Panels replace the float weight instead
+(`Linear.prepack`; a tied embedding's table too): 1x, and `Linear.float_weight` reads it back.
 """
 
 from __future__ import annotations
@@ -68,6 +67,13 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The weight [out_features, in] that `pack_panels` packed (a copy)."""
     count, in_features, width = panels.shape
     return panels.transpose(1, 2).reshape(count * width, in_features)[:out_features].clone()
+
+
+def rows_from_panels(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids] of the weight packed in `panels`: a tied embedding's lookups read its logits'
+    panels, its only copy (csrc: `embedding_rows`)."""
+    width = panels.shape[2]
+    return panels[ids // width, :, ids % width]
 
 
 def shape_only(*leading: int) -> nn.Parameter:

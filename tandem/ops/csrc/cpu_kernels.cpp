@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIndexing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -823,14 +824,29 @@ void all_reduce_(at::Tensor& x, const std::string& group) {
   wait.callBoxed(&waiting);
 }
 
+// Rows `ids` of an embedding held as a table [rows, hidden], or as the tied logits' panels
+// [ceil(rows / width), hidden, width] (ops/linear.py's pack_panels), then its only copy.
+at::Tensor embedding_rows(const at::Tensor& embed, const at::Tensor& ids) {
+  if (embed.dim() == 2) return at::embedding(embed, ids);
+  const int64_t width = embed.size(2);
+  using at::indexing::Slice;
+  return embed.index({at::floor_divide(ids, width), Slice(), at::remainder(ids, width)});
+}
+
+// The rows an embedding holds; panels count their padding rows, which pack_panels zeroes, so
+// an id there looks up zeros, as a masked id does.
+int64_t embedding_row_count(const at::Tensor& embed) {
+  return embed.dim() == 2 ? embed.size(0) : embed.size(0) * embed.size(2);
+}
+
 // The embedding of a vocabulary shard (rows vocab_start ..): ids outside it give zeros, and
 // the all-reduce fills each id's row from the one rank that holds it.
 at::Tensor embed_tokens(const at::Tensor& embed, const at::Tensor& input_ids, int64_t vocab_start,
                         const std::string& group) {
-  if (group.empty()) return at::embedding(embed, input_ids);
+  if (group.empty()) return embedding_rows(embed, input_ids);
   auto local = input_ids - vocab_start;
-  auto outside = local.lt(0).logical_or(local.ge(embed.size(0)));
-  auto x = at::embedding(embed, local.masked_fill(outside, 0));
+  auto outside = local.lt(0).logical_or(local.ge(embedding_row_count(embed)));
+  auto x = embedding_rows(embed, local.masked_fill(outside, 0));
   x.masked_fill_(outside.unsqueeze(1), 0.0);
   all_reduce_(x, group);
   return x;
