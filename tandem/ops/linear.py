@@ -63,12 +63,6 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The weight [out_features, in] that `pack_panels` packed (a copy)."""
-    count, in_features, width = panels.shape
-    return panels.transpose(1, 2).reshape(count * width, in_features)[:out_features].clone()
-
-
 def rows_from_panels(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """weight[ids] of the weight packed in `panels`: a tied embedding's lookups read its logits'
     panels, its only copy (csrc: `embedding_rows`)."""
@@ -157,7 +151,7 @@ class Linear(nn.Module):
         if self.quantized is not None:
             return dequantize(self.quantized)
         if self.packed is not None and self.packed.dim() == 3:
-            return unpack_panels(self.packed, self.out_features)
+            return rows_from_panels(self.packed, torch.arange(self.out_features))
         return self.weight.detach()
 
     def flat(self) -> list[torch.Tensor]:

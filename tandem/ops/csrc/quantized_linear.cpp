@@ -428,14 +428,6 @@ inline IVec minus(IVec v, int32_t c) { return _mm256_sub_epi32(v, _mm256_set1_ep
 // two broadcasts and the constants in the registers.
 constexpr int64_t kIntTileRows = std::min<int64_t>(8, (kRegisters - 8) / (2 * kVectors));
 
-// One group's blocks, read as integer runs of 4.
-template <typename Scale>
-struct IntGroup {
-  const uint8_t* values;
-  const Scale* scales;
-  const Scale* offsets;  // null for 8-bit
-};
-
 // The portable integer sum of block b for row n (the vector code's result, lane by lane).
 template <bool kFourBit>
 inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8_t* xq) {
@@ -458,7 +450,7 @@ inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8
 // T rows of quantized x against one group, accumulators in registers. kSymmetric: 4-bit codes
 // whose weight is (code - 8) * scale, no offsets stored.
 template <bool kFourBit, bool kSymmetric, typename Scale, int64_t T>
-void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, int64_t xq_stride,
+void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int64_t xq_stride,
                     const float* steps, const int32_t* code_sums, int64_t step_stride,
                     float* out, int64_t out_stride) {
   Column acc[T] = {};
@@ -531,7 +523,7 @@ void int_group_rows(const IntGroup<Scale>& g, int64_t blocks, const int8_t* xq, 
 
 template <bool kFourBit, bool kSymmetric, typename Scale, int64_t... T>
 constexpr auto int_kernels(std::integer_sequence<int64_t, T...>) {
-  using Kernel = void (*)(const IntGroup<Scale>&, int64_t, const int8_t*, int64_t, const float*,
+  using Kernel = void (*)(const Group<Scale>&, int64_t, const int8_t*, int64_t, const float*,
                           const int32_t*, int64_t, float*, int64_t);
   return std::array<Kernel, sizeof...(T)>{&int_group_rows<kFourBit, kSymmetric, Scale, T + 1>...};
 }
@@ -544,20 +536,19 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   const QuantizedRows xq = quantize_rows(x);
   const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
   const int64_t n = out.size(1), k = x.size(1);
-  const auto* vp = static_cast<const uint8_t*>(values.data_ptr());
-  const auto* sp = static_cast<const Scale*>(scales.data_ptr());
-  const auto* op = kFourBit && !kSymmetric ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr;
-  const int64_t group_bytes = values.stride(0), group_scales = scales.stride(0);
+  const Groups<Scale> weight{
+      static_cast<const uint8_t*>(values.data_ptr()), static_cast<const Scale*>(scales.data_ptr()),
+      kFourBit && !kSymmetric ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
+      values.stride(0), scales.stride(0)};
   const int8_t* cp = xq.codes;
   const float* dp = xq.steps;
   float* outp = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(group_bytes, 1));
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
       for (int64_t gi = g0; gi < g1; ++gi) {
-        const IntGroup<Scale> g{vp + gi * group_bytes, sp + gi * group_scales,
-                                op != nullptr ? op + gi * group_scales : nullptr};
+        const Group<Scale> g = weight[gi];
         for (int64_t t = 0; t < m; t += kIntTileRows) {
           const int64_t r = m0 + t;
           tiles[std::min(kIntTileRows, m - t) - 1](g, blocks, cp + r * k, k, dp + r * blocks,
