@@ -1,4 +1,4 @@
-"""`tandem bench --workload copy` and `--speculative-config`'s columns.
+"""`tandem bench --workload copy` (and `copy-json`) and `--speculative-config`'s columns.
 
 The copy workload asks for a shipped passage back (through the chat template where the model has
 one; a model without a tokenizer gets prompts whose second half repeats the first), answers
@@ -19,6 +19,8 @@ from tandem.bench.cli import Column, add_speculation_rows, bench_columns
 from tandem.bench.run import Run
 from tandem.bench.workloads import (
     COPY_INSTRUCTION,
+    COPY_JSON_INSTRUCTION,
+    COPY_JSON_SCHEMA,
     COPY_OUTPUT_LEN,
     Workload,
     copy_passages,
@@ -29,6 +31,7 @@ from tandem.bench.workloads import (
 from tandem.cli import build_parser, engine_config, main
 from tandem.config import SpeculativeConfig
 from tandem.metrics import RunSummary, SpeculativeStats
+from tandem.request import StructuredOutputsParams
 
 from helpers import bench_table
 
@@ -69,6 +72,16 @@ def test_copy_prompts_ask_for_each_passage_back(tiny_llama):
     assert work.prompts == copy_prompt_ids(tokenizer, 3) and work.output_lens == [16] * 3
     assert not work.ignore_eos and work.ends_early and work.arrival_times == [0.0] * 3
     assert _bench_args("--workload", "copy").output_len == COPY_OUTPUT_LEN
+
+
+def test_copy_json_asks_for_each_passage_back_under_its_schema(tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    args = _bench_args("--workload", "copy-json", "--num-requests", "3")
+    work = make_copy_workload(args, tokenizer, 1024, 2048)
+    assert work.prompts == copy_prompt_ids(tokenizer, 3, COPY_JSON_INSTRUCTION)
+    assert work.prompts != copy_prompt_ids(tokenizer, 3)
+    assert work.structured == [StructuredOutputsParams(json=COPY_JSON_SCHEMA)] * 3
+    assert work.output_lens == [COPY_OUTPUT_LEN] * 3 and work.ends_early
 
 
 def test_a_model_without_a_tokenizer_gets_a_repeated_span():
@@ -173,3 +186,17 @@ def test_copy_bench_with_speculation_off_and_ngram(tiny_llama, capsys, monkeypat
     assert [c.endswith("x") for c in rows["ngram vs off (tokens/s)"]] == [False, False, True, True]
     assert [c.endswith("x") for c in rows["speedup (sync wall / async wall)"]] == [False, True] * 2
     assert rows["outputs identical (all runs)"] == ["", "", "", "yes"]  # one greedy group
+
+
+def test_copy_json_bench_drafts_under_the_grammar(tiny_llama, capsys, monkeypatch):
+    """Every answer is under a grammar and still drafts; the outputs do not depend on it."""
+    monkeypatch.setenv("COLUMNS", "300")
+    args = ["bench", "--workload", "copy-json", "--model", str(tiny_llama), "--num-requests", "3",
+            "--output-len", "16", "--speculative-config", NGRAM3]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "(copy-json: repeat-a-passage prompts as JSON, EOS on" in " ".join(out.split())
+    rows = bench_table(out)
+    assert all(int(d) > 0 for d in rows["spec decode: draft tokens"][2:])
+    assert rows["outputs identical (all runs)"] == ["", "", "", "yes"]

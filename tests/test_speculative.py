@@ -9,6 +9,9 @@ and prefix caching; stops inside an accepted run drop what follows; KV blocks an
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -211,8 +214,8 @@ def test_abort_with_drafts_in_flight(cycling_llama):
 
 
 def test_logprobs_grammar_and_penalties_beside_drafts(cycling_llama):
-    """Requests that cannot draft (a grammar, penalties) share steps with ones that do; logprobs
-    of accepted runs are those of decoding without drafts."""
+    """Requests with logprobs, a grammar, penalties and a bias draft side by side; logprobs of
+    accepted runs are those of decoding without drafts."""
     prompts = prompts_with_repeats()
     params = [
         greedy(24, logprobs=2),
@@ -235,6 +238,66 @@ def test_logprobs_grammar_and_penalties_beside_drafts(cycling_llama):
                 assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
     assert llm_on.engine.stats().speculative.accepted_tokens
     assert_idle_and_balanced(llm_on.engine)
+
+
+# Grammars that refuse much of what `cycling_llama` would say, so that the bitmask after a draft
+# decides what is kept: the drafts come from the history the grammar shaped.
+LOWERCASE = r"[ a-z]{0,400}"
+WORD_LIST = {
+    "type": "array",
+    "items": {"type": "string", "pattern": "^[a-z ]{0,12}$"},
+    "maxItems": 3,
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_scheduling):
+    """A request under a grammar drafts too: each row after a draft is sampled under the
+    matcher's state past that draft, so the outputs (greedy and seeded) are those of decoding
+    without drafts, accepted runs included, and every one matches its grammar."""
+    prompts = prompts_with_repeats()
+    specs = [StructuredOutputsParams(regex=LOWERCASE), StructuredOutputsParams(json=WORD_LIST)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=t, seed=i, structured_outputs=specs[i % 2])
+        for i, t in enumerate((0.0, 0.0, 0.8, 0.8))
+    ]
+    options = dict(async_scheduling=async_scheduling)
+    reference, _ = generate(cycling_llama, prompts, params, **options)
+    for speculative in (ALWAYS, draft_model(cycling_llama)):
+        out, stats = generate(cycling_llama, prompts, params, speculative, **options)
+        assert out == reference
+        assert stats.accepted_tokens > 0
+    llm = make_llm(cycling_llama, speculative_config=ALWAYS, **options)
+    texts = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    llm.engine.close()
+    for i, text in enumerate(texts):
+        if i % 2 == 0:
+            assert re.fullmatch(LOWERCASE, text), text
+        else:
+            assert len(json.loads(text)) <= 3, text  # complete JSON
+
+
+def test_two_ranks_draft_under_a_grammar(cycling_llama):
+    """Under tensor parallelism rank 0 hands the engine each step's drafts for the bitmask;
+    every rank samples under it: the tokens of one process decoding without drafts."""
+    prompts = prompts_with_repeats()
+    specs = [StructuredOutputsParams(regex=LOWERCASE), StructuredOutputsParams(json=WORD_LIST)]
+    params = [
+        SamplingParams(max_tokens=30, temperature=t, seed=1, structured_outputs=spec)
+        for t in (0.0, 0.8)
+        for spec in specs
+    ]
+    reference, _ = generate(cycling_llama, prompts, params)
+    tp = make_llm(cycling_llama, tensor_parallel_size=2, cpu_threads=1, speculative_config=ALWAYS)
+    try:
+        for async_scheduling in (False, True):
+            tp.engine.configure(async_scheduling=async_scheduling)
+            got = [[c.token_ids for c in o.outputs] for o in tp.generate(prompts, params)]
+            assert got == reference
+        assert tp.engine.stats().speculative.accepted_tokens > 0
+        assert_idle_and_balanced(tp.engine)
+    finally:
+        tp.close()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -375,7 +438,7 @@ def test_ngram_drafts_equal_prompt_lookup():
         v = VerifyRows(
             table_rows=torch.arange(rows), num_drafts=torch.full((rows,), k), prompt_lens=empty,
             token_item=empty, token_offset=empty, token_batch=empty, sample_rows=empty,
-            free_index=empty, draft_batch=empty, draft_item=empty, draft_index=empty,
+            draft_batch=empty, draft_item=empty, draft_index=empty,
             check_rows=empty, pass_items=empty, item_batch=empty, item_row=empty, pass_sizes=[],
             max_drafts=k, history_len=64, method="ngram", lookup=(longest, shortest),
         )  # fmt: skip

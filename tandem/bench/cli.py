@@ -43,6 +43,7 @@ from tandem.bench.workloads import (
     CHAT_OUTPUT_LEN,
     CHAT_PRESET,
     COPY_INSTRUCTION,
+    COPY_JSON_PRESET,
     COPY_OUTPUT_LEN,
     COPY_PRESET,
     DEFAULT_SIZES,
@@ -72,7 +73,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload",
                    choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, COPY_PRESET,
-                            JSON_PRESET),
+                            COPY_JSON_PRESET, JSON_PRESET),
                    default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
@@ -90,6 +91,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    "the chat template where the model has one), each answer ending at EOS or at "
                    "--output-len; a model without a tokenizer gets random prompts whose second "
                    "half repeats the first; "
+                   f"{COPY_JSON_PRESET}: the same passages to be repeated as the JSON object "
+                   '{"text": ...}, every answer under that schema; '
                    f"{JSON_PRESET}: the random workload run once per --json-fractions share of "
                    f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS)")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
@@ -106,7 +109,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    help=f"mean output length (tokens); default {DEFAULT_SIZES['output_len']} "
                    f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
                    f"{BLOG_OUTPUT_LEN['cpu']} on a CPU; {CHAT_PRESET}: a cap, default "
-                   f"{CHAT_OUTPUT_LEN}; {COPY_PRESET}: a cap, default {COPY_OUTPUT_LEN})")  # fmt: skip
+                   f"{CHAT_OUTPUT_LEN}; {COPY_PRESET} and {COPY_JSON_PRESET}: a cap, default "
+                   f"{COPY_OUTPUT_LEN})")  # fmt: skip
     g.add_argument("--json-fractions", default=JSON_FRACTIONS,
                    help=f"{JSON_PRESET}: percentages of requests under the schema, one run each "
                    f"(spread evenly: 25 is every 4th request); default {JSON_FRACTIONS}")  # fmt: skip
@@ -173,7 +177,7 @@ def bench_workload(args: argparse.Namespace, engine: Engine) -> Workload:
     tokenizer, where = engine.tokenizer, str(engine.model_path)
     if args.workload == CHAT_PRESET:
         return make_chat_workload(args, tokenizer, engine.max_model_len, where)
-    if args.workload == COPY_PRESET:
+    if args.workload in (COPY_PRESET, COPY_JSON_PRESET):
         vocab = engine.spec.vocab_size
         return make_copy_workload(args, tokenizer, vocab, engine.max_model_len, where)
     return make_workload(args, engine.spec.vocab_size, engine.max_model_len)
@@ -553,9 +557,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         kind = f" x {args.output_len} output tokens ({BLOG_PRESET})"
     elif args.workload == CHAT_PRESET:
         kind = f" ({CHAT_PRESET}: chat-template prompts, EOS on, at most {args.output_len} tokens)"
-    elif args.workload == COPY_PRESET:
+    elif args.workload in (COPY_PRESET, COPY_JSON_PRESET):
+        answer = " as JSON" if args.workload == COPY_JSON_PRESET else ""
         kind = (
-            f" ({COPY_PRESET}: repeat-a-passage prompts, EOS on, at most {args.output_len} tokens)"
+            f" ({args.workload}: repeat-a-passage prompts{answer}, EOS on, "
+            f"at most {args.output_len} tokens)"
         )
     elif args.workload == JSON_PRESET:
         shares = "/".join(str(c.variant.json_percent) for c in columns if c.mode == modes[0])

@@ -2,8 +2,9 @@
 make. Most are random token ids (nothing is tokenized, so any model with a vocabulary runs them);
 `chat` is real user questions through the model's chat template, ending at the model's own EOS;
 `copy` asks the model to repeat a shipped passage (the case speculative decoding's drafts are
-right most often); `json` is the random workload with a share of its requests under a shipped
-JSON schema."""
+right most often), `copy-json` the same as a JSON object under a schema (drafts under a
+grammar); `json` is the random workload with a share of its requests under a shipped JSON
+schema."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ COPY_PRESET = "copy"
 COPY_OUTPUT_LEN = 128
 COPY_INSTRUCTION = "Repeat the following text exactly:\n"
 COPY_PASSAGES = Path(__file__).with_name("data") / "copy_passages.txt"  # package data
+# The copy workload answered as JSON: a structured extraction that quotes its input, every
+# request under the schema of one string field.
+COPY_JSON_PRESET = "copy-json"
+COPY_JSON_INSTRUCTION = 'Repeat the following text exactly, as the JSON object {"text": ...}:\n'
+COPY_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
 # The random workload run once per share of requests (percent) under a JSON schema: a product
 # record of bounded strings, integers, an enum and an array (package data).
 JSON_PRESET = "json"
@@ -61,7 +72,7 @@ def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str
             config = replace(config, model=str(shipped_model(BLOG_CUDA_MODEL)), load_format="dummy")
     elif args.workload == CHAT_PRESET:
         sizes = {**DEFAULT_SIZES, "output_len": CHAT_OUTPUT_LEN}  # prompt_len: unused
-    elif args.workload == COPY_PRESET:  # prompt_len: a tokenizer-less model's prompts only
+    elif args.workload in (COPY_PRESET, COPY_JSON_PRESET):  # prompt_len: tokenizer-less only
         sizes = {**DEFAULT_SIZES, "output_len": COPY_OUTPUT_LEN}
     else:
         sizes = DEFAULT_SIZES
@@ -205,10 +216,12 @@ def copy_passages() -> list[str]:
     return [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
 
 
-def copy_prompt_ids(tokenizer: Any, num_requests: int) -> list[list[int]]:
+def copy_prompt_ids(
+    tokenizer: Any, num_requests: int, instruction: str = COPY_INSTRUCTION
+) -> list[list[int]]:
     """`num_requests` copy requests, cycling through the passages: through the chat template
     when the tokenizer has one, else the plain text tokenized as the engine would."""
-    texts = [COPY_INSTRUCTION + passage for passage in copy_passages()[:num_requests]]
+    texts = [instruction + passage for passage in copy_passages()[:num_requests]]
     if chat_template_problem(tokenizer) is None:
         rendered = [render_chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     else:
@@ -241,7 +254,9 @@ def make_copy_workload(
     where: str = "this model",
 ) -> Workload:
     """The copy workload: --num-requests prompts asking for a passage back (a model without a
-    tokenizer: prompts that repeat a span), answers ending at EOS or --output-len."""
+    tokenizer: prompts that repeat a span), answers ending at EOS or --output-len; copy-json:
+    each answer under `COPY_JSON_SCHEMA`."""
+    as_json = args.workload == COPY_JSON_PRESET
     if args.num_requests < 1 or args.output_len < 1:
         raise ValueError("--num-requests and --output-len must be >= 1")
     if tokenizer is None:
@@ -249,14 +264,19 @@ def make_copy_workload(
             raise ValueError("--prompt-len must be >= 2 (a span and its repeat)")
         prompts = repeated_span_ids(args, vocab_size, max_model_len)
     else:
-        prompts = copy_prompt_ids(tokenizer, args.num_requests)
+        instruction = COPY_JSON_INSTRUCTION if as_json else COPY_INSTRUCTION
+        prompts = copy_prompt_ids(tokenizer, args.num_requests, instruction)
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
         raise ValueError(
             f"a copy prompt has {longest} tokens: no room in max_model_len {max_model_len} "
             f"({where})"
         )
-    return _answers(args, prompts, max_model_len)
+    workload = _answers(args, prompts, max_model_len)
+    if as_json:
+        spec = StructuredOutputsParams(json=COPY_JSON_SCHEMA)
+        workload = replace(workload, structured=[spec] * len(prompts))
+    return workload
 
 
 def json_schema_spec() -> StructuredOutputsParams:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.engine.fan_out import fan_out
-from tandem.engine.grammar import GrammarCompiler, StepBitmasks, constrained_rows, grammar_of
+from tandem.engine.grammar import GrammarCompiler, StepBitmasks, constrained_items, grammar_of
 from tandem.engine.intake import RequestIntake, eos_token_ids
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.stats import EngineStats, StepHistory
@@ -255,7 +255,7 @@ class Engine:
                 # forward runs meanwhile), then build the bitmask and launch the sampling.
                 while len(self._inflight) > 1:
                     outputs.extend(self._retire(self._inflight.popleft()))
-                self._sample_constrained(self._inflight[-1])
+                self._sample_constrained(self._inflight[-1], inputs.sampler.drafts_to_host)
         elif not self._inflight and self._compiling:
             wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
@@ -327,10 +327,11 @@ class Engine:
                     self.scheduler.add(request)
         return outputs
 
-    def _sample_constrained(self, inflight: _InFlight) -> None:
+    def _sample_constrained(self, inflight: _InFlight, drafts_to_host: bool) -> None:
         """Build the newest step's bitmask (its forward is running) and launch its sampling."""
         t0 = time.perf_counter()
-        bitmask = self._bitmasks.build(constrained_rows(inflight.batch.sampled))
+        drafts = self.runner.step_drafts(inflight.handle) if drafts_to_host else None
+        bitmask = self._bitmasks.build(constrained_items(inflight.batch, drafts))
         inflight.handle = self.runner.sample_constrained(inflight.handle, bitmask)
         inflight.record.spans["grammar"] = (t0, time.perf_counter())
 

@@ -4,7 +4,9 @@ loop), one matcher per sample advanced by retired tokens only, and each step's b
 The asynchronous loop's rule: a step's bitmask is built after the step before it retires (so
 every matcher has seen every token before the one sampled), while that step's forward runs. A
 request that finished in the step before holds a discarded token in this one: its row is left
-unconstrained and its matcher is never advanced again.
+unconstrained and its matcher is never advanced again. A request verifying drafts has a row
+after each draft: its matcher walks the drafts (the device hands them over as soon as it has
+made them) and is rolled back; only retired tokens advance it for good.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.request import Request, StructuredOutputsParams
 from tandem.sampler.inputs import is_constrained
+from tandem.scheduling.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:  # imported where first used: it adds most of a second to every start-up
     import xgrammar as xgr
@@ -195,10 +198,21 @@ def grammar_of(request: Request) -> RequestGrammar:
     return request.grammar
 
 
-def constrained_rows(sampled: list) -> list:
-    """The items of a step's sampled rows that a grammar constrains, in sampling-row order (the
-    order of `GrammarRows.rows`)."""
-    return [item for item in sampled if is_constrained(item.request)]
+_NO_DRAFTS = np.zeros(0, np.int64)
+
+
+def constrained_items(batch: ScheduledBatch, drafts: np.ndarray | None) -> list[tuple]:
+    """The step's items with sampling rows that a grammar constrains, in sampling-row order
+    (the order of `GrammarRows.rows`), each with its drafts: its share of `drafts`, which
+    holds every verifying item's in batch order (None: the step has none)."""
+    constrained, offset = [], 0
+    for item in batch.items:
+        k = item.num_tokens - 1 if item.verify else 0
+        own = drafts[offset : offset + k] if drafts is not None else _NO_DRAFTS
+        offset += k
+        if item.num_rows and is_constrained(item.request):
+            constrained.append((item, own))
+    return constrained
 
 
 class StepBitmasks:
@@ -210,37 +224,70 @@ class StepBitmasks:
         self.pin_memory = pin_memory  # CUDA: the upload is then a non-blocking copy
         self._batch = None
 
-    def build(self, items: list) -> torch.Tensor:
-        """[len(items), width] int32: bit t of a row allows token t for that item's sample.
+    def build(self, items: list[tuple]) -> torch.Tensor:
+        """[rows, width] int32 for `constrained_items`: bit t of a row allows token t there.
+        An item's first row is its matcher's state; the row after each of its drafts is the
+        state past that draft. Rows after a draft the grammar refuses stay open: the row
+        before cannot sample that draft, so it and what follows are rejected anyway.
 
         Every request's retired tokens must already be accepted (its matcher is at the token
         being sampled). min_tokens is folded in here: its stop ids are cleared unless the
-        grammar allows nothing else (then the grammar ends the output)."""
+        grammar allows nothing else (then the grammar ends the output). A request drafts only
+        past min_tokens (`draft_policy.can_draft`), so that is only ever a first row."""
+        num_rows = sum(item.num_rows for item, _ in items)  # 1 + its drafts each
         bitmask = torch.full(
-            (len(items), self.width), -1, dtype=torch.int32, pin_memory=self.pin_memory
+            (num_rows, self.width), -1, dtype=torch.int32, pin_memory=self.pin_memory
         )
-        rows, matchers = [], []
-        for i, item in enumerate(items):
-            request = item.request
+        rows, matchers, walks, min_tokens = [], [], [], []
+        row = 0
+        for item, drafts in items:
+            request, first = item.request, row
+            row += item.num_rows
             if request.finished:
-                continue  # its token is discarded at retirement: any value will do
+                continue  # its tokens are discarded at retirement: any value will do
             grammar = grammar_of(request)
-            if grammar.num_accepted != item.output_index:
+            # A verification's output index is the device's; all before it have retired.
+            at = len(request.output_token_ids) if item.verify else item.output_index
+            if grammar.num_accepted != at:
                 raise RuntimeError(
                     f"grammar of {request.request_id!r} is at token {grammar.num_accepted}, "
-                    f"the step samples token {item.output_index}"
+                    f"the step samples token {at}"
                 )
-            rows.append(i)
+            rows.append(first)
             matchers.append(grammar.matcher)
+            proc = request.processing
+            if proc is not None and at < proc.min_tokens and len(proc.min_tokens_ids):
+                min_tokens.append((first, proc.min_tokens_ids))
+            if len(drafts):
+                walks.append(_DraftWalk(grammar.matcher, first, drafts.tolist()))
         if matchers:
             self._matcher_batch().batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        for i in rows:
-            item = items[i]
-            proc = item.request.processing
-            pending = proc is not None and item.output_index < proc.min_tokens
-            if pending and len(proc.min_tokens_ids):
-                _clear_unless_empty(bitmask[i].numpy(), proc.min_tokens_ids)
+        for first, ids in min_tokens:
+            _clear_unless_empty(bitmask[first].numpy(), ids)
+        if walks:
+            self._fill_past_drafts(walks, bitmask)
         return bitmask
+
+    def _fill_past_drafts(self, walks: list[_DraftWalk], bitmask: torch.Tensor) -> None:
+        """Each walk's rows after its drafts: its matcher advanced draft by draft (every walk
+        at draft j in one xgrammar call), then rolled back to where it was."""
+        batch = self._matcher_batch()
+        for j in range(max(len(w.drafts) for w in walks)):
+            live = [w for w in walks if w.taken == j < len(w.drafts)]
+            if not live:
+                break
+            taken = batch.batch_accept_token([w.matcher for w in live], [w.drafts[j] for w in live])
+            past = []
+            for walk, ok in zip(live, taken, strict=True):
+                walk.taken += ok
+                if ok and not walk.matcher.is_terminated():  # a stop ends the output
+                    past.append(walk)
+            if past:
+                rows = [w.first + j + 1 for w in past]
+                batch.batch_fill_next_token_bitmask([w.matcher for w in past], bitmask, rows)
+        for walk in walks:
+            if walk.taken:
+                walk.matcher.rollback(walk.taken)
 
     def _matcher_batch(self):
         if self._batch is None:
@@ -248,6 +295,16 @@ class StepBitmasks:
 
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the other cores compute
         return self._batch
+
+
+@dataclass
+class _DraftWalk:
+    """A request's matcher walking its drafts to fill the rows after them."""
+
+    matcher: xgr.GrammarMatcher
+    first: int  # the request's first bitmask row
+    drafts: list[int]
+    taken: int = 0  # drafts the matcher has accepted so far
 
 
 def _clear_unless_empty(row: np.ndarray, ids: np.ndarray) -> None:

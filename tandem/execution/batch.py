@@ -157,9 +157,7 @@ class BatchBuilder:
             plain = ~verify & (num_rows > 0)
             step.length_rows, step.lengths = rows[plain], ends[plain] + 1
             if verify.any():
-                sampler.verify = self._verify_rows(
-                    items, verify, counts, cu, num_rows, ends, sampler
-                )
+                sampler.verify = self._verify_rows(items, verify, counts, cu, num_rows, ends)
         return step
 
     def _verify_rows(
@@ -170,7 +168,6 @@ class BatchBuilder:
         cu: np.ndarray,
         num_rows: np.ndarray,
         ends: np.ndarray,
-        sampler: SamplerInputs,
     ) -> VerifyRows[np.ndarray]:
         """Where the step's verifying requests' tokens and drafts are (batch offsets, sampling
         rows); their positions are the device's."""
@@ -184,10 +181,6 @@ class BatchBuilder:
         is_draft = token_offset > 0
         num_drafts = n - 1
         passes = [np.flatnonzero(num_drafts > j) for j in range(int(num_drafts.max()))]
-        g = sampler.grammar
-        free_index = (
-            np.searchsorted(g.free_rows, sample_rows) if g is not None else np.zeros(0, np.int64)
-        )
         return VerifyRows(
             table_rows=np.fromiter((items[i].slot for i in which), np.int64, len(which)),
             num_drafts=num_drafts,
@@ -198,7 +191,6 @@ class BatchBuilder:
             token_offset=token_offset,
             token_batch=ragged_arange(cu[which] - n, n),
             sample_rows=sample_rows,
-            free_index=free_index,
             draft_batch=ragged_arange(cu[which] - n, n)[is_draft],
             draft_item=token_item[is_draft],
             draft_index=token_offset[is_draft] - 1,

@@ -32,9 +32,11 @@ def place_tokens(
     t.context_lens.index_copy_(0, b, positions + 1)
     t.sample_index.index_copy_(0, v.sample_rows, row_start + positions + 1)
     output_index = positions + 1 - v.prompt_lens[v.token_item]
-    t.sampler.sampling.output_index.index_copy_(0, v.sample_rows, output_index)
-    if t.sampler.grammar is not None:  # the free rows' settings are their own copy
-        t.sampler.grammar.free_sampling.output_index.index_copy_(0, v.free_index, output_index)
+    sampling = t.sampler.sampling
+    sampling.output_index.index_copy_(0, v.sample_rows, output_index)
+    if (g := t.sampler.grammar) is not None:  # the free and the grammar rows have own copies
+        g.free_sampling.output_index.copy_(sampling.output_index[g.free_rows])
+        g.sampling.output_index.copy_(sampling.output_index[g.rows])
 
 
 def ngram_drafts(

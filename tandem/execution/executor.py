@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
@@ -104,6 +105,7 @@ class MultiprocExecutor:
             self._outputs.append(out_recv)
         self._failure: WorkerFailure | None = None
         self._results: dict[int, tuple[np.ndarray, tuple[float, float], float]] = {}
+        self._drafts: deque[np.ndarray] = deque()  # rank 0's, for `step_drafts`
         self._launched = 0
         self._received = 0
         self._closed = False
@@ -138,6 +140,13 @@ class MultiprocExecutor:
         self._launched += 1
         return handle
 
+    def step_drafts(self, first: StepHandle) -> np.ndarray:
+        """The drafts of the step just launched, which rank 0 sends once it has made them
+        (before or after the results of earlier steps)."""
+        while not self._drafts:
+            self._keep(self._next_message())
+        return self._drafts.popleft()
+
     def sample_constrained(self, first: StepHandle, bitmask: torch.Tensor) -> StepHandle:
         """Every rank finishes the step just launched with its grammar rows' bitmask."""
         self._send_all(pickle.dumps(bitmask.numpy(), protocol=pickle.HIGHEST_PROTOCOL))
@@ -170,12 +179,18 @@ class MultiprocExecutor:
 
     def _result(self, index: int) -> tuple[np.ndarray, tuple[float, float], float]:
         while index not in self._results:
-            message = self._next_message()
-            if message[0] != "step":
-                raise self._fail(message)
-            self._results[self._received] = message[1:]
-            self._received += 1
+            self._keep(self._next_message())
         return self._results.pop(index)
+
+    def _keep(self, message: tuple) -> None:
+        """File a step's result or drafts where their reader looks; anything else is a failure."""
+        if message[0] == "drafts":
+            self._drafts.append(message[1])
+            return
+        if message[0] != "step":
+            raise self._fail(message)
+        self._results[self._received] = message[1:]
+        self._received += 1
 
     def _gather(self, kind: str) -> dict[int, object]:
         """One `kind` message from every rank (start-up handshakes), by rank."""

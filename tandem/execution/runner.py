@@ -3,13 +3,15 @@
 Everything a step does runs on the stream: copy inputs in, write host-known tokens into the token
 table, gather input ids from the table, forward, sample, scatter the sampled ids into the table
 (where the next step gathers them), copy them out. The host learns the sampled ids only in
-`handle.wait()`.
+`handle.wait()`, and a step whose grammar rows follow drafts hands its drafts over before its
+forward (`step_drafts`).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -44,6 +46,11 @@ class _Pending:
     sample: PendingSample | None = None
     sample_index: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None  # where a verification's drafts are
+    # The step's drafts on their way to the host (`step_drafts`), and the CUDA event after
+    # their copy; `drafted` is set once the first part has made them, or has failed.
+    drafts: torch.Tensor | None = None
+    drafts_copied: torch.cuda.Event | None = None
+    drafted: threading.Event = field(default_factory=threading.Event)
 
 
 class _PinnedStaging:
@@ -215,7 +222,21 @@ class ModelRunner:
             return self.stream.submit(lambda: self._execute(inputs))
         pending = _Pending()
         self._constrained = pending
-        return self.stream.submit(lambda: self._execute(inputs, pending))
+        return self.stream.submit(lambda: self._execute_constrained(inputs, pending))
+
+    def step_drafts(self, first: StepHandle) -> np.ndarray:
+        """The drafts of the step `launch` just returned (every verifying request's, in batch
+        order), as soon as the device has made them, before its forward: the host waits for
+        them here, deliberately (its grammar rows' bitmask follows the drafts), once per step
+        whose `SamplerInputs.drafts_to_host`."""
+        pending = self._constrained
+        pending.drafted.wait()
+        if pending.drafts is None:
+            first.wait()  # raises what the step raised
+            raise RuntimeError("the step ended without making its drafts")
+        if pending.drafts_copied is not None:
+            pending.drafts_copied.synchronize()
+        return pending.drafts.numpy()
 
     def sample_constrained(self, first: StepHandle, bitmask: torch.Tensor) -> StepHandle:
         """The rest of the step `launch` just returned: its grammar rows sampled under `bitmask`
@@ -243,6 +264,12 @@ class ModelRunner:
         self._cpu_threads = (decode, prefill)
 
     # ------------------------------------------------------------ on the stream
+    def _execute_constrained(self, x: StepInputs, pending: _Pending):
+        try:
+            return self._execute(x, pending)
+        finally:
+            pending.drafted.set()  # a step that failed before its drafts: step_drafts raises
+
     @torch.inference_mode()
     def _execute(self, x: StepInputs, pending: _Pending | None = None):
         if self._cpu_threads is not None:
@@ -262,6 +289,8 @@ class ModelRunner:
         if v is not None:
             self._prepare_verification(t, v)
         input_ids = table[t.token_index]
+        if pending is not None and x.sampler.drafts_to_host:
+            self._drafts_to_host(pending, input_ids[v.draft_batch])
         meta = AttentionMetadata(
             slot_mapping=t.slot_mapping,
             block_tables=t.block_tables,
@@ -284,6 +313,16 @@ class ModelRunner:
             pending.input_ids = input_ids
             return None
         return self._store(t.sample_index, input_ids, *self.sampler.finish(sample), t.sampler)
+
+    def _drafts_to_host(self, pending: _Pending, drafts: torch.Tensor) -> None:
+        if self._cuda:  # a non-blocking copy; step_drafts waits for its event, not the step
+            pending.drafts = torch.empty(len(drafts), dtype=torch.int64, pin_memory=True)
+            pending.drafts.copy_(drafts, non_blocking=True)
+            pending.drafts_copied = torch.cuda.Event()
+            pending.drafts_copied.record()
+        else:
+            pending.drafts = drafts
+        pending.drafted.set()
 
     def _layer_metadata(self, meta: AttentionMetadata, t: StepInputs) -> list[AttentionMetadata]:
         """Each layer's metadata: its group's slots and block tables (group 0's is `meta`)."""

@@ -122,6 +122,8 @@ class _Worker:
                 handle = runner.launch(message)
                 if message.sampler.grammar is not None:
                     awaiting_bitmask = handle
+                    if message.sampler.drafts_to_host and self.args.rank == 0:
+                        self.outputs.send(("drafts", runner.step_drafts(handle)))
                     continue
             pending.append(handle)
             while len(pending) > 1:

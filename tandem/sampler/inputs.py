@@ -140,7 +140,6 @@ class VerifyRows(Generic[A]):
     token_offset: A  # [Tv] 0 for the request's last token, j for its j-th draft
     token_batch: A  # [Tv] the token's offset in the packed batch
     sample_rows: A  # [Tv] its sampling row
-    free_index: A  # [Tv] its index among GrammarRows.free_rows (empty without grammar rows)
     # The drafts: batch offset of each, its request, its index (0..k-1), and the sampling row
     # whose token must equal it for it to be accepted (the row of the token before it).
     draft_batch: A  # [D]
@@ -166,6 +165,12 @@ class SamplerInputs(Generic[A]):
     logprobs: LogprobRows[A] | None = None
     grammar: GrammarRows[A] | None = None  # None unless a request is constrained
     verify: VerifyRows[A] | None = None  # None unless a request verifies drafts
+
+    @property
+    def drafts_to_host(self) -> bool:
+        """Whether the host needs the step's drafts: a grammar row's bitmask after a draft is
+        its matcher's state past that draft."""
+        return self.grammar is not None and self.verify is not None and self.verify.max_drafts > 0
 
     @property
     def plain(self) -> bool:
@@ -294,8 +299,8 @@ def _build_extras(
             hi = min(end, len(request.prompt_token_ids) - 1)
             if hi > lo:
                 prompt_lp.append((request, lo, hi, offset - it.start))
-        # A verification's rows (never with min_tokens pending or a grammar:
-        # draft_policy.can_draft) each get the request's penalties, bias and logprobs.
+        # A verification's rows (never with min_tokens pending: draft_policy.can_draft) each
+        # get the request's penalties, bias and logprobs.
         for _ in range(it.num_rows):
             if proc is not None:
                 if proc.uses_penalties:

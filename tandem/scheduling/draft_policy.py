@@ -179,10 +179,6 @@ class DraftPolicy:
 
 
 def can_draft(request: Request) -> bool:
-    """Whether the request's tokens may be drafted: not under a grammar (its matcher follows
-    tokens on the host, and drafts are on the device), and past min_tokens (whose mask needs
-    the exact output index)."""
-    return (
-        request.compiled_grammar is None
-        and len(request.output_token_ids) >= request.params.min_tokens
-    )
+    """Whether the request's tokens may be drafted: past min_tokens (whose mask needs the
+    exact output index)."""
+    return len(request.output_token_ids) >= request.params.min_tokens
