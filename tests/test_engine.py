@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -304,3 +306,17 @@ def test_steps_run_in_inference_mode(tiny_llama, async_scheduling):
     llm.engine.runner.model.forward = recording_forward
     llm.generate([[5, 6, 7]], greedy(4))
     assert modes and all(modes)
+
+
+def test_starting_an_engine_imports_no_compiler(tiny_llama):
+    """torch.compile's machinery (torch._dynamo, and triton with it) costs every start-up about
+    0.6 s; nothing on the CPU path needs it."""
+    code = (
+        "import sys; from tandem import LLM; LLM(model=sys.argv[1]).generate([[5, 6]]); "
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_llama)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

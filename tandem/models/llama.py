@@ -166,7 +166,11 @@ class LlamaModel(nn.Module):
         self.shard = Shard(spec, tp)
         self.local_spec = self.shard.local_spec  # the heads and sizes this rank computes
         rows = self.shard.vocab_per_rank
-        self.embed = nn.Embedding(rows, spec.hidden_size)
+        # Its weight given, not initialised: the loader fills it, and nn.init's random fill on
+        # the meta device would import torch._dynamo (0.6 s of every start-up).
+        self.embed = nn.Embedding(
+            rows, spec.hidden_size, _weight=torch.empty(rows, spec.hidden_size)
+        )
         self.layers = nn.ModuleList(self._make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
