@@ -254,14 +254,15 @@ WORD_LIST = {
 def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_scheduling):
     """A request under a grammar drafts too: each row after a draft is sampled under the
     matcher's state past that draft, so the outputs (greedy and seeded) are those of decoding
-    without drafts, accepted runs included, and every one matches its grammar."""
+    without drafts, accepted runs included, through a small cache's preemptions, and every one
+    matches its grammar."""
     prompts = prompts_with_repeats()
     specs = [StructuredOutputsParams(regex=LOWERCASE), StructuredOutputsParams(json=WORD_LIST)]
     params = [
         SamplingParams(max_tokens=40, temperature=t, seed=i, structured_outputs=specs[i % 2])
         for i, t in enumerate((0.0, 0.0, 0.8, 0.8))
     ]
-    options = dict(async_scheduling=async_scheduling)
+    options = dict(async_scheduling=async_scheduling, block_size=4, num_kv_blocks=30)
     reference, _ = generate(cycling_llama, prompts, params, **options)
     for speculative in (ALWAYS, draft_model(cycling_llama)):
         out, stats = generate(cycling_llama, prompts, params, speculative, **options)
@@ -269,6 +270,7 @@ def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_sch
         assert stats.accepted_tokens > 0
     llm = make_llm(cycling_llama, speculative_config=ALWAYS, **options)
     texts = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    assert llm.engine.stats().num_preemptions > 0
     llm.engine.close()
     for i, text in enumerate(texts):
         if i % 2 == 0:
