@@ -205,11 +205,11 @@ def constrained_items(batch: ScheduledBatch, drafts: np.ndarray | None) -> list[
     """The step's items with sampling rows that a grammar constrains, in sampling-row order
     (the order of `GrammarRows.rows`), each with its drafts: its share of `drafts`, which
     holds every verifying item's in batch order (None: the step has none)."""
+    drafts = _NO_DRAFTS if drafts is None else drafts
     constrained, offset = [], 0
     for item in batch.items:
-        k = item.num_tokens - 1 if item.verify else 0
-        own = drafts[offset : offset + k] if drafts is not None else _NO_DRAFTS
-        offset += k
+        own = drafts[offset : offset + item.num_drafts]
+        offset += item.num_drafts
         if item.num_rows and is_constrained(item.request):
             constrained.append((item, own))
     return constrained
