@@ -24,6 +24,7 @@ class StepRecord:
     device: tuple[float, float] = (0.0, 0.0)
     device_wait: float = 0.0  # seconds within `device` the device waited for a grammar bitmask
     discarded: int = 0  # sampled tokens dropped at retirement: their request had finished
+    skipped: bool = False  # not run: every request in it had ended on a stop id (StopCheck)
     # Speculative decoding: draft tokens verified, how many of them were accepted, and the
     # requests that verified drafts (each also gains one token of its own). A request that had
     # finished a step earlier (the async loop's extra step) counts in `discarded` only.
@@ -73,8 +74,10 @@ class RunSummary:
     are known, so a request that ends in step N on EOS, a stop token or a stop string holds one
     more token in step N+1, and that token is discarded: exactly one per such request, unless
     step N+1 did not hold it (its token in step N was its last allowed by `max_tokens` or the
-    context, or step N+1 left it out for want of token budget or KV blocks). A request aborted
-    while a step holding it is in flight has that step's token discarded too.
+    context, or step N+1 left it out for want of token budget or KV blocks), or step N+1 was
+    skipped: on a CPU, a step whose requests all ended in step N on stop ids is not run
+    (`skipped_steps`; `num_steps` counts the steps run). A request aborted while a step holding
+    it is in flight has that step's token discarded too.
     """
 
     wall_s: float
@@ -86,6 +89,7 @@ class RunSummary:
     host_ms_per_step: dict[str, float]
     discarded_tokens: int = 0
     speculative: SpeculativeStats = field(default_factory=lambda: SpeculativeStats())
+    skipped_steps: int = 0
 
     @property
     def device_idle_fraction(self) -> float:
@@ -104,6 +108,7 @@ class RunSummary:
             "steps": self.num_steps,
             "output_tokens": self.output_tokens,
             "discarded_tokens": self.discarded_tokens,
+            "skipped_steps": self.skipped_steps,
             "drafted_tokens": self.speculative.drafted_tokens,
             "accepted_tokens": self.speculative.accepted_tokens,
             "acceptance_rate": self.speculative.acceptance_rate,
@@ -150,8 +155,18 @@ def summarize(
     speculative = SpeculativeStats()
     for s in steps:
         speculative.add(s)
+    skipped = sum(s.skipped for s in steps)
     return RunSummary(
-        end - start, busy, len(steps), tokens, ttft, itl, host, discarded, speculative
+        end - start,
+        busy,
+        len(steps) - skipped,
+        tokens,
+        ttft,
+        itl,
+        host,
+        discarded,
+        speculative,
+        skipped,
     )
 
 

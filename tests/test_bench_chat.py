@@ -2,7 +2,8 @@
 
 The async loop schedules step N+1 before step N's tokens are known, so a request that stops in
 step N already holds a token in step N+1, dropped at retirement: RunSummary.discarded_tokens
-counts them (exactly one per request stopped before its cap; none in the sync loop)."""
+counts them (exactly one per request stopped before its cap, unless that step was skipped;
+none in the sync loop)."""
 
 from __future__ import annotations
 
@@ -71,12 +72,16 @@ def test_a_stop_on_the_last_allowed_token_discards_nothing(tiny_llama):
 
 
 def test_summary_windows_count_their_own_discards(tiny_llama):
+    """A request running on past the stops keeps each next step alive (one of stopped requests
+    alone is skipped: tests/test_engine.py)."""
     llm = make_llm(tiny_llama)
-    llm.generate([[5, 6], [7, 8]], [_stop_at(2), _stop_at(4)])
+    on = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm.generate([[5, 6], [7, 8], [1, 2]], [_stop_at(2), _stop_at(4), on])
     mark = llm.engine.history.mark()
-    llm.generate([[9, 10]], _stop_at(1))
+    llm.generate([[9, 10], [3, 4]], [_stop_at(1), on])
     assert llm.engine.history.summary(since=mark).discarded_tokens == 1
     assert llm.engine.summary().discarded_tokens == 3
+    assert llm.engine.summary().skipped_steps == 0
 
 
 # ------------------------------------------------------------------ the workload
@@ -129,10 +134,15 @@ def test_chat_bench_runs_and_reports_discards(tiny_llama, capsys, monkeypatch):
     assert finish and int(finish[1]) + int(finish[2]) == 4
     discarded = re.search(r"speculative tokens discarded\s*│\s*(\d+) \(([\d.]+) / request\)", out)
     assert discarded and discarded[1] == "0"  # the sync column
+    skipped = re.search(
+        r"steps skipped \(their requests had stopped\)\s*│\s*(\d+)\s*│\s*(\d+)", out
+    )
+    assert skipped and skipped[1] == "0"  # the sync loop has no step in flight to skip
 
 
 def test_bench_run_counts_discards_on_the_chat_workload(tiny_llama):
-    """Whatever the random weights answer: async discards one per stop before the cap."""
+    """Whatever the random weights answer: async discards one per stop before the cap, but for
+    the requests of a step skipped because they had all stopped."""
     llm = make_llm(tiny_llama)
     args = _bench_args("--workload", "chat", "--num-requests", "4", "--output-len", "16")
     resolve_workload(args, engine_config(args), "cpu")
@@ -149,6 +159,7 @@ def test_bench_run_counts_discards_on_the_chat_workload(tiny_llama):
             runs["async"].finish_reasons, runs["async"].outputs, work.output_lens, strict=True
         )
     )
-    assert runs["async"].summary.discarded_tokens == early
+    skipped = sum(s.num_seqs for s in llm.engine.history.steps() if s.skipped)  # async only
+    assert runs["async"].summary.discarded_tokens + skipped == early
     assert runs["sync"].summary.discarded_tokens == 0
     print(f"chat workload: {runs['async'].finish_reasons}, async discarded {early}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from tandem import SamplingParams
 from tandem.engine.detokenizer import IncrementalDetokenizer
 
 from conftest import hf_greedy_reference_allowing_near_ties, random_prompts
-from helpers import assert_idle_and_balanced, greedy, make_llm
+from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +276,163 @@ def test_async_overlaps_host_and_device(tiny_llama):
     assert 0 <= async_.device_idle_fraction < sync.device_idle_fraction / 3
     # The host's work per step is hidden: its device is busy nearly all the wall time.
     assert async_.device_busy_s / async_.wall_s > 0.9
+
+
+def test_a_cpu_step_wakes_its_waiter_when_the_next_step_enters_its_forward():
+    """A finished job with another queued behind it is held back until that job calls
+    `wake_waiters` (a step, as it enters its forward), or ends; with nothing queued behind it,
+    its waiter wakes at once. Errors are held back and raised alike."""
+    from tandem.execution.streams import CPUStream
+
+    stream = CPUStream()
+    seen: dict[str, bool] = {}
+    gates = [threading.Event() for _ in range(4)]
+
+    def first():
+        gates[0].wait(5)  # the test queues the second job behind this one first
+        return "first"
+
+    def second():
+        seen["held"] = not held.wait(0.05)  # the first job's waiter is not woken yet
+        stream.wake_waiters()  # as a step does before its forward
+        seen["woken"] = held.wait(5)
+        gates[1].wait(5)
+        return "second"
+
+    def failing():
+        gates[2].wait(5)
+        raise ValueError("the step failed")
+
+    def plain():  # ends without waking: its end wakes the job before it
+        seen["held by plain"] = not failed.wait(0.05)
+        gates[3].wait(5)
+
+    try:
+        h1, h2 = stream.submit(first), stream.submit(second)
+        held = h1._done
+        gates[0].set()
+        assert held.wait(5)
+        assert h1.wait() == "first"  # woken by the second job while it still runs
+        assert seen == {"held": True, "woken": True}
+        assert not h2._done.is_set()
+        gates[1].set()
+        assert h2.wait() == "second"  # nothing queued behind it: woken at once
+
+        h3, h4 = stream.submit(failing), stream.submit(plain)
+        failed = h3._done
+        gates[2].set()
+        gates[3].set()
+        assert failed.wait(5)  # at the latest when the job behind it ends
+        with pytest.raises(ValueError, match="the step failed"):
+            h3.wait()
+        h4.wait()
+        assert seen["held by plain"]
+
+        last = threading.Event()
+        h5 = stream.submit(lambda: last.wait(5))
+        threading.Timer(0.2, last.set).start()  # ends once the stop is queued behind it
+        stream.close()
+        assert h5._done.wait(5)  # woken as the worker stops
+    finally:
+        for gate in gates:
+            gate.set()
+        stream.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_every_step_wakes_the_previous_steps_waiter_before_its_forward(
+    tiny_llama, async_scheduling
+):
+    """The runner calls `wake_waiters` on the stream right before each forward, so a held-back
+    step's results reach the host while the next forward runs, not while its inputs are made."""
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    runner = llm.engine.runner
+    events: list[str] = []
+    forward, wake = runner.model.forward, runner.stream.wake_waiters
+
+    def recorded_forward(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    def recorded_wake():
+        events.append("wake")
+        wake()
+
+    runner.model.forward, runner.stream.wake_waiters = recorded_forward, recorded_wake
+    outs = llm.generate(random_prompts(random.Random(3), 3, 1024, 4, 8), greedy(6))
+    assert all(len(out.token_ids) == 6 for out in outs)
+    assert events.count("forward") >= 6
+    before_forwards = {before for before, now in itertools.pairwise(events) if now == "forward"}
+    assert before_forwards == {"wake"}, events
+    assert events[0] == "wake"
+
+
+THAT = 323  # " that" in the tiny tokenizer: pushed to the top by logit_bias below
+
+
+def _forced(**options) -> SamplingParams:
+    """Greedy, THAT the argmax wherever it is not masked, up to 12 tokens."""
+    return SamplingParams(max_tokens=12, temperature=0.0, logit_bias={THAT: 100.0}, **options)
+
+
+@pytest.mark.parametrize(
+    "params,skipped",
+    [
+        (_forced(min_tokens=3, stop_token_ids=[THAT]), 1),  # a stop id: the step after is dead
+        (_forced(min_tokens=3, stop=[" that that"]), 0),  # a stop string: the host's alone
+        (_forced(min_tokens=3, stop_token_ids=[THAT], ignore_eos=True), 1),
+    ],
+    ids=["stop-id", "stop-string", "stop-id-ignoring-eos"],
+)
+def test_the_step_after_a_lone_request_stopped_is_skipped(tiny_llama, params, skipped):
+    """Async on a CPU: the step launched after a request's last one holds only that request;
+    when the request ended on a stop id the device thread sees it and skips the step: nothing
+    discarded, as many steps run as in the sync loop, blocks all back (run_both_loops)."""
+    runs = run_both_loops(tiny_llama, [[5, 6, 7]], [params])
+    (sync, sync_llm), (async_, async_llm) = runs[False], runs[True]
+    assert [o.token_ids for o in async_] == [o.token_ids for o in sync]
+    assert async_[0].finish_reason == "stop" and len(async_[0].token_ids) < 12
+    a, s = async_llm.engine.summary(), sync_llm.engine.summary()
+    assert (a.skipped_steps, a.discarded_tokens) == (skipped, 1 - skipped)
+    assert a.num_steps == s.num_steps + 1 - skipped
+    assert s.skipped_steps == 0
+
+
+def test_a_stop_check_reads_each_requests_kept_tokens_only():
+    """Two requests before: one decode (row 0), one verification of 3 rows that kept 2 (the
+    count follows the ids). Its rejected third row holds a stop id, which stops nothing."""
+    import numpy as np
+
+    from tandem.execution.batch import StopCheck
+
+    def check(items, stops):
+        return StopCheck((1, 3), (False, True), items, tuple(frozenset(s) for s in stops))
+
+    output = np.array([7, 4, 8, 9, 2])  # ids 7 | 4 8 (9 rejected) | kept 2
+    assert check((0, 1), ({7}, {8})).all_stopped(output)
+    assert not check((0, 1), ({7}, {9})).all_stopped(output)  # 9 was rejected
+    assert not check((1,), ({5},)).all_stopped(output)
+    assert check((1,), ({4, 5},)).all_stopped(output)
+    assert not check((0,), ({7},)).all_stopped(output[:4])  # not that step's output
+    assert not check((0,), ({7},)).all_stopped(np.zeros(0, np.int64))  # a skipped step's
+
+
+def test_eos_ignored_or_a_request_still_running_keeps_the_next_step(tiny_llama):
+    """EOS sampled under ignore_eos stops nothing, and a step with a request that goes on runs:
+    the check must never skip a step the host would have needed (its tokens would be lost)."""
+    eos = make_llm(tiny_llama).engine.eos_token_ids
+    params = [
+        SamplingParams(
+            max_tokens=9, temperature=0.0, ignore_eos=True, logit_bias={next(iter(eos)): 100.0}
+        ),
+        _forced(min_tokens=2, stop_token_ids=[THAT]),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    ]
+    runs = run_both_loops(tiny_llama, [[5, 6, 7], [8, 9], [10, 11, 12]], params)
+    (sync, _), (async_, async_llm) = runs[False], runs[True]
+    assert [o.token_ids for o in async_] == [o.token_ids for o in sync]
+    assert [len(o.token_ids) for o in async_] == [9, 3, 6]  # the first alone at the end
+    assert async_llm.engine.summary().skipped_steps == 0
 
 
 def test_a_dropped_engine_is_collected_and_stops_its_worker(tiny_llama):

@@ -22,7 +22,7 @@ from tandem.sampler.inputs import SamplingFlags, SamplingRows
 from tandem.sampler.sampling import sample
 
 from conftest import hf_greedy_reference
-from helpers import assert_idle_and_balanced, greedy, make_llm
+from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 ALWAYS = {**NGRAM, "adaptive": False}  # every step drafts its full length
@@ -168,10 +168,11 @@ def test_drafts_past_a_finish_are_not_counted(cycling_llama):
     prompt = path[-7:] * 3
     continued = generate(cycling_llama, [prompt], greedy(8))[0][0][0]
     params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[continued[6]])
+    on = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # keeps the next step alive
     counted = {}
     for async_scheduling in (False, True):
         llm = make_llm(cycling_llama, speculative_config=ALWAYS, async_scheduling=async_scheduling)
-        (out,) = llm.generate([prompt], params)
+        out, _ = llm.generate([prompt, prompts_with_repeats()[2]], [params, on])
         assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (continued[:7], "stop")
         counted[async_scheduling] = llm.engine.summary()
         assert_idle_and_balanced(llm.engine)
@@ -179,6 +180,21 @@ def test_drafts_past_a_finish_are_not_counted(cycling_llama):
     assert counted[True].discarded_tokens > counted[False].discarded_tokens  # a verification
     assert counted[True].speculative == counted[False].speculative
     assert counted[True].speculative.accepted_tokens > 0
+
+
+def test_a_verification_after_a_stop_inside_an_accepted_run_is_skipped(cycling_llama):
+    """The stop id is inside a run of accepted drafts: the device thread finds it among the
+    kept tokens (the kept count follows the ids) and skips the verification launched after."""
+    path = generate(cycling_llama, prompts_with_repeats()[:1], greedy(21))[0][0][0]
+    prompt = path[-7:] * 3
+    continued = generate(cycling_llama, [prompt], greedy(8))[0][0][0]
+    params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[continued[5]])
+    runs = run_both_loops(cycling_llama, [prompt], [params], speculative_config=ALWAYS)
+    (sync, sync_llm), (async_, async_llm) = runs[False], runs[True]
+    assert async_[0].token_ids == sync[0].token_ids == continued[:6]
+    a, s = async_llm.engine.summary(), sync_llm.engine.summary()
+    assert a.skipped_steps == 1 and a.num_steps == s.num_steps
+    assert a.speculative.accepted_tokens > 0 and a.speculative == s.speculative
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

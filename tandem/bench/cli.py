@@ -185,7 +185,8 @@ def bench_workload(args: argparse.Namespace, engine: Engine) -> Workload:
 
 def add_finish_rows(table: Table, runs: list[Run]) -> None:
     """Workloads that end on EOS: how requests ended, and what the async loop's speculation
-    that none would cost (tokens computed for a request already finished; see RunSummary)."""
+    that none would cost (tokens computed for a request already finished, and steps of such
+    requests alone, skipped; see RunSummary)."""
     table.add_row(
         "requests finished by stop / length",
         *(f"{r.finished_by('stop')} / {r.finished_by('length')}" for r in runs),
@@ -196,6 +197,9 @@ def add_finish_rows(table: Table, runs: list[Run]) -> None:
         return f"{total} ({total / max(1, len(run.finish_reasons)):.2f} / request)"
 
     table.add_row("speculative tokens discarded", *(discarded(r) for r in runs))
+    table.add_row(
+        "steps skipped (their requests had stopped)", *(str(r.summary.skipped_steps) for r in runs)
+    )
 
 
 def compute_layout(engine: Engine) -> tuple[int, int]:

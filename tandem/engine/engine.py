@@ -22,7 +22,7 @@ from tandem.engine.grammar import GrammarCompiler, StepBitmasks, constrained_ite
 from tandem.engine.intake import RequestIntake, eos_token_ids
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.stats import EngineStats, StepHistory
-from tandem.execution.batch import BatchBuilder
+from tandem.execution.batch import SKIPPED_STEP, BatchBuilder, StopCheck
 from tandem.execution.executor import WorkerFailure
 from tandem.execution.kv_cache import layer_groups
 from tandem.execution.setup import load_execution
@@ -47,6 +47,10 @@ class _Keep:
 KEEP = _Keep()
 
 
+# A step of more requests than this is not checked before it runs: they rarely all stop at once.
+STOP_CHECK_MAX_REQUESTS = 8
+
+
 @dataclass
 class _InFlight:
     batch: ScheduledBatch
@@ -66,6 +70,7 @@ class Engine:
         if self.tokenizer is None:
             logger.info("%s has no tokenizer files: prompts must be token ids", path)
         self.eos_token_ids = eos_ids = eos_token_ids(hf_config, self.tokenizer, path)
+        self._eos = frozenset(eos_ids)
         self.generation_defaults = read_generation_defaults(path, config.generation_config)
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if max_model_len > self.spec.max_position_embeddings:
@@ -244,6 +249,12 @@ class Engine:
         if batch is not None:
             t1 = time.perf_counter()
             inputs = self.builder.build(batch)
+            if (
+                self._inflight
+                and self.runner.skips_stopped_steps
+                and inputs.sampler.grammar is None
+            ):
+                inputs.stop_check = self._stop_check(batch, self._inflight[-1])
             t2 = time.perf_counter()
             handle = self.runner.launch(inputs)
             t3 = time.perf_counter()
@@ -335,11 +346,52 @@ class Engine:
         inflight.handle = self.runner.sample_constrained(inflight.handle, bitmask)
         inflight.record.spans["grammar"] = (t0, time.perf_counter())
 
+    def _stop_check(self, batch: ScheduledBatch, previous: _InFlight) -> StopCheck | None:
+        """The check that skips `batch` if each of its requests stops in the step before it
+        (`StopCheck`): only for a few decodes without grammars, all of them in that step, whose
+        output holds nothing but ids; None otherwise."""
+        if (
+            previous.logprobs is not None
+            or len(batch.items) > STOP_CHECK_MAX_REQUESTS
+            or batch.num_decodes != len(batch.items)
+        ):
+            return None
+        before = previous.batch.sampled
+        index = {id(item.request): j for j, item in enumerate(before)}
+        items = [index.get(id(item.request)) for item in batch.items]
+        if None in items:
+            return None
+        eos = self._eos
+        return StopCheck(
+            previous_rows=tuple(item.num_rows for item in before),
+            previous_verify=tuple(item.verify for item in before),
+            items=tuple(items),
+            stop_ids=tuple(
+                frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
+                for p in (item.request.params for item in batch.items)
+            ),
+        )
+
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
         record = inflight.record
         t0 = time.perf_counter()
         result = inflight.handle.wait()  # the step's one deliberate sync
         t1 = time.perf_counter()
+        if isinstance(result, str) and result == SKIPPED_STEP:
+            # Every request in it ended a step earlier: nothing ran, nothing to read.
+            running = [
+                it.request.request_id for it in inflight.batch.sampled if not it.request.finished
+            ]
+            if running:  # the check and the host disagree: tokens would be lost, so stop here
+                raise RuntimeError(f"step {record.step_id} was skipped with {running} running")
+            self.scheduler.retire_step(inflight.batch)
+            for item in inflight.batch.sampled:
+                self.scheduler.settle(item, 0)
+            record.skipped = True
+            record.spans["wait"] = (t0, t1)
+            record.device = inflight.handle.device_span
+            self.history.add_step(record)
+            return []
         sampled = inflight.batch.sampled
         kept = self.outputs.read_step(result, sampled, inflight.logprobs)
         # Before the tokens: a request that finishes on one of them still caches its full blocks.

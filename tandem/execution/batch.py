@@ -24,6 +24,45 @@ from tandem.sampler.inputs import (
 )
 from tandem.scheduling.scheduler import ScheduledBatch
 
+# What a skipped step hands the host instead of tokens (`StopCheck`).
+SKIPPED_STEP = "skipped"
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    """Whether a step is dead before it starts: every one of its requests stopped in the step
+    just before it.
+
+    Why: the asynchronous loop launches step N+1 before step N's tokens are known, on the bet
+    that N's requests go on. Where every request of N+1 ends in N (one chat request, the last
+    of a batch), N+1 is a whole step of wasted work; on a CPU the device thread has N's tokens
+    before it starts N+1, so it reads them and skips the step (on CUDA that would be a sync).
+    Only stop ids are checked: a request they end is certain to end on the host too (stop
+    strings and grammars end others, whose next step then runs and is discarded, as before).
+    """
+
+    previous_rows: tuple[int, ...]  # each sampled item of the step before: its sampling rows
+    previous_verify: tuple[bool, ...]  # ... and whether it verifies (its kept count follows)
+    items: tuple[int, ...]  # each sampled item of this step: its request's item in the step before
+    stop_ids: tuple[frozenset[int], ...]  # ... and the ids that stop that request
+
+    def all_stopped(self, previous: np.ndarray) -> bool:
+        """`previous`: the step before's output as the host reads it (ids, then kept counts)."""
+        total = sum(self.previous_rows)
+        if len(previous) != total + sum(self.previous_verify):  # not that step's output
+            return False
+        kept = iter(previous[total:].tolist())
+        starts, ends, s = [], [], 0
+        for rows, verify in zip(self.previous_rows, self.previous_verify, strict=True):
+            starts.append(s)
+            ends.append(s + (next(kept) if verify else rows))
+            s += rows
+        ids = previous[:total].tolist()
+        return all(
+            not stops.isdisjoint(ids[starts[i] : ends[i]])
+            for i, stops in zip(self.items, self.stop_ids, strict=True)
+        )
+
 
 @dataclass
 class StepInputs:
@@ -50,6 +89,7 @@ class StepInputs:
     # slots [G - 1, T] and block tables [G - 1, R, W]; empty for a model of one group.
     group_slot_mapping: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     group_block_tables: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    stop_check: StopCheck | None = None  # skip this step if its requests all stopped (CPU)
 
     @property
     def num_tokens(self) -> int:

@@ -133,6 +133,11 @@ class MultiprocExecutor:
         if self._exited.is_set() and not self._closed:
             raise self._fail(self._last_words(self._exited_rank))
 
+    @property
+    def skips_stopped_steps(self) -> bool:
+        """No: every rank would have to decide alike; the ranks run every step."""
+        return False
+
     def launch(self, inputs: StepInputs) -> StepHandle:
         self.check_health()
         self._send_all(pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.execution.batch import StepInputs
+from tandem.execution.batch import SKIPPED_STEP, StepInputs
 from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
 from tandem.execution.drafting import ngram_drafts, place_tokens
 from tandem.execution.kv_cache import (
@@ -196,6 +196,7 @@ class ModelRunner:
         self.stream = make_stream(device)
         self._cpu_threads: tuple[int, int] | None = None
         self._constrained: _Pending | None = None  # the launched step awaiting its bitmask
+        self._previous_output = np.zeros(0, np.int64)  # CPU: the last step's, as the host reads it
         weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
         self._cuda = device.type == "cuda"
         if self._cuda:
@@ -213,16 +214,24 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture(self._graph_step)
 
+    @property
+    def skips_stopped_steps(self) -> bool:
+        """Whether a step's `StopCheck` is read (CPU: the previous step's tokens are at hand)."""
+        return not self._cuda
+
     def launch(self, inputs: StepInputs) -> StepHandle:
         """Enqueue the step and return at once; the handle's wait() yields the sampled ids.
 
         A step with grammar rows stops before sampling them: `sample_constrained` finishes it
         with their bitmask, which the host builds while this part runs."""
+        # CPU: the tensor views are made here, while the device runs the step before this one;
+        # CUDA: the upload is the stream's first work (`_execute`).
+        views = None if self._cuda else to_device(inputs, None)
         if inputs.sampler.grammar is None:
-            return self.stream.submit(lambda: self._execute(inputs))
+            return self.stream.submit(lambda: self._execute(inputs, views))
         pending = _Pending()
         self._constrained = pending
-        return self.stream.submit(lambda: self._execute_constrained(inputs, pending))
+        return self.stream.submit(lambda: self._execute_constrained(inputs, views, pending))
 
     def step_drafts(self, first: StepHandle) -> np.ndarray:
         """The drafts of the step `launch` just returned (every verifying request's, in batch
@@ -264,22 +273,27 @@ class ModelRunner:
         self._cpu_threads = (decode, prefill)
 
     # ------------------------------------------------------------ on the stream
-    def _execute_constrained(self, x: StepInputs, pending: _Pending):
+    def _execute_constrained(self, x: StepInputs, views: StepInputs | None, pending: _Pending):
         try:
-            return self._execute(x, pending)
+            return self._execute(x, views, pending)
         finally:
             pending.drafted.set()  # a step that failed before its drafts: step_drafts raises
 
     @torch.inference_mode()
-    def _execute(self, x: StepInputs, pending: _Pending | None = None):
+    def _execute(self, x: StepInputs, views: StepInputs | None, pending: _Pending | None = None):
+        """Step `x` on the stream; `views`: its tensors, made by the host (CPU), or None: upload
+        them here (CUDA)."""
         if self._cpu_threads is not None:
             prefill_tokens = x.num_tokens - x.num_decodes
             wanted = self._cpu_threads[prefill_tokens >= PREFILL_TOKENS_FOR_ALL_THREADS]
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
+        if x.stop_check is not None and x.stop_check.all_stopped(self._previous_output):
+            self._previous_output = np.zeros(0, np.int64)  # this step made none
+            return SKIPPED_STEP
         if self.graphs is not None and (ids := self._replay(x)) is not None:
             return self._to_host(ids)
-        t = to_device(x, self._upload if self._cuda else None)
+        t = views if views is not None else to_device(x, self._upload)
         table = self.token_table
         if len(x.known_index):
             table.index_copy_(0, t.known_index, t.known_tokens)
@@ -302,6 +316,7 @@ class ModelRunner:
         )
         if len(x.group_block_tables):
             meta.by_layer = self._layer_metadata(meta, t)
+        self.stream.wake_waiters()  # the previous step's results go to the host now
         hidden = self.model(input_ids, t.positions, self.kv_caches, meta)
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
@@ -445,6 +460,7 @@ class ModelRunner:
         """CPU: the tensor itself. CUDA: a non-blocking copy into pinned memory (double buffered:
         a buffer is rewritten two steps later, after the engine has read it)."""
         if not self._cuda:
+            self._previous_output = packed.numpy()  # what a `StopCheck` of the next step reads
             return packed
         i = self._out_next
         self._out_next = 1 - i

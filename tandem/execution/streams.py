@@ -97,6 +97,7 @@ class CPUStream:
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: _CPUHandle | None = None  # finished, its waiter not yet woken
         self._thread = threading.Thread(target=self._work, name="tandem-device", daemon=True)
         self._thread.start()
 
@@ -113,6 +114,7 @@ class CPUStream:
         while (job := self._next_job()) is not None:
             self._run(*job)
             del job  # hold no reference to finished work (it pins the runner and its KV cache)
+        self.wake_waiters()  # the last job, held back behind the stop
 
     def _next_job(self) -> tuple | None:
         """The next job; an idle worker first frees its OpenMP team, so that an engine at rest
@@ -123,19 +125,38 @@ class CPUStream:
             cpu_kernels.release_openmp_threads()
             return self._queue.get()
 
-    @staticmethod
-    def _run(fn: Callable[[], Any], handle: _CPUHandle) -> None:
+    def _run(self, fn: Callable[[], Any], handle: _CPUHandle) -> None:
         start = time.perf_counter()
         try:
             handle._result = fn()
         except BaseException as exc:  # handed to the waiter, never lost in the thread
             handle._error = exc
         handle._span = (start, time.perf_counter())
-        handle._done.set()
+        self.wake_waiters()  # the job before this one, if it was held back
+        if self._queue.empty():
+            handle._done.set()
+        else:
+            self._held = handle
+
+    def wake_waiters(self) -> None:
+        """On the worker: wake the waiter of the finished job held back for the next one.
+
+        Why: with a next step queued, the worker's Python before that step's forward (inputs,
+        metadata) and the host's Python on the finished step's results would take turns at the
+        GIL, and the forward would start late by the host's share. Held back until the next
+        step enters its forward (`ModelRunner` calls this there; any job's end does as well),
+        the host does that work while the forward runs, without the GIL wanted by the worker.
+        """
+        if self._held is not None:
+            self._held._done.set()
+            self._held = None
 
     def close(self) -> None:
+        """Stop the worker after its queued work. From the worker itself (a dropped runner's
+        finalizer, run where its last reference, a finished job's, went) it cannot be joined."""
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
 
 
 class _CUDAHandle(StepHandle):
@@ -183,6 +204,9 @@ class CUDAStream:
             result = fn()
             end.record(self.stream)
         return _CUDAHandle(self, result, start, end)
+
+    def wake_waiters(self) -> None:
+        """Nothing to do: a CUDA step's waiter waits on the device's event, not the host's."""
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -3,8 +3,9 @@ tensor of the same dataclass, so no list of field names has to be kept in step w
 
 CPU: zero-copy views. CUDA: every int64 array in one copy, every float32 array in another
 (`upload(packed)` makes each copy); other fields (ints, flags, host-only lists) are kept.
-This runs once per step on the device's side (the CPU stream's thread), so it stays cheap: field
-names are read once per class, and a dataclass without arrays is kept as it is.
+This runs once per step (CPU: on the host, as the step is launched; CUDA: as the stream's first
+work), so it stays cheap: field names are read once per class, and a dataclass without arrays
+is kept as it is.
 """
 
 from __future__ import annotations
