@@ -70,7 +70,6 @@ class Engine:
         if self.tokenizer is None:
             logger.info("%s has no tokenizer files: prompts must be token ids", path)
         self.eos_token_ids = eos_ids = eos_token_ids(hf_config, self.tokenizer, path)
-        self._eos = frozenset(eos_ids)
         self.generation_defaults = read_generation_defaults(path, config.generation_config)
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if max_model_len > self.spec.max_position_embeddings:
@@ -361,13 +360,13 @@ class Engine:
         items = [index.get(id(item.request)) for item in batch.items]
         if None in items:
             return None
-        eos = self._eos
+        eos = self.eos_token_ids
         return StopCheck(
             previous_rows=tuple(item.num_rows for item in before),
             previous_verify=tuple(item.verify for item in before),
             items=tuple(items),
             stop_ids=tuple(
-                frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
+                frozenset(p.stop_token_ids).union(() if p.ignore_eos else eos)
                 for p in (item.request.params for item in batch.items)
             ),
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
+from tandem.execution.batch import kept_runs
 from tandem.request import Request, RequestOutput, TokenLogprobs
 from tandem.sampler.inputs import LogprobRows
 from tandem.sampler.logprobs import LogprobsArrays, unpack
@@ -47,7 +48,6 @@ class OutputProcessor:
         groups = lp.output_groups if lp is not None else []
         ids, arrays = unpack(np.asarray(result), total + num_verified, groups)
         row_ids = ids[:total].tolist()
-        kept = iter(ids[total:].tolist())
         logprobs: list[TokenLogprobs | None] = [None] * total
         if lp is not None and len(lp.rows):
             rows = lp.rows.tolist()
@@ -61,12 +61,8 @@ class OutputProcessor:
                 logprobs[s] = entry
         if arrays:
             self._add_prompt_logprobs(lp, arrays[0])
-        out, s = [], 0
-        for it, n in zip(sampled, num_rows, strict=True):
-            keep = next(kept) if it.verify else n
-            out.append((row_ids[s : s + keep], logprobs[s : s + keep]))
-            s += n
-        return out
+        runs = kept_runs(num_rows, [it.verify for it in sampled], ids[total:].tolist())
+        return [(row_ids[a:b], logprobs[a:b]) for a, b in runs]
 
     def _add_prompt_logprobs(self, lp: LogprobRows, arrays: LogprobsArrays) -> None:
         """Append each prompt position's result; positions recomputed after a preemption that

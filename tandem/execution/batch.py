@@ -8,6 +8,7 @@ id from its token table by (row, position), and the host supplies only tokens it
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -23,6 +24,20 @@ from tandem.sampler.inputs import (
     ragged_arange,
 )
 from tandem.scheduling.scheduler import ScheduledBatch
+
+
+def kept_runs(
+    num_rows: Sequence[int], verify: Sequence[bool], kept_counts: Iterable[int]
+) -> list[tuple[int, int]]:
+    """Where each sampled item's kept tokens lie among a step's output rows, (start, end): all its
+    rows, or as many as a verification kept (the counts follow the ids, one per verifying item)."""
+    counts = iter(kept_counts)
+    runs, start = [], 0
+    for rows, verifies in zip(num_rows, verify, strict=True):
+        runs.append((start, start + (next(counts) if verifies else rows)))
+        start += rows
+    return runs
+
 
 # What a skipped step hands the host instead of tokens (`StopCheck`).
 SKIPPED_STEP = "skipped"
@@ -51,15 +66,10 @@ class StopCheck:
         total = sum(self.previous_rows)
         if len(previous) != total + sum(self.previous_verify):  # not that step's output
             return False
-        kept = iter(previous[total:].tolist())
-        starts, ends, s = [], [], 0
-        for rows, verify in zip(self.previous_rows, self.previous_verify, strict=True):
-            starts.append(s)
-            ends.append(s + (next(kept) if verify else rows))
-            s += rows
+        runs = kept_runs(self.previous_rows, self.previous_verify, previous[total:].tolist())
         ids = previous[:total].tolist()
         return all(
-            not stops.isdisjoint(ids[starts[i] : ends[i]])
+            not stops.isdisjoint(ids[slice(*runs[i])])
             for i, stops in zip(self.items, self.stop_ids, strict=True)
         )
 
