@@ -668,6 +668,32 @@ def _reuses_an_idle_connection(port: int, idle_s: float) -> bool:
         )
 
 
+def test_a_drained_front_end_stops_accepting_before_it_exits() -> None:
+    """The drain's end: this process's listening socket closes first, and the server exits
+    ACCEPTED_LINGER_S later, so a connection accepted just before still gets its 503 (uvicorn's
+    shutdown closes connections whose request has not arrived)."""
+    from tandem.server.serve import ACCEPTED_LINGER_S, GracefulServer
+
+    events = []
+
+    class Service:
+        on_failure = None
+
+        async def shutdown(self, grace: float) -> None:
+            events.append(("drained", grace, server.should_exit))
+
+    class Listening:
+        def close(self) -> None:
+            events.append(("stop accepting", server.should_exit))
+
+    server = GracefulServer(uvicorn.Config(app=None), Service(), grace_period=3.0)
+    server.servers = [Listening()]
+    start = time.perf_counter()
+    asyncio.run(server._drain(3.0))
+    assert events == [("drained", 3.0, False), ("stop accepting", False)]
+    assert server.should_exit and time.perf_counter() - start >= ACCEPTED_LINGER_S
+
+
 def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
     """The real path: `serve()` in its own process, SIGTERM while a request streams. First, an
     idle connection outlives a client's pool expiry (httpx's 5 s): it is still served, not

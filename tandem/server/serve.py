@@ -63,6 +63,9 @@ ABORT_SIGNAL = signal.SIGUSR2
 # openai client 5 s, aiohttp 15 s): at equal timeouts a client reuses a connection just as the
 # server closes it, and its request fails with a read error.
 KEEP_ALIVE_S = 30
+# A drained front end stops accepting this long before it exits: time enough for a connection it
+# accepted a moment earlier to deliver its request (answered 503, not reset).
+ACCEPTED_LINGER_S = 0.2
 
 
 class EngineFailure(RuntimeError):
@@ -158,7 +161,16 @@ class GracefulServer(uvicorn.Server):
         try:
             await self.service.shutdown(grace)
         finally:
+            await self._stop_accepting()
             self.should_exit = True
+
+    async def _stop_accepting(self) -> None:
+        """Close this process's listening socket, then wait ACCEPTED_LINGER_S: uvicorn's shutdown
+        closes every connection whose request has not arrived, so a client that connected just
+        before would see a reset instead of its 503. Other front ends keep accepting."""
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(ACCEPTED_LINGER_S)
 
 
 def serve(
