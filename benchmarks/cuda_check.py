@@ -12,11 +12,22 @@ One prepared script, sized to finish within 8 minutes on one H200; it prints one
    long generations) on the 8B-shaped dummy model (`tandem/bench/models/llama-3.1-8b`): sync and
    async, CUDA graphs on and off; tokens/s, step-level device idle, and kernel-level device idle
    over a profiled window (torch.profiler).
-5. transformers' `generate_batch` with async batching (and its CUDA graphs) on the same dummy
+   Beside each: what a decode step must read (weights + KV) and the share of the device's
+   bandwidth its decode steps reached (`tandem.bench.roofline`), and kernels per step.
+5. FP8 weights (`quantization="fp8"`) against bf16 on the dummy 8B model, async with graphs:
+   tokens/s, the decode step and its bandwidth, and how far FP8's prompt logprobs and greedy tokens
+   stay from bf16's (random weights: the accuracy on a real model is measured on a CPU with the
+   same rounding, `benchmarks/perplexity.py --tandem-quantization default,fp8`).
+6. transformers' `generate_batch` with async batching (and its CUDA graphs) on the same dummy
    8B model and prompts, if this transformers has it, with shorter outputs (`--hf-output-len`:
    on an H200 it had not finished 32 x 1024 tokens in 190 s), against Tandem async at that length.
 
+`--json PATH` writes every figure as JSON beside the table (with the GPU and the software
+versions); a device run's file is committed under docs/results/. `--sections` picks sections.
+
     python benchmarks/cuda_check.py [--blog-output-len 1024] [--hf-output-len 128] [--skip-hf]
+    python benchmarks/cuda_check.py --sections blog,fp8 --blog-output-len 8192 --blog-graphs on \
+        --json docs/results/h200-blog-8192.json
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ import argparse
 import contextlib
 import gc
 import inspect
+import json
 import os
+import platform
 import random
 import sys
 import tempfile
@@ -39,7 +52,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL_8B = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"
 BF16_TOLERANCE = 0.1  # logprob difference allowed between two bf16 implementations
+SECTIONS = ("equivalence", "bf16", "features", "blog", "fp8", "hf")
 TABLE: list[tuple[str, str, str]] = []  # (section, what, result): printed last
+RESULTS: dict = {"runs": [], "checks": []}  # --json: the figures, beside the table
+FP8_PROMPTS, FP8_PROMPT_LEN, FP8_GREEDY_TOKENS = 8, 128, 32
 DEVICE = "cuda"  # --cpu-dry-run: "cpu", tiny shapes, to catch a broken script before a GPU run
 BLOG_MODEL = MODEL_8B  # --cpu-dry-run: a config-only copy of the tiny checkpoint
 
@@ -63,7 +79,83 @@ def no_hidden_sync():
 
 def record(section: str, what: str, result: str) -> None:
     TABLE.append((section, what, result))
+    RESULTS["checks"].append({"section": section, "what": what, "result": result})
     print(f"[{section}] {what}: {result}", flush=True)
+
+
+def versions() -> dict[str, str | None]:
+    import transformers
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def ceilings() -> tuple[float, float | None]:
+    """(streaming, nominal) bandwidth of the device, bytes/s."""
+    from tandem.bench.roofline import nominal_bandwidth, streaming_bandwidth
+
+    device = torch.device(DEVICE)
+    return streaming_bandwidth(device), nominal_bandwidth(device)
+
+
+def run_figures(name: str, engine, run, kernels, bandwidth: tuple[float, float | None]) -> dict:
+    """One run's figures for the table and the JSON: throughput, idle at both levels, kernels
+    per step, and the decode steps' bytes and share of bandwidth."""
+    from tandem.bench.roofline import decode_roofline
+
+    summary = run.summary
+    roofline = decode_roofline(run.records, engine.execution.weight_bytes, *bandwidth)
+    figures = {
+        "name": name,
+        "requests": len(run.outputs),
+        "output_tokens": summary.output_tokens,
+        "output_len": max(len(o) for o in run.outputs),
+        "wall_s": summary.wall_s,
+        "tokens_per_s": summary.tokens_per_s,
+        "step_idle_pct": 100 * summary.device_idle_fraction,
+        "kernel_idle_pct": kernels.idle_pct if kernels and kernels.kernels else None,
+        "kernels_per_step": kernels.kernels / kernels.steps if kernels and kernels.steps else None,
+        "profiled_steps": kernels.steps if kernels else 0,
+        "decode_step_ms": roofline.device_s * 1e3 if roofline else None,
+        "weight_bytes": roofline.weight_bytes if roofline else None,
+        "kv_bytes_per_step": roofline.kv_bytes if roofline else None,
+        "bandwidth_reached_gbs": roofline.reached_bytes_per_s / 1e9 if roofline else None,
+        "streaming_gbs": bandwidth[0] / 1e9,
+        "fraction_of_streaming": roofline.fraction_of(bandwidth[0]) if roofline else None,
+        "nominal_gbs": bandwidth[1] / 1e9 if bandwidth[1] else None,
+        "fraction_of_nominal": roofline.fraction_of(bandwidth[1]) if roofline else None,
+    }
+    RESULTS["runs"].append(figures)
+    return figures
+
+
+def describe_figures(f: dict) -> str:
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}%"
+
+    text = (
+        f"{f['tokens_per_s']:.0f} tok/s, {f['wall_s']:.1f} s; step-level idle "
+        f"{pct(f['step_idle_pct'])}; kernel-level idle {pct(f['kernel_idle_pct'])}"
+    )
+    if f["kernels_per_step"]:
+        text += f", {f['kernels_per_step']:.0f} kernels/step"
+    if f["decode_step_ms"] is not None:
+        nominal = f["fraction_of_nominal"]
+        text += (
+            f"; decode step {f['decode_step_ms']:.2f} ms reading "
+            f"{(f['weight_bytes'] + f['kv_bytes_per_step']) / 1e9:.2f} GB: "
+            f"{f['bandwidth_reached_gbs']:.0f} GB/s, {100 * f['fraction_of_streaming']:.0f}% of "
+            f"streaming ({f['streaming_gbs']:.0f} GB/s)"
+            + (f", {100 * nominal:.0f}% of nominal" if nominal is not None else "")
+        )
+    return text
 
 
 def check_equivalence(path: Path) -> None:
@@ -190,15 +282,18 @@ def blog_workload(output_len: int, vocab_size: int, max_model_len: int):
     return make_workload(shape, vocab_size, max_model_len)
 
 
-def blog_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
-    """Sync and async, graphs on and off, on the 8B-shaped dummy model; returns tokens/s.
+def blog_experiment(
+    output_len: int, hf_len: int | None, graph_modes: tuple[bool, ...]
+) -> dict[str, float]:
+    """Sync and async, graphs on and/or off, on the 8B-shaped dummy model; returns tokens/s.
     With `hf_len`, async with graphs also runs the shorter workload transformers runs."""
     from tandem import Engine, EngineConfig
     from tandem.bench import profile_window, run_workload
 
     rates = {}
+    bandwidth = ceilings()
     max_model_len = 64 + output_len + 16
-    for graphs in (True, False):
+    for graphs in graph_modes:
         start = time.perf_counter()
         engine = Engine(EngineConfig(
             model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
@@ -215,23 +310,18 @@ def blog_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
             engine.configure(async_scheduling=mode == "async")
             run_workload(engine, warm, 0.0, None, "warmup")
             run = run_workload(engine, work, 0.0, None, f"{mode}-{label}")
-            summary = run.summary
             window = profile_window(short) if DEVICE == "cuda" else None
             profiled = run_workload(engine, short, 0.0, None, "profiled", profile=window)
-            kernels = profiled.kernels
             name = f"{mode}, {label}"
-            rates[name] = summary.tokens_per_s
+            figures = run_figures(f"blog {name}", engine, run, profiled.kernels, bandwidth)
+            rates[name] = figures["tokens_per_s"]
             if graphs and mode == "async" and hf_len and hf_len != output_len:
                 same = blog_workload(hf_len, engine.spec.vocab_size, engine.max_model_len)
                 rate = run_workload(engine, same, 0.0, None, "as-hf").summary.tokens_per_s
                 rates[f"{name}, {hf_len} tokens"] = rate
                 record("blog", f"{name}, {hf_len} tokens (transformers' workload)",
                        f"{rate:.0f} tok/s")  # fmt: skip
-            kernel_idle = f"{kernels.idle_pct:.2f}%" if kernels else "n/a"
-            record("blog", name, f"{summary.tokens_per_s:.0f} tok/s; step-level idle "
-                   f"{100 * summary.device_idle_fraction:.2f}%; kernel-level idle {kernel_idle} "
-                   f"({kernels.kernels if kernels else 0} kernels over "
-                   f"{kernels.steps if kernels else 0} steps)")  # fmt: skip
+            record("blog", f"{name}, 32 x {output_len} tokens", describe_figures(figures))
         engine.close()
         del engine
         gc.collect()
@@ -242,6 +332,70 @@ def blog_experiment(output_len: int, hf_len: int | None) -> dict[str, float]:
         for name in ("sync, graphs on", "async, graphs on", "async, graphs off"):
             if name in rates:
                 record("blog", f"{name} vs sync, graphs off", f"{rates[name] / base:.2f}x")
+    return rates
+
+
+def fp8_experiment(output_len: int) -> dict[str, float]:
+    """bf16 against FP8 weights on the dummy 8B model (async, graphs on): tokens/s and the decode
+    step's bandwidth, then FP8's distance from bf16: teacher-forced prompt logprobs and greedy
+    tokens. Returns tokens/s by weights."""
+    from tandem import Engine, EngineConfig, SamplingParams
+    from tandem.bench import run_workload
+
+    bandwidth = ceilings()
+    max_model_len = 64 + max(output_len, FP8_PROMPT_LEN + FP8_GREEDY_TOKENS) + 16
+    params = SamplingParams(max_tokens=FP8_GREEDY_TOKENS, temperature=0, ignore_eos=True,
+                            prompt_logprobs=0)  # fmt: skip
+    rates, answers = {}, {}
+    for quantization in (None, "fp8"):
+        weights = quantization or "bf16"
+        engine = Engine(EngineConfig(
+            model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
+            quantization=quantization, max_model_len=max_model_len, max_num_seqs=32,
+            num_kv_blocks=32 * (max_model_len // 16 + 2),
+        ))  # fmt: skip
+        record("fp8", f"engine ({weights})", engine.execution.describe())
+        rng, vocab = random.Random(3), engine.spec.vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(FP8_PROMPT_LEN)]
+                   for _ in range(FP8_PROMPTS)]  # fmt: skip
+        work = blog_workload(output_len, engine.spec.vocab_size, engine.max_model_len)
+        warm = type(work)(work.prompts[:4], [4] * 4, [0.0] * 4)
+        run_workload(engine, warm, 0.0, None, "warmup")
+        with no_hidden_sync():
+            run = run_workload(engine, work, 0.0, None, weights)
+        figures = run_figures(f"fp8 check: {weights}", engine, run, None, bandwidth)
+        rates[weights] = figures["tokens_per_s"]
+        record("fp8", f"{weights}, async, graphs on, 32 x {output_len} tokens",
+               describe_figures(figures))  # fmt: skip
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        answers[weights] = [done[i] for i in ids]
+        engine.close()
+        del engine
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    diffs, same = [], 0
+    for ref, out, prompt in zip(answers["bf16"], answers["fp8"], prompts, strict=True):
+        for i in range(1, len(prompt)):
+            token = prompt[i]
+            diffs.append(abs(out.prompt_logprobs[i][token].logprob
+                             - ref.prompt_logprobs[i][token].logprob))  # fmt: skip
+        same += next((k for k, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=True))
+                      if a != b), len(ref.token_ids))  # fmt: skip
+    agreement = {
+        "prompt_logprob_max_abs_diff": max(diffs),
+        "prompt_logprob_mean_abs_diff": sum(diffs) / len(diffs),
+        "greedy_same_token_share": same / (FP8_PROMPTS * FP8_GREEDY_TOKENS),
+        "speedup_vs_bf16": rates["fp8"] / rates["bf16"],
+    }
+    RESULTS["fp8"] = agreement
+    record("fp8", "fp8 vs bf16", f"{agreement['speedup_vs_bf16']:.2f}x tokens/s; prompt "
+           f"logprobs max |diff| {agreement['prompt_logprob_max_abs_diff']:.3f}, mean "
+           f"{agreement['prompt_logprob_mean_abs_diff']:.4f}; greedy tokens before the first "
+           f"difference {100 * agreement['greedy_same_token_share']:.0f}% (random weights)")  # fmt: skip
     return rates
 
 
@@ -311,6 +465,13 @@ def main() -> int:
         "warm up and over 190 s for 1024; Tandem async also runs this length)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' run")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"which sections run, of {', '.join(SECTIONS)}")  # fmt: skip
+    parser.add_argument("--blog-graphs", default="on,off",
+                        help="the blog runs with CUDA graphs on, off or both")  # fmt: skip
+    parser.add_argument("--fp8-output-len", type=int, default=256,
+                        help="tokens per request in the FP8 section's runs")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run every section on the CPU at tiny sizes (the blog runs on the "
                         "tiny model's config with dummy weights, no profiler): checks the "
@@ -321,13 +482,20 @@ def main() -> int:
         DEVICE = "cpu"
         args.blog_output_len = min(args.blog_output_len, 24)
         args.hf_output_len = min(args.hf_output_len, 16)
+        args.fp8_output_len = min(args.fp8_output_len, 8)
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check (--cpu-dry-run checks the script)", file=sys.stderr)
         return 2
     from tandem.models.default_model import build_checkpoint
 
+    chosen = [x.strip() for x in args.sections.split(",") if x.strip()]
+    graph_modes = tuple({"on": True, "off": False}[g.strip()] for g in args.blog_graphs.split(","))
+    if set(chosen) - set(SECTIONS):
+        parser.error(f"--sections takes {', '.join(SECTIONS)}, got {args.sections!r}")
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     record("machine", name, f"torch {torch.__version__}")
+    RESULTS["machine"] = versions()
+    RESULTS["arguments"] = vars(args) | {"json": str(args.json) if args.json else None}
     failures = 0
     hf_len = None if args.skip_hf else args.hf_output_len
     with tempfile.TemporaryDirectory() as tmp:
@@ -340,10 +508,12 @@ def main() -> int:
             ("equivalence", lambda: check_equivalence(tiny)),
             ("bf16", lambda: check_bf16(tiny)),
             ("features", lambda: check_features(tiny)),
-            ("blog", lambda: blog_experiment(args.blog_output_len, hf_len)),
+            ("blog", lambda: blog_experiment(args.blog_output_len, hf_len, graph_modes)),
+            ("fp8", lambda: fp8_experiment(args.fp8_output_len)),
+            ("hf", lambda: hf_async_batching(args.hf_output_len)),
         ]
-        if not args.skip_hf:
-            sections.append(("hf", lambda: hf_async_batching(args.hf_output_len)))
+        skipped = {"hf"} if args.skip_hf else set()
+        sections = [(n, run) for n, run in sections if n in chosen and n not in skipped]
         results = {}
         for name, run in sections:  # each section runs even if an earlier one failed
             start = time.perf_counter()
@@ -363,6 +533,10 @@ def main() -> int:
         record("targets", "async graphs on vs sync graphs off",
                f"{rates.get('async, graphs on', 0) / rates['sync, graphs off']:.2f}x "
                "(target >= 1.25)")  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(RESULTS, indent=1) + "\n")
+        print(f"figures written to {args.json}", flush=True)
     width = max(len(w) for _, w, _ in TABLE)
     print("\n" + "-" * 100)
     for section, what, result in TABLE:

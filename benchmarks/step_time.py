@@ -37,24 +37,19 @@ import torch  # noqa: E402
 from compare import load_model_facts, machine_info, resolve_model  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.bench.roofline import STREAM_BYTES, streaming_bandwidth  # noqa: E402
 
 BLOCK_SIZE = 16
-STREAM_MIB = 256  # the streaming figure's buffer: far beyond any CPU's caches
 
 
-def streaming_gbs(threads: int, repeats: int = 7) -> float:
-    """This machine's read bandwidth on `threads` cores: a sum over STREAM_MIB (median)."""
+def streaming_gbs(threads: int) -> float:
+    """This machine's read bandwidth on `threads` cores (a timed sum, `streaming_bandwidth`)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    x = torch.ones(STREAM_MIB * 2**20 // 4)
-    x.sum()  # touch every page first
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    torch.set_num_threads(before)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    try:
+        return streaming_bandwidth(torch.device("cpu")) / 1e9
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -222,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = {1: streaming_gbs(1), cores: streaming_gbs(cores)}
     print(
         f"this machine streams {stream[1]:.1f} GB/s on one core, {stream[cores]:.1f} GB/s on "
-        f"{cores} (x.sum() over {STREAM_MIB} MiB, median of 7)"
+        f"{cores} (x.sum() over {STREAM_BYTES['cpu'] // 2**20} MiB, median of 7)"
     )
     header = f"{'context':>7}  {'K/V MiB/step':>12}" + "".join(
         f"  {r['path'] + ' ms':>9}  {r['path'] + ' GB/s':>10}" for r in runs

@@ -24,10 +24,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto: the folder's safetensors; dummy: seeded random weights made on the "
                    "device from config.json alone (no tokenizer files: token-id prompts only)")  # fmt: skip
-    g.add_argument("--quantization", "-q", default=None, choices=("none", "int8"),
+    g.add_argument("--quantization", "-q", default=None, choices=("none", "int8", "fp8"),
                    help="default: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K layers run in their blocks (CPU, "
                    "float32); none: every weight dequantized; int8: per-channel int8 linear "
-                   "layers from float weights (CPU)")  # fmt: skip
+                   "layers from float weights (CPU); fp8: per-channel e4m3 decoder weights, "
+                   "activations per token (CUDA 8.9+ in bfloat16; emulated on a CPU)")  # fmt: skip
     g.add_argument("--int8-activations", action="store_true",
                    help="quantized layers multiply activations rounded to int8 per block of 32, "
                    "in integers, as llama.cpp does: faster, and no longer token-exact to the "

@@ -22,7 +22,8 @@ _DTYPES = {
 # auto: read the checkpoint's safetensors; dummy: build the model from config.json alone with
 # seeded random weights made on the device (shapes and speed of a model without its download).
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = (None, "none", "int8")  # EngineConfig.quantization
+QUANTIZATIONS = (None, "none", "int8", "fp8")  # EngineConfig.quantization
+FP8_MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with FP8 tensor cores (Ada)
 SPECULATIVE_METHODS = ("ngram", "draft_model")  # SpeculativeConfig.method
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -105,7 +106,9 @@ class EngineConfig:
     model: str | None = None
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: seeded random weights
     # None: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K blocks run as they are (CPU, float32; others are
-    # dequantized); "none": every weight dequantized; "int8": per-channel int8 linear layers (CPU).
+    # dequantized); "none": every weight dequantized; "int8": per-channel int8 linear layers (CPU);
+    # "fp8": per-channel e4m3 decoder weights, activations per token (CUDA capability 8.9+, bf16;
+    # on a CPU the same numbers in float32 GEMMs, for checking, not speed).
     quantization: str | None = None
     # True: quantized layers multiply int8-quantized activations (per row and block of 32) in
     # integers, as llama.cpp does: fewer instructions per weight, outputs no longer the float
@@ -164,15 +167,17 @@ class EngineConfig:
             self.torch_device.type != "cpu" or self.torch_dtype != torch.float32
         ):
             raise ValueError("quantization='int8' runs on the CPU in float32 (CPU kernels)")
+        if self.quantization == "fp8":
+            self._check_fp8()
         if self.int8_activations and (
             self.torch_device.type != "cpu"
             or self.torch_dtype != torch.float32
             or self.enforce_eager
-            or self.quantization == "none"
+            or self.quantization in ("none", "fp8")
         ):
             raise ValueError(
                 "int8_activations runs quantized layers on the CPU kernels: float32 on the CPU, "
-                "not with enforce_eager or quantization='none'"
+                "not with enforce_eager or quantization 'none' or 'fp8'"
             )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
@@ -180,6 +185,19 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self.torch_device  # noqa: B018 - validates the device name
         self.torch_dtype  # noqa: B018 - validates the dtype name
+
+    def _check_fp8(self) -> None:
+        device = self.torch_device
+        if device.type != "cuda":
+            return
+        if self.torch_dtype != torch.bfloat16:
+            raise ValueError("quantization='fp8' on CUDA computes in bfloat16 (dtype='bfloat16')")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FP8_MIN_CAPABILITY:
+            raise ValueError(
+                f"quantization='fp8' needs FP8 tensor cores (CUDA compute capability 8.9 or "
+                f"higher); this GPU has {major}.{minor}"
+            )
 
     @property
     def weight_quantization(self) -> str | None:

@@ -1,5 +1,6 @@
 """`tandem bench --workload llama8b-32x8k` (the blog's experiment) and `--profile`: the preset's sizes and model, the kernel-busy
-arithmetic (on synthetic intervals: the profiler itself needs CUDA), and the CPU refusal."""
+arithmetic (on synthetic intervals: the profiler itself needs CUDA), and the refusal under tensor
+parallelism (tests/test_roofline.py has `--profile`'s bandwidth figures, which a CPU gives)."""
 
 from __future__ import annotations
 
@@ -87,10 +88,11 @@ def test_measure_leaves_out_the_window_edges():
     assert measure([], 3, 0.0).kernels == 0
 
 
-def test_profile_on_cpu_is_refused_with_a_clear_message(tiny_llama, capsys):
-    assert main(["bench", "--profile", "--model", str(tiny_llama), "--device", "cpu"]) == 2
+def test_profile_with_tensor_parallelism_is_refused_with_a_clear_message(tiny_llama, capsys):
+    args = ["bench", "--profile", "--model", str(tiny_llama), "--tensor-parallel-size", "2"]
+    assert main(args) == 2
     err = capsys.readouterr().err
-    assert "tandem bench: error: --profile" in err and "needs a CUDA device" in err
+    assert "tandem bench: error: --profile times one device" in err
     assert "Traceback" not in err
 
 

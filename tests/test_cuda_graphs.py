@@ -127,20 +127,35 @@ def test_padded_layout(tiny_llama):
     assert graph_mode(x) == "greedy"
 
 
-def test_cuda_check_script_runs_on_a_cpu():
+def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     """benchmarks/cuda_check.py is run on a GPU rarely and at a cost: its --cpu-dry-run runs
-    every section here at tiny sizes, so a broken script is found before a GPU run."""
+    every section here at tiny sizes, so a broken script is found before a GPU run, and its JSON
+    holds every run's figures."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_check.py"
+    out = tmp_path / "results" / "dry-run.json"
     done = subprocess.run(
-        [sys.executable, str(script), "--cpu-dry-run"], capture_output=True, text=True,
-        timeout=600,
+        [sys.executable, str(script), "--cpu-dry-run", "--json", str(out)], capture_output=True,
+        text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout[done.stdout.rindex("-" * 100) :]
     assert "FAILED" not in table
-    for section in ("equivalence", "features", "blog", "hf", "targets"):
+    for section in ("equivalence", "features", "blog", "fp8", "hf", "targets"):
         assert f"\n{section}" in table, table
+    results = json.loads(out.read_text())
+    assert results["machine"]["torch"] == torch.__version__
+    names = [r["name"] for r in results["runs"]]
+    assert names == [f"blog {m}, graphs {g}" for g in ("on", "off") for m in ("sync", "async")] + [
+        "fp8 check: bf16", "fp8 check: fp8"
+    ]  # fmt: skip
+    for run in results["runs"]:
+        assert run["tokens_per_s"] > 0 and run["weight_bytes"] > 0
+        assert run["fraction_of_streaming"] > 0 and run["nominal_gbs"] is None
+    assert results["runs"][-1]["weight_bytes"] < results["runs"][-2]["weight_bytes"]  # fp8
+    assert 0 <= results["fp8"]["greedy_same_token_share"] <= 1
+    assert len(results["checks"]) == table.count("\n") - 1

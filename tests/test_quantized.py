@@ -226,6 +226,7 @@ def test_int8_generates_exactly_the_int8_weights(untied_folder, tmp_path):
         layers = llm.engine.runner.model.layers
         assert all(layer.attn.qkv.quantized.source == "int8" for layer in layers)
         assert layers[0].mlp.down.weight.numel() == 0  # no float copy kept
+        assert layers[0].mlp.down.quantized.scales.grad_fn is None  # nor a graph holding one
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy(16))]
         llm.close()
         assert got == expected, async_scheduling

@@ -207,7 +207,7 @@ def test_in_place_decode_attention_equals_the_portable_op(window):
     """The op-by-op CPU path's attention (decodes read the cache in place, from the window's
     start) against the portable one, on a step of decodes and prefill chunks."""
     from tandem.ops import cpu_elementwise, cpu_kernels
-    from tandem.ops.attention import paged_attention
+    from tandem.ops.attention import paged_attention, write_kv
     from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
     assert cpu_kernels.load().available
@@ -224,6 +224,7 @@ def test_in_place_decode_attention_equals_the_portable_op(window):
     rows = torch.tensor([0, 1, 2, 2, 2, 2, 2])
     slots = tables[rows, positions // bs] * bs + positions % bs
     meta = AttentionMetadata(slots, tables, lens, 2, 9, [PrefillSegment(2, 5, 26, 2)], bs)
+    write_kv(k, v, *caches, slots)  # the step's K/V go in first (`rotary_and_cache`)
     expected = paged_attention(q, k, v, *[c.clone() for c in caches], meta, 0.2, window)
     got = cpu_elementwise.paged_attention(q, k, v, *caches, meta, 0.2, window)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -275,7 +275,8 @@ CASE_NAMES = ("llama8b-bf16", "llama1b-bf16", "group7-window-fp16", "fp32-dim48"
 def test_kernels_compile_for_sm90() -> None:
     """Triton's real compiler (not the interpreter) builds every kernel for an H200: bf16 and
     fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
-    the fused norms, rotary and SiLU of ops/triton_elementwise.py in every case's dtype."""
+    the fused norms, rotary, SiLU and FP8 row rounding of ops/triton_elementwise.py in every
+    case's dtype."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -285,7 +286,8 @@ def test_kernels_compile_for_sm90() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     kernels = {(r["case"], r["kernel"]) for r in records}
-    elementwise = {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+    elementwise = {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
+                   "_quantize_rows_fp8_kernel"}  # fmt: skip
     assert kernels - {(r["case"], name) for r in records for name in elementwise} == {
         ("llama8b-bf16", "_decode_kernel"),
         ("llama8b-bf16", "_merge_splits_kernel"),
@@ -300,7 +302,8 @@ def test_kernels_compile_for_sm90() -> None:
     assert {(case, name) for case in CASE_NAMES for name in elementwise} <= kernels
     for r in records:
         assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
-        if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel"):
+        if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel", "_quantize_rows_fp8_kernel"):
             assert not r["fma"], r  # PyTorch's two roundings, not a contracted a*b + c
+        assert r["e4m3"] == (r["kernel"] == "_quantize_rows_fp8_kernel"), r
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel") and r["case"][:4] != "fp32":
             assert r["mma"], r  # the dots run on tensor cores

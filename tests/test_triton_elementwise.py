@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tandem.models import load_model
-from tandem.ops import elementwise, triton_elementwise
+from tandem.ops import elementwise, fp8, triton_elementwise
 
 from conftest import random_prompts
 from helpers import prefill_then_decode_logits
@@ -82,6 +82,39 @@ def test_rotary_is_bit_identical_in_place(dtype, dim, heads, kv_heads) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,heads,kv_heads", [(32, 4, 2), (48, 3, 1)])
+def test_rotary_and_cache_writes_the_rotated_keys_and_values(dtype, dim, heads, kv_heads) -> None:
+    """One kernel rotates q and k in place and stores k and v at the tokens' slots: what the
+    portable rotary and write_kv leave, with every other slot of the cache untouched."""
+    g = torch.Generator().manual_seed(dim)
+    tokens, blocks, block_size = 5, 6, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    cos, sin = torch.randn(64, dim, generator=g), torch.randn(64, dim, generator=g)
+    positions = torch.tensor([0, 5, 63, 17, 1])
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    caches = [torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(dtype) for _ in "kv"]
+    results = []
+    for ops in (elementwise, triton_elementwise):
+        row = qkv.clone()
+        q, k, v = row.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = (t.view(tokens, -1, dim) for t in (q, k, v))
+        k_cache, v_cache = (c.clone() for c in caches)
+        q, k = ops.rotary_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+        results.append((q, k, k_cache, v_cache))
+    (ref_q, ref_k, ref_kc, ref_vc), (q, k, k_cache, v_cache) = results
+    assert torch.equal(v_cache, ref_vc)  # copied as it is
+    for out, ref in ((q, ref_q), (k, ref_k), (k_cache, ref_kc)):
+        if dtype == torch.bfloat16:  # the interpreter's truncating casts
+            assert (out - ref).abs().max() <= 4 * _ulp(dtype) * ref.abs().max()
+        else:
+            assert torch.equal(out, ref)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache.view(-1, kv_heads, dim)[untouched],
+                       caches[0].view(-1, kv_heads, dim)[untouched])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [2 * 40, 2 * 1500])  # 1500: two column blocks, the last masked
 def test_silu_and_mul(dtype, width) -> None:
     g = torch.Generator().manual_seed(width)
@@ -113,3 +146,50 @@ def test_model_with_fused_triton_ops_matches_portable(tiny_checkpoints, arch) ->
     portable, fused = logits[elementwise], logits[triton_elementwise]
     assert torch.equal(fused.argmax(-1), portable.argmax(-1))
     assert (fused - portable).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_rows_are_the_portable_bits(dtype) -> None:
+    """One kernel rounds each row to e4m3 with its own scale: the bits of `fp8.quantize_rows`,
+    on rows whose magnitudes span e4m3's subnormals to its largest value, and an all-zero row."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 576, generator=g) * torch.logspace(-6, 3, 9)[:, None]
+    x[2] = 0
+    x[3, :4] = torch.tensor([1e-30, -3e-4, 2.0**-10, 448.0])
+    x = x.to(dtype)
+    codes, scales = triton_elementwise.quantize_rows_fp8(x)
+    expected_codes, expected_scales = fp8.quantize_rows(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+
+
+def test_fp8_rounding_ties_to_even_at_every_e4m3_value() -> None:
+    """Every finite e4m3 value, and the midpoints between neighbours and a hair either side of
+    them, in one row whose largest value is 448 (scale 1): PyTorch's nearest-even rounding."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8.FP8_DTYPE).float()
+    values = values[values.isfinite() & (values >= 0)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    row = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(values[1:])])
+    row = torch.cat([row, -row])[None, :]
+    codes, scales = triton_elementwise.quantize_rows_fp8(row)
+    assert scales.item() == 1.0
+    expected = row.to(fp8.FP8_DTYPE)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_fp8_model_with_fused_triton_ops_matches_portable(tiny_checkpoints, arch) -> None:
+    """An FP8 model with the fused ops (its rows rounded by the Triton kernel) gives the portable
+    FP8 model's logits: the same roundings, so within float32 noise."""
+    prompt = random_prompts(random.Random(5), 1, 1024, 20, 20)[0]
+    logits = {}
+    for ops in (elementwise, triton_elementwise):
+        model = load_model(tiny_checkpoints[arch], torch.float32, torch.device("cpu")).model
+        model.quantize_fp8()
+        model.ops = ops
+        if ops is triton_elementwise:
+            model.use_fp8_row_quantizer(triton_elementwise.quantize_rows_fp8)
+        logits[ops] = prefill_then_decode_logits(model, prompt)
+    portable, fused = logits[elementwise], logits[triton_elementwise]
+    assert torch.equal(fused.argmax(-1), portable.argmax(-1))
+    assert (fused - portable).abs().max().item() < 1e-4

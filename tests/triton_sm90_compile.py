@@ -48,7 +48,8 @@ def main(names: list[str]) -> None:
     driver.set_active(CompileOnlyDriver())
     built = []
     kernels = (ta._decode_kernel, ta._merge_splits_kernel, ta._prefill_kernel,
-               te._rms_norm_kernel, te._rotary_kernel, te._silu_and_mul_kernel)  # fmt: skip
+               te._rms_norm_kernel, te._rotary_kernel, te._silu_and_mul_kernel,
+               te._quantize_rows_fp8_kernel)  # fmt: skip
     for kernel in kernels:
 
         def compile_only(*args, grid, warmup, _run=kernel.run, **kwargs):
@@ -80,7 +81,11 @@ def main(names: list[str]) -> None:
         q, k = qkv[:, : heads * dim], qkv[:, heads * dim : (heads + kv_heads) * dim]
         table = torch.zeros(64, dim)
         te.rotary(q.view(r, heads, dim), k.view(r, kv_heads, dim), context[:r], table, table)
+        v = qkv[:, (heads + kv_heads) * dim :].view(r, kv_heads, dim)
+        te.rotary_and_cache(q.view(r, heads, dim), k.view(r, kv_heads, dim), v, context[:r],
+                            table, table, k_cache, v_cache, context[:r])  # fmt: skip
         te.silu_and_mul(torch.zeros(r, 2 * 4 * hidden, dtype=dtype))
+        te.quantize_rows_fp8(x)
         for k in built:
             record = {
                 "case": name,
@@ -90,6 +95,7 @@ def main(names: list[str]) -> None:
                 "num_warps": k.metadata.num_warps,
                 "mma": "mma" in k.asm["ptx"],
                 "fma": "fma.rn.f32" in k.asm["ptx"],  # a contracted a*b + c (or libdevice's)
+                "e4m3": "e4m3" in k.asm["ptx"],  # a conversion to FP8
             }
             print(json.dumps(record), flush=True)
 

@@ -14,7 +14,9 @@ engine): draft and accepted tokens, and tokens/s against speculation off.
 `--workload json` runs the random workload with 0%, 25% and 100% of its requests under a shipped
 JSON schema (`--json-fractions`): throughput, device idle, the bitmask's host time and the
 device's wait for it, and the plain requests' ITL beside those of the unconstrained run.
-`--profile` (CUDA) adds the kernel-level idle figure of a window of each run (`kernel_profile.py`).
+`--profile` adds what a decode step must read (weights and KV) and the share of the device's
+bandwidth its steps reached (`roofline.py`), and on CUDA the kernel-level idle figure of a window
+of each run (`kernel_profile.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
+from tandem.bench.roofline import Roofline, decode_roofline, nominal_bandwidth, streaming_bandwidth
 from tandem.bench.run import Run, run_workload
 from tandem.bench.workloads import (
     BLOG_CUDA_MODEL,
@@ -129,9 +132,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) of both runs")
     g.add_argument("--plot", help="write a PNG timeline of both runs")
     g.add_argument("--profile", action="store_true",
-                   help="CUDA only: time the device's kernels (torch.profiler) over "
-                   f"{PROFILE_STEPS} steps in the middle of each run and report their busy time "
-                   "over wall time beside the step-level idle figure")  # fmt: skip
+                   help="report the bytes a decode step must read (weights + KV) and the share "
+                   "of the device's bandwidth the decode steps reached; on CUDA also time the "
+                   f"device's kernels (torch.profiler) over {PROFILE_STEPS} steps in the middle "
+                   "of each run: their busy time over wall time, and kernels per step")  # fmt: skip
 
 
 def describe_model(engine: Engine) -> str:
@@ -162,6 +166,10 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
         "device idle % (kernels)", *(cell(w, lambda w: f"{w.idle_pct:.2f}") for w in windows)
     )
     table.add_row(
+        "kernels per step",
+        *(cell(w, lambda w: f"{w.kernels / max(1, w.steps):.0f}") for w in windows),
+    )
+    table.add_row(
         "kernel window: steps, kernels, ms",
         *(cell(w, lambda w: f"{w.steps}, {w.kernels}, {w.wall_s * 1e3:.0f}") for w in windows),
     )
@@ -169,6 +177,53 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
         "profiler pause (ms, in wall)",
         *(cell(w, lambda w: f"{w.pause_s * 1e3:.0f}") for w in windows),
     )
+
+
+def device_ceilings(engine: Engine) -> tuple[float, float | None]:
+    """(streaming, nominal) bandwidth in bytes/s of the engine's device; a CPU streams with the
+    engine's compute threads for decodes."""
+    device = engine.config.torch_device
+    before = torch.get_num_threads()
+    torch.set_num_threads(engine.execution.cpu_threads or before)
+    try:
+        return streaming_bandwidth(device), nominal_bandwidth(device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def add_roofline_rows(
+    table: Table, rooflines: list[Roofline | None], streaming: float, nominal: float | None
+) -> None:
+    """--profile: what each run's decode steps read, and the share of bandwidth they reached."""
+
+    def cell(roofline: Roofline | None, text) -> str:
+        return "no decode steps" if roofline is None else text(roofline)
+
+    def share(fraction: float | None) -> str:
+        return "" if fraction is None else f"{100 * fraction:.1f}"
+
+    table.add_row(
+        "decode step reads (MB): weights + KV",
+        *(cell(r, lambda r: f"{r.weight_bytes / 1e6:.1f} + {r.kv_bytes / 1e6:.1f}")
+          for r in rooflines),
+    )  # fmt: skip
+    table.add_row(
+        "decode step on the device (ms)",
+        *(cell(r, lambda r: f"{r.device_s * 1e3:.3f} ({r.steps} steps)") for r in rooflines),
+    )
+    table.add_row(
+        "bandwidth reached (GB/s)",
+        *(cell(r, lambda r: f"{r.reached_bytes_per_s / 1e9:.1f}") for r in rooflines),
+    )
+    table.add_row(
+        f"% of streaming read ({streaming / 1e9:.1f} GB/s)",
+        *(cell(r, lambda r: share(r.fraction_of(streaming))) for r in rooflines),
+    )
+    if nominal is not None:
+        table.add_row(
+            f"% of nominal bandwidth ({nominal / 1e9:.0f} GB/s)",
+            *(cell(r, lambda r: share(r.fraction_of(nominal))) for r in rooflines),
+        )
 
 
 def bench_workload(args: argparse.Namespace, engine: Engine) -> Workload:
@@ -517,11 +572,6 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"--modes takes sync and/or async, got {args.modes!r}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.profile and config.torch_device.type != "cuda":
-        raise ValueError(
-            "--profile times the device's kernels with torch.profiler's CUDA activity, so it "
-            f"needs a CUDA device; this run is on {config.torch_device.type}"
-        )
     if args.profile and config.tensor_parallel_size > 1:
         raise ValueError("--profile times one device: use it with --tensor-parallel-size 1")
     if args.workload == JSON_PRESET:
@@ -541,9 +591,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         console.print(speculation_line(config))
     if compile_line:
         console.print(compile_line)
-    window = profile_window(workload) if args.profile else None
-    if args.profile:
+    on_cuda = config.torch_device.type == "cuda"
+    window = profile_window(workload) if args.profile and on_cuda else None
+    if window is not None:
         KernelProfiler.warm_up()
+    ceilings = device_ceilings(engine) if args.profile else None
     runs = run_columns(engine, columns, args, window, console)
     engine.close()
     # Interleaved repeats and medians: a shared machine's noise is larger than the effect.
@@ -594,8 +646,14 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     stats = {name: run.summary.as_dict() for name, run in results.items()}
     for label, key, fmt in rows:
         table.add_row(label, *(fmt.format(stats[c].get(key, 0)) for c in names))
-        if key == "device_idle_pct" and args.profile:
+        if key == "device_idle_pct" and window is not None:
             add_kernel_rows(table, [results[c].kernels for c in names])
+    if ceilings is not None:
+        rooflines = [
+            decode_roofline(results[c].records, engine.execution.weight_bytes, *ceilings)
+            for c in names
+        ]
+        add_roofline_rows(table, rooflines, *ceilings)
 
     def all_tokens_per_s(column: Column) -> float:
         summary = results[column.name].summary

@@ -113,6 +113,7 @@ class Engine:
         on_cuda = config.torch_device.type == "cuda"
         self._bitmasks = StepBitmasks(self.grammars.bitmask_width, pin_memory=on_cuda)
         self.history = StepHistory()
+        self._kv_bytes = self.spec.kv_bytes_by_window(config.torch_dtype.itemsize)
         self._speculative_stats = SpeculativeStats()
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
@@ -258,6 +259,7 @@ class Engine:
             handle = self.runner.launch(inputs)
             t3 = time.perf_counter()
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
+            record.kv_bytes = kv_bytes_read(self._kv_bytes, batch)
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
             self._inflight.append(_InFlight(batch, handle, record, inputs.sampler.logprobs))
             if inputs.sampler.grammar is not None:
@@ -465,3 +467,14 @@ def _check_speculation(spec: SpeculativeConfig | None, groups: KVGroups) -> None
             "speculative_config method 'draft_model' is not supported with a sliding-window "
             "model (its blocks before the window are freed); use 'ngram'"
         )
+
+
+def kv_bytes_read(bytes_by_window: dict[int | None, int], batch: ScheduledBatch) -> int:
+    """Bytes of K and V a step's attention reads at least: each request's positions up to its
+    last new one, within each layer's window (`LlamaSpec.kv_bytes_by_window`)."""
+    ends = [item.start + item.num_tokens for item in batch.items]
+    total = 0
+    for window, per_position in bytes_by_window.items():
+        positions = sum(ends) if window is None else sum(min(end, window) for end in ends)
+        total += per_position * positions
+    return total

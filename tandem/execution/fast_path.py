@@ -33,6 +33,7 @@ class ExecutionPlan:
     backend: str | None = None  # their collectives: gloo or nccl
     cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
     weight_formats: dict[str, int] = field(default_factory=dict)  # linear layers by format
+    weight_bytes: int | None = None  # weights one forward reads (LlamaModel.weight_bytes)
 
     def describe_weights(self) -> str:
         """e.g. "linear layers: 120 Q4_1, 1 Q8_0" (quantized formats run by the CPU kernels)."""
@@ -80,6 +81,7 @@ def prepare(
 ) -> ExecutionPlan:
     plan = _choose(model, device, dtype, enforce_eager)
     plan.weight_formats = model.weight_formats()
+    plan.weight_bytes = model.weight_bytes()
     return plan
 
 
@@ -88,6 +90,7 @@ def _choose(
 ) -> ExecutionPlan:
     if not enforce_eager and device.type == "cuda" and (fused := _triton_elementwise()):
         model.ops = fused
+        model.use_fp8_row_quantizer(fused.quantize_rows_fp8)
         return ExecutionPlan("fused-triton", False, None)
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
         return ExecutionPlan("portable", False, None)

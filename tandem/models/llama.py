@@ -13,7 +13,7 @@ slice of the vocabulary for the embedding and the LM head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,7 +25,16 @@ from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, hea
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention_metadata import AttentionMetadata
-from tandem.ops.linear import Linear, can_prepack, linear, prepack, rows_from_panels, shape_only
+from tandem.ops.fp8 import Fp8Weight, RowQuantizer, can_quantize_fp8, quantize_fp8
+from tandem.ops.linear import (
+    Linear,
+    can_prepack,
+    linear,
+    prepack,
+    rows_from_panels,
+    shape_only,
+    tensor_bytes,
+)
 from tandem.ops.quantized import (
     BLOCK_COLS,
     GROUP_ROWS,
@@ -91,7 +100,10 @@ class Attention(nn.Module):
         if s.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.rotary(q, k, ctx.positions, ctx.rotary.cos, ctx.rotary.sin)
+        q, k = ops.rotary_and_cache(
+            q, k, v, ctx.positions, ctx.rotary.cos, ctx.rotary.sin, kv_cache[0], kv_cache[1],
+            ctx.meta.slot_mapping,
+        )  # fmt: skip
         out = ops.paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, self.window
         )
@@ -205,10 +217,24 @@ class LlamaModel(nn.Module):
             self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
         return all(packed)
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights one forward reads, each once (a decode step's least traffic beside
+        the KV cache): the linear layers as they are held, the norms, the logits' matrix. None
+        for a mixture of experts, whose step reads only the experts its tokens chose."""
+        if any(isinstance(m, moe.Experts) for m in self.modules()):
+            return None
+        total = sum(m.nbytes for m in self.modules() if isinstance(m, Linear))
+        total += sum(tensor_bytes(m.weight) for m in self.modules() if isinstance(m, RMSNorm))
+        if self.spec.tie_word_embeddings and self.tied_logits is None:
+            packed = self._packed_logits_weight
+            total += tensor_bytes(packed if packed is not None else self.embed.weight)
+        return total
+
     @property
     def has_fused_forward(self) -> bool:
         one_window = len(set(self.spec.layer_windows())) == 1
-        return self.family_has_fused_forward and one_window and self.spec.moe is None
+        fp8 = any(isinstance(getattr(m, "quantized", None), Fp8Weight) for m in self.modules())
+        return self.family_has_fused_forward and one_window and self.spec.moe is None and not fp8
 
     def forward(
         self,
@@ -332,17 +358,17 @@ class LlamaModel(nn.Module):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.drop_dense_weight()
 
+    def use_fp8_row_quantizer(self, quantize_rows: RowQuantizer) -> None:
+        """How every FP8 layer rounds its input rows (the fused ops' one kernel on CUDA)."""
+        for module in self.modules():
+            if isinstance(getattr(module, "quantized", None), Fp8Weight):
+                module.quantized.quantize_rows = quantize_rows
+
+    @torch.no_grad()  # a graph from the scales back to the weight would keep the weight alive
     def quantize_int8(self) -> None:
         """Per-channel int8 for every linear layer (and the tied logits) whose shape fits the
         layout, from the loaded float weights."""
-        row_parallel = {m for name, m in self.named_modules() if name.endswith((".o", ".down"))}
-        for module in list(self.modules()):
-            dense = isinstance(module, Linear) and module.quantized is None
-            if dense and can_quantize(module.out_features, module.in_features):
-                absmax = module.weight.abs().amax(dim=1)
-                if module in row_parallel:  # a rank holds some columns: the whole row's largest
-                    self.tp.all_reduce_max(absmax)
-                module.set_quantized(quantize_int8(module.weight, absmax))
+        self._quantize_linear_layers(self.modules(), quantize_int8, can_quantize)
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         if (
             self.spec.tie_word_embeddings
@@ -351,6 +377,30 @@ class LlamaModel(nn.Module):
         ):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.set_quantized(quantize_int8(self.embed.weight))
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Per-channel e4m3 for the decoder layers' linear layers whose shape fits, from the
+        loaded weights. The logits keep the model's dtype, as vLLM keeps them: the sampler reads
+        their values directly, and an 8B model's are 6% of its weights."""
+        self._quantize_linear_layers(self.layers.modules(), quantize_fp8, can_quantize_fp8)
+
+    def _quantize_linear_layers(
+        self,
+        modules: Iterable[nn.Module],
+        quantize: Callable[[torch.Tensor, torch.Tensor], object],
+        fits: Callable[[int, int], bool],
+    ) -> None:
+        """Replace the float weight of each dense `Linear` among `modules` that `fits` by
+        quantize(weight, max |w| of each whole row)."""
+        row_parallel = {m for name, m in self.named_modules() if name.endswith((".o", ".down"))}
+        for module in list(modules):
+            dense = isinstance(module, Linear) and module.quantized is None
+            if dense and fits(module.out_features, module.in_features):
+                absmax = module.weight.abs().amax(dim=1)
+                if module in row_parallel:  # a rank holds some columns: the whole row's largest
+                    self.tp.all_reduce_max(absmax)
+                module.set_quantized(quantize(module.weight, absmax))
 
     def use_int8_activations(self) -> int:
         """Lay every quantized linear layer (the tied logits' too) out for the kernels' integer
@@ -367,7 +417,7 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 dense = str(module.weight.dtype).removeprefix("torch.")
                 name = module.quantized.source if module.quantized else dense
-                if module.quantized is not None and module.quantized.int8_activations:
+                if getattr(module.quantized, "int8_activations", False):
                     name += " with int8 activations"
                 counts[name] = counts.get(name, 0) + 1
         return counts

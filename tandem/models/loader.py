@@ -161,6 +161,8 @@ def build_model(
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if quantization == "int8":
         model.quantize_int8()
+    elif quantization == "fp8":
+        model.quantize_fp8()
     if int8_activations and not model.use_int8_activations():
         raise ModelLoadError(
             "int8_activations needs quantized linear layers: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K "

@@ -8,7 +8,7 @@ A layer's experts are two stacked parameters ([experts, 2 * inter, hidden] and [
 inter]), not a module per expert: Qwen3-30B-A3B has 6144 experts, and a module each costs a
 minute to build. On the CPU fast path each expert's matrices are packed into panels for
 Tandem's own GEMM, through `ops/linear.linear` as every dense layer does. The experts stay in
-float under `quantization="int8"`, and a GGUF's expert blocks are dequantized.
+float under `quantization="int8"` and `"fp8"`, and a GGUF's expert blocks are dequantized.
 Qwen2-MoE adds a shared expert that every token takes, scaled by a sigmoid gate.
 
 Under tensor parallelism every expert's intermediate dimension is split across the ranks (gate

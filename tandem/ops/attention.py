@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -33,6 +34,31 @@ def write_kv(
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
 
+RotaryOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, ...) -> (q, k)
+
+
+def rotary_then_write_kv(rotary: RotaryOp) -> RotaryOp:
+    """An ops module's `rotary_and_cache` from its `rotary`: rotate q and k, then write the
+    step's K and V into the cache (CUDA's fused kernel does both in one launch)."""
+
+    def rotary_and_cache(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = rotary(q, k, positions, cos, sin)
+        write_kv(k, v, k_cache, v_cache, slots)
+        return q, k
+
+    return rotary_and_cache
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -43,7 +69,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """The step's attention, once its K/V are in the cache (each ops module's
+    `rotary_and_cache` writes them): on CUDA the Triton kernels, else the portable op."""
     if q.is_cuda and (kernels := triton_kernels()) is not None:
         return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
     return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from tandem.ops.attention import portable_attention, write_kv
+from tandem.ops.attention import portable_attention, rotary_then_write_kv
 from tandem.ops.attention_metadata import AttentionMetadata
 
 
@@ -44,6 +44,10 @@ def rotary(
     return q, k
 
 
+# rotary, then the step's K (rotated) and V written into the paged cache at the slots.
+rotary_and_cache = rotary_then_write_kv(rotary)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.tandem.silu_and_mul(x)
 
@@ -58,9 +62,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Decodes read the cache in place (from their window's start); prefill chunks as the
-    portable op."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """Once the step's K/V are in the cache: decodes read it in place (from their window's
+    start); prefill chunks as the portable op."""
     d = meta.num_decodes
     if not d:
         return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)

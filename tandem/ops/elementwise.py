@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.attention import paged_attention  # noqa: F401 - every ops module has one
+from tandem.ops.attention import paged_attention, rotary_then_write_kv  # noqa: F401 - every ops module has one
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,6 +39,10 @@ def rotary(
     c = cos[positions].to(q.dtype)[:, None, :]
     s = sin[positions].to(q.dtype)[:, None, :]
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+# rotary, then the step's K (rotated) and V written into the paged cache at the slots.
+rotary_and_cache = rotary_then_write_kv(rotary)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Linear layers over float32 weights packed for the CPU, or over quantized weights
-(`quantized.py`).
+(`quantized.py`: the CPU kernels' blocks; `fp8.py`: e4m3 per channel).
 
 On a CPU in float32 the fast path packs every weight once: into panels of output rows for the
 fused kernels' own GEMM (csrc: `gemm`), which multiplies a step of any row count as sums of outer
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.ops import cpu_kernels
+from tandem.ops.fp8 import Fp8Weight, dequantize_fp8, fp8_linear
 from tandem.ops.quantized import (
     GROUP_ROWS,
     QuantizedWeight,
@@ -70,6 +71,10 @@ def rows_from_panels(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return panels[ids // width, :, ids % width]
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def shape_only(*leading: int) -> nn.Parameter:
     """A weight that holds no values, only its leading sizes: [*leading, 0] (the GEMMs read the
     out features from it; anything that would multiply by it fails on its shape)."""
@@ -81,10 +86,12 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
-    quantized: QuantizedWeight | None = None,
+    quantized: QuantizedWeight | Fp8Weight | None = None,
 ) -> torch.Tensor:
     """x [M, in] @ weight [out, in].T (+ bias): over the quantized weight when there is one, else
     through the packed weight when there is one (the fast path), else F.linear."""
+    if isinstance(quantized, Fp8Weight):
+        return fp8_linear(x, quantized, bias)
     if quantized is not None:
         return quantized_linear(x, quantized, bias)
     if packed is None:
@@ -108,13 +115,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
-        self.quantized: QuantizedWeight | None = None
+        self.quantized: QuantizedWeight | Fp8Weight | None = None
 
     def drop_dense_weight(self) -> None:
         """Keep no float weight (it is to be loaded quantized): an empty parameter in its place."""
         self.weight = nn.Parameter(torch.empty(0, device=self.weight.device), requires_grad=False)
 
-    def set_quantized(self, q: QuantizedWeight) -> None:
+    def set_quantized(self, q: QuantizedWeight | Fp8Weight) -> None:
         if q.shape != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight {q.shape} for a {self.out_features} x "
                              f"{self.in_features} layer")  # fmt: skip
@@ -146,8 +153,18 @@ class Linear(nn.Module):
                 self.weight = shape_only(self.out_features)
         return self.packed is not None or self.quantized is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes one forward reads of this layer: the weight as it is held (quantized, packed or
+        float) and the bias."""
+        held = self.packed if self.packed is not None else self.weight
+        weight = self.quantized.nbytes if self.quantized is not None else tensor_bytes(held)
+        return weight + (tensor_bytes(self.bias) if self.bias is not None else 0)
+
     def float_weight(self) -> torch.Tensor:
         """The layer's weight [out, in] in float32, however it is held (for inspection)."""
+        if isinstance(self.quantized, Fp8Weight):
+            return dequantize_fp8(self.quantized)
         if self.quantized is not None:
             return dequantize(self.quantized)
         if self.packed is not None and self.packed.dim() == 3:
@@ -158,6 +175,8 @@ class Linear(nn.Module):
         """The five tensors the fused forward reads per linear layer (csrc: LayerWeight): the
         float weight or the quantized values, the packed weight, scales, offsets, bias."""
         packed, bias = or_empty(self.packed), or_empty(self.bias)
+        if isinstance(self.quantized, Fp8Weight):
+            raise ValueError("the fused forward has no FP8 GEMM")
         if self.quantized is not None:
             values, scales, offsets = self.quantized.flat()
             return [values, packed, scales, offsets, bias]

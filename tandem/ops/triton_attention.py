@@ -16,7 +16,7 @@ row from device tensors, bounding its loop on the device. Long contexts are spli
 split count depends on the batch shape and the GPU only, never on the context lengths.
 
 Prefill (`prefill_attention`) runs one launch per chunk from the host ints of its
-`PrefillSegment`: the chunk's keys, already written into the cache by `write_kv`, and its cached
+`PrefillSegment`: the chunk's keys, already written into the cache (`rotary_and_cache`), and its cached
 prefix are read through the block table, causally (and within the sliding window).
 
 tests/test_triton_attention.py runs these kernels on CPU tensors in Triton's interpreter
@@ -492,7 +492,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     """One chunk's queries attend causally to its request's cached prefix and to themselves.
 
-    The chunk's own K/V must already be in the cache (`write_kv` runs first)."""
+    The chunk's own K/V must already be in the cache (`rotary_and_cache` runs first)."""
     _check(q, k_cache, v_cache)
     num_heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]

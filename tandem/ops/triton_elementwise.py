@@ -3,7 +3,8 @@
 Why: an eager Llama layer in portable PyTorch launches about 43 kernels, 30 of them for two
 RMSNorms and the rotary embedding. On an H200 at batch 32 an 8B model's decode step is 1391
 kernels, and even replayed from a CUDA graph the device idles about half a microsecond between
-two of them: 8% of the step. Fused, a layer is about 13 kernels.
+two of them: 8% of the step. Fused, a layer is about 11 kernels (the rotary embedding and the
+step's K/V store into the cache are one).
 
 Each kernel keeps `ops/elementwise.py`'s arithmetic: every intermediate that PyTorch rounds to the
 model's dtype is rounded here too, products and sums are not contracted into FMAs
@@ -23,6 +24,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from tandem.ops.attention import paged_attention  # noqa: F401 - the Triton kernels on CUDA
+from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 _EXACT = {"enable_fp_fusion": False}  # a*b + c stays two roundings, as in PyTorch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -100,7 +102,8 @@ def _rotate_heads(
     x_ptr, stride_t, stride_h, token, n_heads, c1, c2, s1, s2, offs_d, mask_d,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """x*cos + rotate_half(x)*sin for every head of one token, in place."""
+    """x*cos + rotate_half(x)*sin for every head of one token, in place. Returns the two halves,
+    the heads' offsets and the mask, for a copy into the cache."""
     heads = tl.arange(0, BLOCK_H)
     mask = (heads < n_heads)[:, None] & mask_d[None, :]
     first = x_ptr + token * stride_t + heads[:, None] * stride_h + offs_d[None, :]
@@ -108,17 +111,20 @@ def _rotate_heads(
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = _round(a * c1[None, :], dtype) + _round(-b * s1[None, :], dtype)
-    out2 = _round(b * c2[None, :], dtype) + _round(a * s2[None, :], dtype)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    out1 = (_round(a * c1[None, :], dtype) + _round(-b * s1[None, :], dtype)).to(dtype)
+    out2 = (_round(b * c2[None, :], dtype) + _round(a * s2[None, :], dtype)).to(dtype)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2, heads, mask
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_table, n_q_heads, n_k_heads,
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    stride_slot, stride_cache_h, n_q_heads, n_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -133,8 +139,18 @@ def _rotary_kernel(
     s2 = _round(tl.load(sin_ptr + row + HALF, mask=mask_d, other=0.0), dtype)
     _rotate_heads(q_ptr, stride_qt, stride_qh, token, n_q_heads, c1, c2, s1, s2, offs_d, mask_d,
                   HALF, BLOCK_QH)  # fmt: skip
-    _rotate_heads(k_ptr, stride_kt, stride_kh, token, n_k_heads, c1, c2, s1, s2, offs_d, mask_d,
-                  HALF, BLOCK_KH)  # fmt: skip
+    k1, k2, heads, mask = _rotate_heads(
+        k_ptr, stride_kt, stride_kh, token, n_k_heads, c1, c2, s1, s2, offs_d, mask_d, HALF,
+        BLOCK_KH,
+    )  # fmt: skip
+    if WRITE_CACHE:  # the step's rotated K and its V into the paged cache, at the token's slot
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        cached = slot * stride_slot + heads[:, None] * stride_cache_h + offs_d[None, :]
+        tl.store(k_cache_ptr + cached, k1, mask=mask)
+        tl.store(k_cache_ptr + cached + HALF, k2, mask=mask)
+        v_first = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
+        tl.store(v_cache_ptr + cached, tl.load(v_first, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + cached + HALF, tl.load(v_first + HALF, mask=mask), mask=mask)
 
 
 def rotary(
@@ -146,17 +162,44 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`elementwise.rotary` in one kernel for q and k, in place (they are views of the step's
     fresh qkv projection)."""
+    _launch_rotary(q, k, None, positions, cos, sin, None, None, None)
+    return q, k
+
+
+def rotary_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [T]: block * block_size + offset
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`elementwise.rotary_and_cache` in one kernel: q and k rotated in place, the rotated k and
+    v stored at their slots. Three kernels (rotary, two index copies) in one."""
+    _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    return q, k
+
+
+def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> None:
     tokens, dim = q.shape[0], q.shape[-1]
     if tokens == 0:
-        return q, k
+        return
+    write = k_cache is not None
+    if write:
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     half = dim // 2
     _rotary_kernel[(tokens,)](
-        q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), q.shape[1], k.shape[1], HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        q, k, v if write else k, positions, cos, sin, slots if write else positions,
+        k_cache if write else k, v_cache if write else k, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0) if write else 0, v.stride(1) if write else 0, cos.stride(0),
+        k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0, q.shape[1],
+        k.shape[1], HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        **_EXACT,
+        WRITE_CACHE=write, **_EXACT,
     )  # fmt: skip
-    return q, k
 
 
 @triton.jit
@@ -185,3 +228,49 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), width // 2, BLOCK=block,
                                    LIBDEVICE=not _INTERPRETED, **_EXACT)  # fmt: skip
     return out
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
+    the step is 2^(exponent - 3) (2^-9 below 2^-6, e4m3's subnormals), and adding and taking
+    away 1.5 * 2^23 rounds |v| / step (below 16) to an integer as float32 addition rounds; the
+    sign is put back after, so a negative value that rounds to zero is -0 as in PyTorch. The
+    conversion that follows is then exact: Triton's interpreter rounds some values across a
+    power of two wrongly by itself."""
+    bits = v.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(v)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    step_bits = (tl.maximum(exponent, -6) - 3 + 127) << 23
+    step = step_bits.to(tl.float32, bitcast=True)
+    rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -rounded, rounded)  # the sign bit: -0 included
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(
+    x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, n_cols, fp8_max, min_scale,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), min_scale)
+    codes = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
+    tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
+    tl.store(scales_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8.quantize_rows` in one kernel: e4m3 codes [R, C] and float32 scales [R, 1], the same
+    bits."""
+    rows, cols = x.shape
+    codes = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_fp8_kernel[(rows,)](
+            x, codes, scales, x.stride(0), codes.stride(0), cols, FP8_MAX, MIN_SCALE,
+            BLOCK=triton.next_power_of_2(cols), **_EXACT,
+        )  # fmt: skip
+    return codes, scales
