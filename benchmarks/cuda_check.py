@@ -97,21 +97,13 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def ceilings() -> tuple[float, float | None]:
-    """(streaming, nominal) bandwidth of the device, bytes/s."""
-    from tandem.bench.roofline import nominal_bandwidth, streaming_bandwidth
-
-    device = torch.device(DEVICE)
-    return streaming_bandwidth(device), nominal_bandwidth(device)
-
-
 def run_figures(name: str, engine, run, kernels, bandwidth: tuple[float, float | None]) -> dict:
     """One run's figures for the table and the JSON: throughput, idle at both levels, kernels
     per step, and the decode steps' bytes and share of bandwidth."""
     from tandem.bench.roofline import decode_roofline
 
     summary = run.summary
-    roofline = decode_roofline(run.records, engine.execution.weight_bytes, *bandwidth)
+    roofline = decode_roofline(run.records, engine.execution.weight_bytes)
     figures = {
         "name": name,
         "requests": len(run.outputs),
@@ -289,9 +281,10 @@ def blog_experiment(
     With `hf_len`, async with graphs also runs the shorter workload transformers runs."""
     from tandem import Engine, EngineConfig
     from tandem.bench import profile_window, run_workload
+    from tandem.bench.roofline import ceilings
 
     rates = {}
-    bandwidth = ceilings()
+    bandwidth = ceilings(torch.device(DEVICE))
     max_model_len = 64 + output_len + 16
     for graphs in graph_modes:
         start = time.perf_counter()
@@ -341,8 +334,9 @@ def fp8_experiment(output_len: int) -> dict[str, float]:
     tokens. Returns tokens/s by weights."""
     from tandem import Engine, EngineConfig, SamplingParams
     from tandem.bench import run_workload
+    from tandem.bench.roofline import ceilings
 
-    bandwidth = ceilings()
+    bandwidth = ceilings(torch.device(DEVICE))
     max_model_len = 64 + max(output_len, FP8_PROMPT_LEN + FP8_GREEDY_TOKENS) + 16
     params = SamplingParams(max_tokens=FP8_GREEDY_TOKENS, temperature=0, ignore_eos=True,
                             prompt_logprobs=0)  # fmt: skip

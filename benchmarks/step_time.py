@@ -42,16 +42,6 @@ from tandem.bench.roofline import STREAM_BYTES, streaming_bandwidth  # noqa: E40
 BLOCK_SIZE = 16
 
 
-def streaming_gbs(threads: int) -> float:
-    """This machine's read bandwidth on `threads` cores (a timed sum, `streaming_bandwidth`)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return streaming_bandwidth(torch.device("cpu")) / 1e9
-    finally:
-        torch.set_num_threads(before)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default",
@@ -214,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = [measure(args, model.path, model.allowed_ids, path) for path in args.path_list]
     cores = os.cpu_count() or 1
-    stream = {1: streaming_gbs(1), cores: streaming_gbs(cores)}
+    stream = {n: streaming_bandwidth(torch.device("cpu"), n) / 1e9 for n in (1, cores)}
     print(
         f"this machine streams {stream[1]:.1f} GB/s on one core, {stream[cores]:.1f} GB/s on "
         f"{cores} (x.sum() over {STREAM_BYTES['cpu'] // 2**20} MiB, median of 7)"

@@ -78,18 +78,18 @@ def test_the_roofline_counts_decode_steps_only():
         record(3, 12, 4, 3.0, 999, drafted=8),  # a verification: left out
         record(4, 4, 4, 0.0, 999, skipped=True),  # never ran
     ]
-    roofline = decode_roofline(records, 1000, streaming_bytes_per_s=4e6, nominal_bytes_per_s=None)
+    roofline = decode_roofline(records, 1000)
     assert roofline.steps == 2 and roofline.kv_bytes == 200
     assert roofline.device_s == pytest.approx(3e-3)
     assert roofline.reached_bytes_per_s == pytest.approx(1200 / 3e-3)
     assert roofline.fraction_of(4e6) == pytest.approx(0.1)
     assert roofline.fraction_of(None) is None
-    assert decode_roofline(records[:1], 1000, 4e6, None) is None  # no decode step
-    assert decode_roofline(records, None, 4e6, None) is None  # experts: no weight figure
+    assert decode_roofline(records[:1], 1000) is None  # no decode step
+    assert decode_roofline(records, None) is None  # experts: no weight figure
 
 
 def test_a_cpu_streams_and_has_no_datasheet_figure():
-    assert streaming_bandwidth(torch.device("cpu"), repeats=2) > 1e8
+    assert streaming_bandwidth(torch.device("cpu"), 1, repeats=2) > 1e8
     assert nominal_bandwidth(torch.device("cpu")) is None
 
 

@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
-from tandem.bench.roofline import Roofline, decode_roofline, nominal_bandwidth, streaming_bandwidth
+from tandem.bench.roofline import Roofline, ceilings, decode_roofline
 from tandem.bench.run import Run, run_workload
 from tandem.bench.workloads import (
     BLOG_CUDA_MODEL,
@@ -177,18 +177,6 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
         "profiler pause (ms, in wall)",
         *(cell(w, lambda w: f"{w.pause_s * 1e3:.0f}") for w in windows),
     )
-
-
-def device_ceilings(engine: Engine) -> tuple[float, float | None]:
-    """(streaming, nominal) bandwidth in bytes/s of the engine's device; a CPU streams with the
-    engine's compute threads for decodes."""
-    device = engine.config.torch_device
-    before = torch.get_num_threads()
-    torch.set_num_threads(engine.execution.cpu_threads or before)
-    try:
-        return streaming_bandwidth(device), nominal_bandwidth(device)
-    finally:
-        torch.set_num_threads(before)
 
 
 def add_roofline_rows(
@@ -595,7 +583,9 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     window = profile_window(workload) if args.profile and on_cuda else None
     if window is not None:
         KernelProfiler.warm_up()
-    ceilings = device_ceilings(engine) if args.profile else None
+    bandwidth = None
+    if args.profile:  # a CPU streams on the engine's compute threads for decodes
+        bandwidth = ceilings(config.torch_device, engine.execution.cpu_threads)
     runs = run_columns(engine, columns, args, window, console)
     engine.close()
     # Interleaved repeats and medians: a shared machine's noise is larger than the effect.
@@ -648,12 +638,10 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         table.add_row(label, *(fmt.format(stats[c].get(key, 0)) for c in names))
         if key == "device_idle_pct" and window is not None:
             add_kernel_rows(table, [results[c].kernels for c in names])
-    if ceilings is not None:
-        rooflines = [
-            decode_roofline(results[c].records, engine.execution.weight_bytes, *ceilings)
-            for c in names
-        ]
-        add_roofline_rows(table, rooflines, *ceilings)
+    if bandwidth is not None:
+        weights = engine.execution.weight_bytes
+        rooflines = [decode_roofline(results[c].records, weights) for c in names]
+        add_roofline_rows(table, rooflines, *bandwidth)
 
     def all_tokens_per_s(column: Column) -> float:
         summary = results[column.name].summary

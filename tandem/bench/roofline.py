@@ -26,14 +26,12 @@ STREAM_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}  # beyond the caches (CPU L3,
 
 @dataclass
 class Roofline:
-    """The decode steps of a run: what they read, how long the device took, against ceilings."""
+    """The decode steps of a run: what they read and how long the device took."""
 
     steps: int
     weight_bytes: int  # per step
     kv_bytes: float  # per step, mean
     device_s: float  # per step, mean
-    streaming_bytes_per_s: float  # the device's own read-only figure
-    nominal_bytes_per_s: float | None  # the datasheet's, where known
 
     @property
     def bytes_per_step(self) -> float:
@@ -47,12 +45,7 @@ class Roofline:
         return None if not ceiling else self.reached_bytes_per_s / ceiling
 
 
-def decode_roofline(
-    records: list[StepRecord],
-    weight_bytes: int | None,
-    streaming_bytes_per_s: float,
-    nominal_bytes_per_s: float | None,
-) -> Roofline | None:
+def decode_roofline(records: list[StepRecord], weight_bytes: int | None) -> Roofline | None:
     """The roofline of a run's decode steps: steps that ran one token per request (no prefill
     chunk, no drafts to verify). None without them, or without a weight figure (experts)."""
     decodes = [
@@ -66,9 +59,12 @@ def decode_roofline(
         weight_bytes=weight_bytes,
         kv_bytes=statistics.fmean(r.kv_bytes for r in decodes),
         device_s=statistics.fmean(r.device[1] - r.device[0] for r in decodes),
-        streaming_bytes_per_s=streaming_bytes_per_s,
-        nominal_bytes_per_s=nominal_bytes_per_s,
     )
+
+
+def ceilings(device: torch.device, threads: int | None = None) -> tuple[float, float | None]:
+    """(streaming, nominal) bandwidth of `device` in bytes/s; a CPU streams on `threads`."""
+    return streaming_bandwidth(device, threads), nominal_bandwidth(device)
 
 
 def nominal_bandwidth(device: torch.device) -> float | None:
@@ -79,9 +75,20 @@ def nominal_bandwidth(device: torch.device) -> float | None:
     return next((bw for part, bw in NOMINAL_BANDWIDTH if part in name), None)
 
 
-def streaming_bandwidth(device: torch.device, repeats: int = 7) -> float:
+def streaming_bandwidth(
+    device: torch.device, threads: int | None = None, repeats: int = 7
+) -> float:
     """What `device` reads per second when it only reads: the median of timed sums over a buffer
-    larger than its caches (on a CPU, with torch's current thread count)."""
+    larger than its caches (on a CPU, on `threads` threads; None: torch's current count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _timed_sums(device, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _timed_sums(device: torch.device, repeats: int) -> float:
     x = torch.ones(STREAM_BYTES[device.type] // 4, device=device)
     x.sum()  # touch every page first
     times = []

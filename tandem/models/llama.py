@@ -13,7 +13,7 @@ slice of the vocabulary for the embedding and the LM head.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
     @property
     def has_fused_forward(self) -> bool:
         one_window = len(set(self.spec.layer_windows())) == 1
-        fp8 = any(isinstance(getattr(m, "quantized", None), Fp8Weight) for m in self.modules())
+        fp8 = any(self._fp8_layers())  # the one-call forward has no FP8 GEMM
         return self.family_has_fused_forward and one_window and self.spec.moe is None and not fp8
 
     def forward(
@@ -360,9 +360,15 @@ class LlamaModel(nn.Module):
 
     def use_fp8_row_quantizer(self, quantize_rows: RowQuantizer) -> None:
         """How every FP8 layer rounds its input rows (the fused ops' one kernel on CUDA)."""
-        for module in self.modules():
-            if isinstance(getattr(module, "quantized", None), Fp8Weight):
-                module.quantized.quantize_rows = quantize_rows
+        for module in self._fp8_layers():
+            module.quantized.quantize_rows = quantize_rows
+
+    def _fp8_layers(self) -> Iterator[Linear]:
+        return (
+            m
+            for m in self.modules()
+            if isinstance(m, Linear) and isinstance(m.quantized, Fp8Weight)
+        )
 
     @torch.no_grad()  # a graph from the scales back to the weight would keep the weight alive
     def quantize_int8(self) -> None:
