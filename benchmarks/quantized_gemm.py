@@ -33,7 +33,14 @@ discarded and run again, for up to --patience seconds per M. Per implementation:
               error: activation rounding, accumulation)
 
     python benchmarks/quantized_gemm.py [--rows 1,4,32,128] [--rounds 7] [--budget 3]
-                                        [--busy 0.1] [--patience 900]
+                                        [--busy 0.1] [--patience 900] [--baseline DIR]
+
+`--baseline DIR` times a kernel change against the code before it in the same rounds: the CPU
+kernels of another checkout (say `git worktree add /tmp/before HEAD~1`) are built beside this
+one's, their ops under `torch.ops.tandem_baseline`, and each Tandem row gets a "(baseline)" twin
+fed the same prepared weights (so the two must share the weights' layout). The ratio of a row
+to its twin, from interleaved rounds, is what a change gained: separate runs on a shared
+machine differ by more than most kernel changes do.
     python benchmarks/quantized_gemm.py --only "fp32 MKL packed,fp32 tandem gemm" \
         --rows 1,8,32,256,2048 --budget 20            # float32, decode to prefill sizes
 
@@ -47,11 +54,14 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -219,7 +229,7 @@ def fbgemm_dynamic() -> Impl:
     )
 
 
-def tandem_quantized(bits: int, int8_activations: bool = False) -> Impl:
+def tandem_quantized(bits: int, int8_activations: bool = False, baseline: bool = False) -> Impl:
     """Tandem's layout (rows in groups of 16, a scale per row and block of 32 columns, 4-bit with
     an offset too) through its fused kernel; int4 here is Q4_0-like: code + 8, offset -8 * scale.
     `int8_activations`: the runs-of-4 layout, activations rounded to int8, integer products."""
@@ -242,10 +252,14 @@ def tandem_quantized(bits: int, int8_activations: bool = False) -> Impl:
     q = prepare(torch.randn(n, k))
     per_weight = getattr(q, "nbytes", None) or tensor_bytes(q)  # what its object holds
     dequantize = getattr(quantized, "dequantize", None)
+    no_bias = torch.empty(0)
+    ops = torch.ops.tandem_baseline if baseline else torch.ops.tandem
     return Impl(
-        f"int{bits} tandem quantized_linear" + (" xint8" if int8_activations else ""),
+        f"int{bits} tandem quantized_linear"
+        + (" xint8" if int8_activations else "")
+        + (BASELINE if baseline else ""),
         prepare,
-        quantized.quantized_linear,
+        lambda x, qw: ops.quantized_linear(x, *qw.flat(), no_bias),
         lambda w, qw: dequantize(qw).double() if dequantize else None,
         lambda n_, k_: n_ * k_ * per_weight / (n * k),
     )
@@ -264,7 +278,7 @@ def tensor_bytes(obj: object) -> int:
     return 0
 
 
-def tandem_gemm() -> Impl:
+def tandem_gemm(baseline: bool = False) -> Impl:
     from tandem.ops import cpu_kernels
     from tandem.ops.linear import pack_panels
 
@@ -272,16 +286,51 @@ def tandem_gemm() -> Impl:
     if not build.available:
         raise RuntimeError(f"fused CPU kernels not built: {build.error}")
     no_bias = torch.empty(0)
+    ops = torch.ops.tandem_baseline if baseline else torch.ops.tandem
     return Impl(
-        "fp32 tandem gemm",
+        "fp32 tandem gemm" + (BASELINE if baseline else ""),
         lambda w: (pack_panels(w), w.shape[0]),
-        lambda x, st: torch.ops.tandem.gemm(x, st[0], no_bias, st[1]),
+        lambda x, st: ops.gemm(x, st[0], no_bias, st[1]),
         lambda w, st: w.double(),
         lambda n, k: 4 * n * k,
     )
 
 
-def implementations() -> list[Impl]:
+BASELINE = " (baseline)"
+
+
+def load_baseline(checkout: str) -> None:
+    """Build the CPU kernels of another checkout beside this one's, under the op namespace
+    `tandem_baseline` (the sources' library name rewritten in a copy)."""
+    from torch.utils import cpp_extension
+
+    from tandem.ops import cpu_kernels
+
+    source = Path(checkout) / "tandem" / "ops" / "csrc"
+    if not source.is_dir():
+        raise SystemExit(f"--baseline {checkout}: no tandem/ops/csrc there")
+    build = Path(tempfile.mkdtemp(prefix="tandem-baseline-"))
+    for file in source.iterdir():
+        if file.is_file():
+            shutil.copyfile(file, build / file.name)
+    library = build / "cpu_kernels.cpp"
+    text = library.read_text()
+    for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
+        text = text.replace(f"{macro}tandem,", f"{macro}tandem_baseline,")
+    library.write_text(text)
+    start = time.perf_counter()
+    cpp_extension.load(
+        name="tandem_baseline_kernels",
+        sources=[str(f) for f in sorted(build.glob("*.cpp"))],
+        extra_cflags=cpu_kernels.cflags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
+    print(f"baseline kernels from {source} built in {time.perf_counter() - start:.0f} s")
+
+
+def implementations(baseline: bool = False) -> list[Impl]:
     fp32 = lambda w, st: w.double()  # noqa: E731
     fp32_bytes = lambda n, k: 4 * n * k  # noqa: E731
     impls = [
@@ -314,6 +363,17 @@ def implementations() -> list[Impl]:
         "int8 tandem quantized_linear xint8": lambda: tandem_quantized(8, True),
         "int4 tandem quantized_linear xint8": lambda: tandem_quantized(4, True),
     }
+    if baseline:
+        makers |= {
+            "fp32 tandem gemm" + BASELINE: lambda: tandem_gemm(baseline=True),
+            **{
+                f"int{bits} tandem quantized_linear{act}{BASELINE}": functools.partial(
+                    tandem_quantized, bits, bool(act), baseline=True
+                )
+                for bits in (8, 4)
+                for act in ("", " xint8")
+            },
+        }
     for name, make in makers.items():
         try:
             impls.append(make())
@@ -338,7 +398,12 @@ def main() -> int:
     parser.add_argument(
         "--only", default="", help="comma-separated implementation names (default: every one)"
     )
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="a checkout whose kernels to time beside these"
+    )
     args = parser.parse_args()
+    if args.baseline:
+        load_baseline(args.baseline)
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     rows = [int(m) for m in args.rows.split(",")]
     torch.manual_seed(0)
@@ -359,12 +424,12 @@ def main() -> int:
 
     prepared: dict[str, dict[tuple[str, int], object]] = {}
     impls = []
-    available = implementations()
+    available = implementations(baseline=bool(args.baseline))
     unknown = only - {impl.name for impl in available}
     if unknown:
         parser.error(f"--only: no implementation here is named {', '.join(sorted(unknown))}")
     for impl in available:
-        if only and impl.name not in only:
+        if only and impl.name.removesuffix(BASELINE) not in only:  # a row selects its twin
             continue
         try:
             start = time.perf_counter()
@@ -474,6 +539,13 @@ def main() -> int:
                 f"{impl.name:<38} {mb:6.1f} {t * 1e3:8.1f}{mark} {spread:>7} {gbs:5.1f} "
                 f"{gbs / stream:9.0%} {err:8.1e} {kern:8.1e}"
             )
+        for name in times:  # each timed round holds every row, so rounds pair up
+            twin = name + BASELINE
+            if twin in times:
+                ratio = statistics.median(
+                    b / a for a, b in zip(times[name], times[twin], strict=True)
+                )
+                print(f"{name}: baseline / current {ratio:.3f} (median of the rounds' ratios)")
     print(
         "\nMB: the format's weight bytes per forward (codes + scales); GB/s = MB / ms; spread: "
         "(max - min) / median over the rounds; of stream: GB/s / the streaming rate, a x.sum() "

@@ -172,6 +172,21 @@ constexpr int64_t groups_per_tile(bool four_bit, int64_t rows) {
   return four_bit && rows == 1 ? std::max<int64_t>(1, 4 / kVectors) : 1;
 }
 
+// A group's walk asks for the codes and scales of the block kPrefetchBlocks ahead (1-2 KiB) as
+// it starts each block: with the hardware's prefetcher alone, steps of up to a tile of rows ran
+// 1.05-1.5x slower (the codes' latency, not their arithmetic, bounded them). Past a group's end
+// it reads ahead into the next group (a prefetch never faults).
+constexpr int64_t kPrefetchBlocks = 4;
+
+template <bool kFourBit, typename Scale>
+inline void prefetch_block(const Group<Scale>& g, int64_t b) {
+  constexpr int64_t bytes = kBlockCols * kGroupRows / (kFourBit ? 2 : 1);
+  const uint8_t* codes = g.values + b * bytes;
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(codes + line, 0, 3);
+  __builtin_prefetch(g.scales + b * kGroupRows, 0, 3);
+  if (g.offsets != nullptr) __builtin_prefetch(g.offsets + b * kGroupRows, 0, 3);
+}
+
 // T rows of x (T <= kTileRows) against P adjacent groups: the accumulators stay in registers.
 template <bool kFourBit, typename Scale, int64_t T, int64_t P>
 void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float* x,
@@ -179,6 +194,7 @@ void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float
   Column acc[T][P] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlockCols;
+    for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit>(g[p], b + kPrefetchBlocks);
     for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&w)[P]) {
       for (int64_t t = 0; t < T; ++t) {
         const float xv = xb[t * x_stride + j];
@@ -257,6 +273,7 @@ void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const floa
   int64_t order[kBlockCols];
   for (int64_t t = 0; t < rows; ++t) std::fill_n(out + t * out_stride, kGroupRows, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_block<kFourBit>(g[0], b + kPrefetchBlocks);
     int64_t c = 0;
     for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&col)[1]) {
       order[c] = j;
@@ -455,6 +472,7 @@ void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int
                     float* out, int64_t out_stride) {
   Column acc[T] = {};
   for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_block<kFourBit>(g, b + kPrefetchBlocks);
     const Column s = load_scales(g.scales + b * kGroupRows);
 #if defined(TANDEM_INTEGER_VECTORS)
     {
