@@ -34,6 +34,12 @@ discarded and run again, for up to --patience seconds per M. Per implementation:
 
     python benchmarks/quantized_gemm.py [--rows 1,4,32,128] [--rounds 7] [--budget 3]
                                         [--busy 0.1] [--patience 900] [--baseline DIR]
+    python benchmarks/quantized_gemm.py --only "fp32 MKL packed,fp32 tandem gemm" \
+        --rows 1,8,32,256,2048 --budget 20            # float32, decode to prefill sizes
+
+An implementation whose first forward takes longer than --budget seconds gets that single run
+as its time (marked *) instead of the rounds, and no larger M. An op that is missing or fails
+is named with the reason and gets no row.
 
 `--baseline DIR` times a kernel change against the code before it in the same rounds: the CPU
 kernels of another checkout (say `git worktree add /tmp/before HEAD~1`) are built beside this
@@ -41,12 +47,6 @@ one's, their ops under `torch.ops.tandem_baseline`, and each Tandem row gets a "
 fed the same prepared weights (so the two must share the weights' layout). The ratio of a row
 to its twin, from interleaved rounds, is what a change gained: separate runs on a shared
 machine differ by more than most kernel changes do.
-    python benchmarks/quantized_gemm.py --only "fp32 MKL packed,fp32 tandem gemm" \
-        --rows 1,8,32,256,2048 --budget 20            # float32, decode to prefill sizes
-
-An implementation whose first forward takes longer than --budget seconds gets that single run
-as its time (marked *) instead of the rounds, and no larger M. An op that is missing or fails
-is named with the reason and gets no row.
 """
 
 from __future__ import annotations

@@ -613,11 +613,13 @@ constexpr int64_t kGemvMaxRows = 8;  // steps up to here walk the panels once, f
 constexpr int64_t kInputsPerPass = 1024;
 
 // How far ahead of its reads a streaming walk of a panel asks for its weights (2 KiB, one line
-// per input). Why: a step of few rows reads every weight once, from memory, and the hardware's
-// prefetcher alone kept such steps 4-7% further from the machine's streaming rate. Larger steps
-// reuse each panel slice from L2, where the same prefetches slowed them by 5-14%. Past a
-// panel's end it reads ahead into the next one (a prefetch never faults).
+// per input), in tiles of up to kPrefetchRows rows. Why: a step of few rows reads every weight
+// once, from memory, and the hardware's prefetcher alone left it further from the streaming
+// rate. Larger steps reuse each panel slice from L2, and tiles of 8 rows (their sums and
+// weights in 28 of AVX-512's registers) ran slower with it. Past a panel's end it reads ahead
+// into the next one (a prefetch never faults).
 constexpr int64_t kPrefetchFloats = 512;
+constexpr int64_t kPrefetchRows = 4;
 
 // Rows [0, MR) of x times one panel over inputs [k0, k1), into `width` outputs: sums start at
 // zero for k0 = 0, else from the partial sums an earlier pass left in out (float32 either way,
@@ -635,7 +637,8 @@ void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t k0
     }
   }
   for (int64_t k = k0; k < k1; ++k) {
-    if constexpr (kStream && MR <= 4) __builtin_prefetch(panel + k * kPanel + kPrefetchFloats, 0, 3);
+    if constexpr (kStream && MR <= kPrefetchRows)
+      __builtin_prefetch(panel + k * kPanel + kPrefetchFloats, 0, 3);
     VecL w[kPanelVectors];
     for (int64_t v = 0; v < kPanelVectors; ++v) w[v] = load_lanes(panel + k * kPanel + v * kLanes);
     for (int64_t m = 0; m < MR; ++m) {
@@ -651,7 +654,7 @@ void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t k0
 }
 
 // Rows [0, rows) of x times one panel over inputs [k0, k1), kPanelRows at a time (bias: null
-// but in the last pass; `stream`: the step's every row, reading the panel once).
+// but in the last pass; `kStream`: these are the step's every row, reading the panel once).
 template <bool kStream>
 void panel_rows(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t k0,
                 int64_t k1, const float* bias, float* out, int64_t out_stride, int64_t width) {

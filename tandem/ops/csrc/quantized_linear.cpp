@@ -172,10 +172,10 @@ constexpr int64_t groups_per_tile(bool four_bit, int64_t rows) {
   return four_bit && rows == 1 ? std::max<int64_t>(1, 4 / kVectors) : 1;
 }
 
-// A group's walk asks for the codes and scales of the block kPrefetchBlocks ahead (1-2 KiB) as
-// it starts each block: with the hardware's prefetcher alone, steps of up to a tile of rows ran
-// 1.05-1.5x slower (the codes' latency, not their arithmetic, bounded them). Past a group's end
-// it reads ahead into the next group (a prefetch never faults).
+// A group's walk asks for the codes and scales of the block kPrefetchBlocks ahead (1-2 KiB, the
+// same bytes in either layout) as it starts each block. Why: with the hardware's prefetcher
+// alone, steps of few rows waited on the codes' latency more than on their arithmetic. Past a
+// group's end it reads ahead into the next group (a prefetch never faults).
 constexpr int64_t kPrefetchBlocks = 4;
 
 template <bool kFourBit, typename Scale>
