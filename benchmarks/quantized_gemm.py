@@ -302,8 +302,6 @@ BASELINE = " (baseline)"
 def load_baseline(checkout: str) -> None:
     """Build the CPU kernels of another checkout beside this one's, under the op namespace
     `tandem_baseline` (the sources' library name rewritten in a copy)."""
-    from torch.utils import cpp_extension
-
     from tandem.ops import cpu_kernels
 
     source = Path(checkout) / "tandem" / "ops" / "csrc"
@@ -319,14 +317,7 @@ def load_baseline(checkout: str) -> None:
         text = text.replace(f"{macro}tandem,", f"{macro}tandem_baseline,")
     library.write_text(text)
     start = time.perf_counter()
-    cpp_extension.load(
-        name="tandem_baseline_kernels",
-        sources=[str(f) for f in sorted(build.glob("*.cpp"))],
-        extra_cflags=cpu_kernels.cflags(),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-    )
+    cpu_kernels.compile_library("tandem_baseline_kernels", sorted(build.glob("*.cpp")), build)
     print(f"baseline kernels from {source} built in {time.perf_counter() - start:.0f} s")
 
 

@@ -100,14 +100,27 @@ def release_openmp_threads() -> None:
         torch.ops.tandem.release_openmp_threads()
 
 
+def compile_library(name: str, sources: list[Path], build_dir: Path) -> None:
+    """Build (or reuse ninja's build in `build_dir`) and load `sources` as the shared library
+    `name`, with this machine's flags (`cflags`); its ops register as the sources declare."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=name,
+        sources=[str(source) for source in sources],
+        extra_cflags=cflags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+    )
+
+
 def load() -> KernelBuild:
     """Load the kernels, building them first if no cached build fits this machine."""
     global _loaded
     if _loaded is not None:
         return _loaded
-    from torch.utils import cpp_extension
-
-    flags = cflags()  # a ValueError here is a wrong TANDEM_CPU_ISA: said, not worked around
+    cflags()  # a ValueError here is a wrong TANDEM_CPU_ISA: said, not worked around
     name = build_name()
     build_dir = cache_root() / "kernels" / name
     cached = (build_dir / f"{name}.so").is_file()
@@ -122,14 +135,7 @@ def load() -> KernelBuild:
             os.replace(staging, copy)
     start = time.perf_counter()
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(build_dir / file.name) for file in SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-        )
+        compile_library(name, [build_dir / file.name for file in SOURCES], build_dir)
     except Exception as exc:  # no compiler, no ninja: the portable path still works
         _loaded = KernelBuild(False, time.perf_counter() - start, False, error=str(exc))
         logger.warning("fused CPU kernels unavailable (%s); using portable ops", exc)

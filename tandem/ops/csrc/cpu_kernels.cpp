@@ -273,7 +273,7 @@ using Vec16Unaligned = float __attribute__((vector_size(64), aligned(4), may_ali
 
 inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16Unaligned*>(p); }
 
-constexpr int64_t kLineFloats = 16;  // floats per 64-byte cache line
+constexpr int64_t kLineFloats = kCacheLineBytes / sizeof(float);
 
 // Lane t of the result is the sum of the kLanes lanes of v[t]. Each level adds the two halves of
 // every token's partial sums, packing two vectors' tokens into one, in order. (A mask indexes

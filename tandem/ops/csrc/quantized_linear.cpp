@@ -182,7 +182,8 @@ template <bool kFourBit, typename Scale>
 inline void prefetch_block(const Group<Scale>& g, int64_t b) {
   constexpr int64_t bytes = kBlockCols * kGroupRows / (kFourBit ? 2 : 1);
   const uint8_t* codes = g.values + b * bytes;
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(codes + line, 0, 3);
+  for (int64_t line = 0; line < bytes; line += kCacheLineBytes)
+    __builtin_prefetch(codes + line, 0, 3);
   __builtin_prefetch(g.scales + b * kGroupRows, 0, 3);
   if (g.offsets != nullptr) __builtin_prefetch(g.offsets + b * kGroupRows, 0, 3);
 }

@@ -17,6 +17,7 @@ constexpr int64_t kRegisters = 32;
 constexpr int64_t kLanes = 8;
 constexpr int64_t kRegisters = 16;
 #endif
+constexpr int64_t kCacheLineBytes = 64;  // what one prefetch brings in
 using VecL = float __attribute__((vector_size(4 * kLanes)));
 using LanesL = int32_t __attribute__((vector_size(4 * kLanes)));
 using VecLUnaligned = float __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
