@@ -54,17 +54,15 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from baseline_kernels import load_baseline
 
 LAYERS = 30
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -299,28 +297,6 @@ def tandem_gemm(baseline: bool = False) -> Impl:
 BASELINE = " (baseline)"
 
 
-def load_baseline(checkout: str) -> None:
-    """Build the CPU kernels of another checkout beside this one's, under the op namespace
-    `tandem_baseline` (the sources' library name rewritten in a copy)."""
-    from tandem.ops import cpu_kernels
-
-    source = Path(checkout) / "tandem" / "ops" / "csrc"
-    if not source.is_dir():
-        raise SystemExit(f"--baseline {checkout}: no tandem/ops/csrc there")
-    build = Path(tempfile.mkdtemp(prefix="tandem-baseline-"))
-    for file in source.iterdir():
-        if file.is_file():
-            shutil.copyfile(file, build / file.name)
-    library = build / "cpu_kernels.cpp"
-    text = library.read_text()
-    for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
-        text = text.replace(f"{macro}tandem,", f"{macro}tandem_baseline,")
-    library.write_text(text)
-    start = time.perf_counter()
-    cpu_kernels.compile_library("tandem_baseline_kernels", sorted(build.glob("*.cpp")), build)
-    print(f"baseline kernels from {source} built in {time.perf_counter() - start:.0f} s")
-
-
 def implementations(baseline: bool = False) -> list[Impl]:
     fp32 = lambda w, st: w.double()  # noqa: E731
     fp32_bytes = lambda n, k: 4 * n * k  # noqa: E731
@@ -394,7 +370,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.baseline:
-        load_baseline(args.baseline)
+        load_baseline(args.baseline)  # registers torch.ops.tandem_baseline
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     rows = [int(m) for m in args.rows.split(",")]
     torch.manual_seed(0)

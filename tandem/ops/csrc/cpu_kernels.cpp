@@ -40,28 +40,46 @@ void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
 }
 
+// The clamp and the 2^n of fast_exp, for a float and for a vector of kLanes floats: the same
+// comparisons and bit operations lane by lane, so both give the same bits.
+inline float clamp_to(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
+inline VecL clamp_to(VecL x, float lo, float hi) {
+  x = x < lo ? VecL{} + lo : x;  // std::max(x, lo)
+  return hi < x ? VecL{} + hi : x;  // std::min(x, hi)
+}
+// 2^n for `shifted` = n + 1.5 * 2^23 (n in its low mantissa bits): n + 127 in the exponent field.
+inline float exponent_scale(float shifted) {
+  int32_t rounded;
+  std::memcpy(&rounded, &shifted, sizeof(rounded));
+  const int32_t bits = (rounded - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+inline VecL exponent_scale(VecL shifted) {
+  return reinterpret_cast<VecL>((reinterpret_cast<LanesL>(shifted) - 0x4B400000 + 127) << 23);
+}
+
 // exp(x) in a form the compiler vectorises (libm's expf is a scalar call): 2^n * e^f with
-// Cody-Waite range reduction and Cephes' degree-6 polynomial, within a few ulp of expf.
-__attribute__((always_inline)) inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
+// Cody-Waite range reduction and Cephes' degree-6 polynomial, within a few ulp of expf. F is
+// float (in loops GCC vectorises) or VecL (explicit vectors, where it does not: the AVX2 build
+// left the decode attention's exponentials scalar).
+template <typename F>
+__attribute__((always_inline)) inline F fast_exp(F x) {
+  x = clamp_to(x, -87.3f, 88.7f);
   // Adding 1.5 * 2^23 rounds to the nearest integer and leaves it in the low mantissa bits
   // (std::floor would keep the loop from vectorising without -ffast-math).
-  const float shifted = x * 1.44269504088896341f + 12582912.f;
-  const float n = shifted - 12582912.f;
-  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  const F shifted = x * 1.44269504088896341f + 12582912.f;
+  const F n = shifted - 12582912.f;
+  const F f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = 1.9875691500e-4f + F{};
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
   p = p * f + 4.1665795894e-2f;
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
   p = p * f * f + f + 1.f;
-  int32_t rounded;
-  std::memcpy(&rounded, &shifted, sizeof(rounded));
-  const int32_t bits = (rounded - 0x4B400000 + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * exponent_scale(shifted);
 }
 
 // Rows per task such that a task touches at least ~32K floats: below that, waking another
@@ -335,8 +353,11 @@ struct LinePrefetcher {
   }
 };
 
-// How far the prefetch runs ahead: 256 lines (16 KiB), the shortest distance that reached full
-// bandwidth for both head shapes measured (docs/experiments.md).
+// How far the prefetch runs ahead: 256 lines (16 KiB; the shortest distance that reached full
+// bandwidth for small rows, docs/experiments.md), or two groups of kLanes rows where that is
+// more. Why the groups: each pass takes a group's rows kv head by kv head, so it wants the
+// group's last rows as soon as its first; with large rows (8 kv heads of 128: a group is 64 KiB)
+// 256 lines fell inside the group, and the kernel waited on rows it had not asked for yet.
 constexpr int64_t kPrefetchLines = 256;
 
 // The V pass's slice of a head, in vectors: the largest divisor of C whose G accumulators and one
@@ -354,7 +375,7 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
 // are read as one contiguous stretch. The kernel is bound by memory latency: each core keeps
 // only so many cache line misses in flight (its line-fill buffers), and a software prefetch
 // waits for a free one before it retires. So the prefetches are spread through the arithmetic,
-// a few lines before each query's scores and each V row, kPrefetchLines ahead: issued in a burst
+// a few lines before each query's scores and each V row, `distance` ahead: issued in a burst
 // (the same row of the next block, for every row gathered), they filled the buffers, stalled
 // retirement and left the arithmetic and the memory taking turns. The spacing matters: the same
 // lines issued a row at a time, back to back, lost the whole gain. Into L2 (prefetcht2), which
@@ -372,6 +393,8 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
   // Each query head's softmax max and sum, W lanes each (reduced after their pass).
   std::vector<VecL> lane_max(nh, VecL{} - std::numeric_limits<float>::infinity());
   std::vector<VecL> lane_sum(nh, VecL{});
+  LanesL lane_index;  // 0, 1, ..., W - 1
+  for (int64_t l = 0; l < W; ++l) lane_index[l] = l;
   const float* qr = p.q + r * p.q_stride + h0 * G * D;
   const int64_t* blocks = p.block_tables + r * p.bt_stride;
   const int64_t lines_per_row = heads * D / kLineFloats;
@@ -403,7 +426,8 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
       body(rows, count, index);
     }
   };
-  prefetch.start(p.k, first, kPrefetchLines);
+  const int64_t distance = std::max(kPrefetchLines, 2 * W * lines_per_row);
+  prefetch.start(p.k, first, distance);
   for_each_group(p.k, [&](const float* const* rows, int64_t /*count*/, int64_t index) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t j = 0; j < G; ++j) {
@@ -430,16 +454,17 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
     head_max[j] = lane_max[j][0];
     for (int l = 1; l < W; ++l) head_max[j] = std::max(head_max[j], lane_max[j][l]);
   }
-  prefetch.start(p.v, first, kPrefetchLines);
+  prefetch.start(p.v, first, distance);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
     // The softmax's numerators of these W tokens, made here rather than in a pass of their own
     // so that the arithmetic overlaps the V rows' arrival.
     for (int64_t j = 0; j < nh; ++j) {
       float* w = scores.data() + j * stride + index;
-#pragma omp simd
-      for (int64_t t = 0; t < W; ++t) w[t] = fast_exp(w[t] - head_max[j]);
-      std::fill(w + count, w + W, 0.f);
-      lane_sum[j] += load_lanes(w);
+      const VecL e = fast_exp(load_lanes(w) - head_max[j]);
+      // Lanes past `count` hold no token.
+      const VecL numerators = lane_index < static_cast<int32_t>(count) ? e : VecL{};
+      store_lanes(w, numerators);
+      lane_sum[j] += numerators;
     }
     for (int64_t h = 0; h < heads; ++h) {
       const float* w = scores.data() + h * G * stride + index;
