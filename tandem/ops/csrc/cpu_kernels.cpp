@@ -637,14 +637,20 @@ constexpr int64_t kGemvMaxRows = 8;  // steps up to here walk the panels once, f
 // several passes.
 constexpr int64_t kInputsPerPass = 1024;
 
-// How far ahead of its reads a streaming walk of a panel asks for its weights (2 KiB, one line
-// per input), in tiles of up to kPrefetchRows rows. Why: a step of few rows reads every weight
+// How far ahead of its reads a streaming walk of a panel asks for its weights (2 KiB; the lines
+// per input below), in tiles of up to kPrefetchRows rows. Why: a step of few rows reads every weight
 // once, from memory, and the hardware's prefetcher alone left it further from the streaming
 // rate. Larger steps reuse each panel slice from L2, and tiles of 8 rows (their sums and
 // weights in 28 of AVX-512's registers) ran slower with it. Past a panel's end it reads ahead
 // into the next one (a prefetch never faults).
 constexpr int64_t kPrefetchFloats = 512;
 constexpr int64_t kPrefetchRows = 4;
+// Lines asked for per input: on AVX-512 an input's 48 weights are 3 whole lines, and each is
+// asked for (one per input, leaving two to the hardware's prefetcher, was 1.2x slower at one
+// row); on AVX2 its 24 weights are 1.5 lines, and one per input was the fastest tried.
+constexpr int64_t kPanelBytes = kPanel * static_cast<int64_t>(sizeof(float));
+constexpr int64_t kPrefetchesPerInput =
+    kPanelBytes % kCacheLineBytes == 0 ? kPanelBytes / kCacheLineBytes : 1;
 
 // Rows [0, MR) of x times one panel over inputs [k0, k1), into `width` outputs: sums start at
 // zero for k0 = 0, else from the partial sums an earlier pass left in out (float32 either way,
@@ -663,7 +669,8 @@ void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t k0
   }
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (kStream && MR <= kPrefetchRows)
-      __builtin_prefetch(panel + k * kPanel + kPrefetchFloats, 0, 3);
+      for (int64_t line = 0; line < kPrefetchesPerInput; ++line)
+        __builtin_prefetch(panel + k * kPanel + kPrefetchFloats + line * kLineFloats, 0, 3);
     VecL w[kPanelVectors];
     for (int64_t v = 0; v < kPanelVectors; ++v) w[v] = load_lanes(panel + k * kPanel + v * kLanes);
     for (int64_t m = 0; m < MR; ++m) {
