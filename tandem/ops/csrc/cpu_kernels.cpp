@@ -646,8 +646,8 @@ constexpr int64_t kInputsPerPass = 1024;
 constexpr int64_t kPrefetchFloats = 512;
 constexpr int64_t kPrefetchRows = 4;
 // Lines asked for per input: on AVX-512 an input's 48 weights are 3 whole lines, and each is
-// asked for (one per input, leaving two to the hardware's prefetcher, was 1.2x slower at one
-// row); on AVX2 its 24 weights are 1.5 lines, and one per input was the fastest tried.
+// asked for (one per input, leaving two to the hardware's prefetcher, was 1.2-1.3x slower at
+// one row); on AVX2 its 24 weights are 1.5 lines, and asking for each gained nothing there.
 constexpr int64_t kPanelBytes = kPanel * static_cast<int64_t>(sizeof(float));
 constexpr int64_t kPrefetchesPerInput =
     kPanelBytes % kCacheLineBytes == 0 ? kPanelBytes / kCacheLineBytes : 1;
