@@ -637,12 +637,12 @@ constexpr int64_t kGemvMaxRows = 8;  // steps up to here walk the panels once, f
 // several passes.
 constexpr int64_t kInputsPerPass = 1024;
 
-// How far ahead of its reads a streaming walk of a panel asks for its weights (2 KiB; the lines
-// per input below), in tiles of up to kPrefetchRows rows. Why: a step of few rows reads every weight
-// once, from memory, and the hardware's prefetcher alone left it further from the streaming
-// rate. Larger steps reuse each panel slice from L2, and tiles of 8 rows (their sums and
-// weights in 28 of AVX-512's registers) ran slower with it. Past a panel's end it reads ahead
-// into the next one (a prefetch never faults).
+// How far ahead of its reads a streaming walk of a panel asks for its weights (2 KiB; the lines per
+// input below), in tiles of up to kPrefetchRows rows. Why: a step of few rows reads every weight
+// once, from memory, and the hardware's prefetcher alone left it further from the streaming rate.
+// Larger steps reuse each panel slice from L2, and tiles of 8 rows (their sums and weights in 28 of
+// AVX-512's registers) ran slower with it. Past a panel's end it reads ahead into the next one (a
+// prefetch never faults).
 constexpr int64_t kPrefetchFloats = 512;
 constexpr int64_t kPrefetchRows = 4;
 // Lines asked for per input: on AVX-512 an input's 48 weights are 3 whole lines, and each is
