@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+from functools import partial
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.linear import Linear, linear, pack_panels
+from tandem.ops.quantized import pack, quantized_linear
 
 from conftest import (
     FAST_PATH_LOGITS_ATOL,
@@ -365,6 +369,38 @@ def test_gemm_equals_a_float64_linear(rows, out_features, in_features, torch_thr
     no_bias = torch.ops.tandem.gemm(x, panels, torch.empty(0), out_features)
     torch.testing.assert_close(no_bias, (x.double() @ w.double().T).float(), rtol=1e-5, atol=atol)
     assert torch.equal(linear(x, w, b, panels), got)
+
+
+def test_gemms_are_the_same_bits_while_another_process_takes_a_core() -> None:
+    """The GEMMs share their tasks out (csrc tasks.h): each thread walks its own share, then
+    claims what is left of the others', so which thread computes a task depends on what else
+    the cores run. With a busy process on them (as a server's host and front end are), every
+    product at 2 threads equals the 1-thread product bit for bit: each task computed exactly
+    once, for task counts that do not split evenly (5 tasks of panels on either instruction
+    set; 7 of 4-bit groups) and fewer tasks than threads."""
+    g = torch.Generator().manual_seed(7)
+    products = []
+    for out_features, in_features in [(1300, 64), (960, 576), (1, 16)]:
+        panels = pack_panels(torch.randn(out_features, in_features, generator=g))
+        products.append((partial(torch.ops.tandem.gemm, panels=panels, bias=torch.empty(0),
+                                 outs=out_features), in_features))  # fmt: skip
+    codes = torch.randint(0, 16, (1440, 576), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(1440, 18, generator=g) * 0.02).half()
+    products.append((partial(quantized_linear, q=pack(codes, scales, scales * -8, "Q4_0")), 576))
+    cases = [(f, torch.randn(rows, k, generator=g)) for f, k in products for rows in (1, 9)]
+    before = torch.get_num_threads()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        torch.set_num_threads(1)
+        expected = [product(x) for product, x in cases]
+        torch.set_num_threads(2)
+        for _ in range(30):
+            for (product, x), want in zip(cases, expected, strict=True):
+                assert torch.equal(product(x), want), (product, x.shape)
+    finally:
+        busy.kill()
+        busy.wait()
+        torch.set_num_threads(before)
 
 
 def test_gemm_refuses_panels_that_do_not_match() -> None:

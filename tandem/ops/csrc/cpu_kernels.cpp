@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "tasks.h"
 #include "vectors.h"
 
 #include <omp.h>
@@ -749,7 +750,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, const at::Tensor&
   const int64_t row_blocks = (rows + row_block - 1) / row_block;
   const int64_t runs = (num_panels + run - 1) / run;
   const auto walk = rows <= kGemvMaxRows ? &panel_rows<true> : &panel_rows<false>;
-  at::parallel_for(0, runs * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_chunks(runs * row_blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m = t % row_blocks * row_block, block = std::min(row_block, rows - m);
       for (int64_t p = t / row_blocks * run; p < std::min(num_panels, (t / row_blocks + 1) * run);

@@ -27,6 +27,7 @@
 // with dx the block's activation step (max |x| / 127). Every row's sums run in the same order on
 // AVX2 and AVX-512 alike and whatever the batch.
 
+#include "tasks.h"
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
@@ -305,7 +306,7 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
   float* outp = out.data_ptr<float>();
   // At least ~64 KiB of weights per task: smaller tasks cost more to hand out than they save.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
       float* o = outp + m0 * n;
@@ -563,7 +564,7 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   const float* dp = xq.steps;
   float* outp = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
       for (int64_t gi = g0; gi < g1; ++gi) {
