@@ -304,8 +304,11 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
                              values.stride(0), scales.stride(0)};
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  // At least ~64 KiB of weights per task: smaller tasks cost more to hand out than they save.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
+  // At least ~64 KiB of weights per task (smaller tasks cost more to hand out than they save),
+  // in whole one-row tiles of groups side by side.
+  const int64_t side = groups_per_tile(kFourBit, 1);
+  const int64_t least = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
+  const int64_t grain = (least + side - 1) / side * side;
   parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
