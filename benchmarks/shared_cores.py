@@ -33,7 +33,7 @@ while True:
     start = time.perf_counter()
     while time.perf_counter() - start < busy:
         pass
-    time.sleep(period - busy)
+    time.sleep(max(0.0, period - busy))
 """
 
 

@@ -173,6 +173,13 @@ constexpr int64_t groups_per_tile(bool four_bit, int64_t rows) {
   return four_bit && rows == 1 ? std::max<int64_t>(1, 4 / kVectors) : 1;
 }
 
+// Weight groups per task: at least ~64 KiB of weights (smaller tasks cost more to hand out than
+// they save), in whole tiles of `side` groups side by side.
+inline int64_t groups_per_task(int64_t group_bytes, int64_t side) {
+  const int64_t least = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(group_bytes, 1));
+  return (least + side - 1) / side * side;
+}
+
 // A group's walk asks for the codes and scales of the block kPrefetchBlocks ahead (1-2 KiB, the
 // same bytes in either layout) as it starts each block. Why: with the hardware's prefetcher
 // alone, steps of few rows waited on the codes' latency more than on their arithmetic. Past a
@@ -304,11 +311,7 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
                              values.stride(0), scales.stride(0)};
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  // At least ~64 KiB of weights per task (smaller tasks cost more to hand out than they save),
-  // in whole one-row tiles of groups side by side.
-  const int64_t side = groups_per_tile(kFourBit, 1);
-  const int64_t least = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
-  const int64_t grain = (least + side - 1) / side * side;
+  const int64_t grain = groups_per_task(weight.group_bytes, groups_per_tile(kFourBit, 1));
   parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
@@ -566,7 +569,7 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   const int8_t* cp = xq.codes;
   const float* dp = xq.steps;
   float* outp = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(weight.group_bytes, 1));
+  const int64_t grain = groups_per_task(weight.group_bytes, 1);
   parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
