@@ -6,7 +6,8 @@ Q4_1 (4-bit, float16 scales and offsets) and Q4_K (4-bit, float32: its scales ar
 two) are all exactly this, and so is per-channel int8 (one float32 scale per row, repeated per
 block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each block's
 columns one at a time, so `pack` lays them out that way; `dequantize` is the float32 weight,
-which the kernels reproduce exactly before multiplying.
+whose product the kernels reproduce up to float32 rounding (they scale each block's sum of x *
+code rather than each code).
 
 With int8 activations (`for_int8_activations`, llama.cpp's numerics) the codes are laid out in
 runs of 4 columns per row instead ("quads"), and the kernels quantize each row of x per block of
@@ -135,7 +136,7 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def dequantize(q: QuantizedWeight) -> torch.Tensor:
-    """The float32 weight [N, K]: code * scale + offset, rounded once (the kernels' values)."""
+    """The float32 weight [N, K]: code * scale + offset, rounded once (llama.cpp's values)."""
     codes, scales, offsets = unpack(q)
     scale = scales.float().repeat_interleave(BLOCK_COLS, dim=1)
     if offsets is None:

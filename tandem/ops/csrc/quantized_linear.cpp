@@ -1,19 +1,21 @@
 // Linear layers over quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K; per-channel int8), in two
-// numerics: float32 activations against the weights dequantized in registers (exact: the
-// dequantized model's product), or activations quantized to int8 per block of 32 and multiplied
-// with integer dot products (llama.cpp's numerics: several times fewer instructions per weight).
+// numerics: float32 activations against the codes widened to float in registers, or activations
+// quantized to int8 per block of 32 and multiplied with integer dot products (llama.cpp's
+// numerics: several times fewer instructions per weight).
 //
 // Float layout ("columns"; tandem/ops/quantized.py packs both): the N output rows in groups of
 // 16, the K inputs in blocks of 32. For group g and block b:
 //   8-bit  values int8  [G, B, 32, 16]: values[g, b, i, n] is the code of row 16g+n, column 32b+i
 //   4-bit  values uint8 [G, B, 16, 16]: the low nibble is column 32b+i, the high one 32b+i+16
 //   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset
-// So one column of a block is the 16 rows' weights in adjacent lanes, and the product is a sum
-// of outer products (x broadcast, weights as vectors): no reduction across lanes, every weight
-// byte read once, in order. Each weight is exactly the float32 a dequantized copy holds (code *
-// scale is exact, + offset rounds once as llama.cpp's dequantization does), and every output is
-// summed in the same order whatever the number of rows, so a row's result does not depend on
-// the batch it is in.
+// So one column of a block is the 16 rows' codes in adjacent lanes, and the product is a sum of
+// outer products (x broadcast, codes as vectors): no reduction across lanes, every weight byte
+// read once, in order. The scale and offset are taken out of each block's sum:
+//   out += (sum of x * code) * scale + (sum of x) * offset
+// one FMA per weight instead of two for 4-bit codes (a dequantized weight first, then the
+// product), the block's sum of x once per row and call. Within float32 rounding of the
+// dequantized model's product; every output is summed in the same order whatever the number of
+// rows, so a row's result does not depend on the batch it is in.
 //
 // Integer layout ("quads"): each row's columns in runs of 4, the 16 rows' runs side by side, so
 // one 32-bit lane is one row's 4 codes and a dot-product instruction (maddubs + madd, or VNNI's
@@ -134,35 +136,69 @@ struct Groups {
 };
 
 // Calls f(j, columns) for the 32 columns of block b in P groups side by side, in the order every
-// kernel sums them (j: the column within the block; columns[p]: group p's weights there).
+// kernel sums them (j: the column within the block; columns[p]: group p's codes there, as
+// floats: exact).
 template <bool kFourBit, int64_t P, typename Scale, typename F>
 inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
-  Column s[P], w[P];
-  for (int64_t p = 0; p < P; ++p) s[p] = load_scales(g[p].scales + b * kGroupRows);
+  Column w[P];
   if constexpr (kFourBit) {
-    Column o[P], hi[P];
-    for (int64_t p = 0; p < P; ++p) o[p] = load_scales(g[p].offsets + b * kGroupRows);
+    Column hi[P];
     for (int64_t i = 0; i < kBlockCols / 2; ++i) {
-      for (int64_t p = 0; p < P; ++p) {
+      for (int64_t p = 0; p < P; ++p)
         widen_nibbles(g[p].values + (b * (kBlockCols / 2) + i) * kGroupRows, w[p], hi[p]);
-        for (int64_t v = 0; v < kVectors; ++v) {
-          w[p][v] = w[p][v] * s[p][v] + o[p][v];
-          hi[p][v] = hi[p][v] * s[p][v] + o[p][v];
-        }
-      }
       f(i, w);
       f(i + kBlockCols / 2, hi);
     }
   } else {
     const int64_t first = b * kBlockCols * kGroupRows;
     for (int64_t i = 0; i < kBlockCols; ++i) {
-      for (int64_t p = 0; p < P; ++p) {
+      for (int64_t p = 0; p < P; ++p)
         w[p] = widen_i8(reinterpret_cast<const int8_t*>(g[p].values) + first + i * kGroupRows);
-        for (int64_t v = 0; v < kVectors; ++v) w[p][v] *= s[p][v];
-      }
       f(i, w);
     }
   }
+}
+
+// Adds T rows' sums of x * code over block b of P groups to out, scaled: out += sum * scale (+
+// x_sum * offset for 4-bit). The one place a block's sum meets its scale, for every path.
+template <bool kFourBit, typename Scale, int64_t T, int64_t P>
+inline void add_block(const Group<Scale> (&g)[P], int64_t b, const Column (&sum)[T][P],
+                      const float* x_sums, int64_t x_sums_stride, float* out, int64_t out_stride) {
+  for (int64_t p = 0; p < P; ++p) {
+    const Column s = load_scales(g[p].scales + b * kGroupRows);
+    Column o{};
+    if constexpr (kFourBit) o = load_scales(g[p].offsets + b * kGroupRows);
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = out + t * out_stride + p * kGroupRows;
+      for (int64_t v = 0; v < kVectors; ++v) {
+        VecL r = load_lanes(row + v * kLanes);
+        r += sum[t][p][v] * s[v];
+        if constexpr (kFourBit) r += x_sums[t * x_sums_stride + b] * o[v];
+        store_lanes(row + v * kLanes, r);
+      }
+    }
+  }
+}
+
+// The sum of x over each block of 32 columns, per row ([M, B], 4-bit weights' offsets), in one
+// fixed order. The buffer is the calling thread's, reused from call to call.
+const float* block_sums_of_x(const at::Tensor& x) {
+  const int64_t rows = x.size(0), blocks = x.size(1) / kBlockCols, stride = x.stride(0);
+  thread_local std::vector<float> sums;
+  sums.resize(rows * blocks);
+  const float* xp = x.data_ptr<float>();
+  float* sp = sums.data();
+  at::parallel_for(0, rows * blocks, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* v = xp + (i / blocks) * stride + (i % blocks) * kBlockCols;
+      VecL acc = load_lanes(v);
+      for (int64_t l = kLanes; l < kBlockCols; l += kLanes) acc += load_lanes(v + l);
+      float total = 0.f;
+      for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
+      sp[i] = total;
+    }
+  });
+  return sp;
 }
 
 // Groups side by side in a one-row tile of 4-bit weights, so that 4 independent sums are in
@@ -196,88 +232,89 @@ inline void prefetch_block(const Group<Scale>& g, int64_t b) {
   if (g.offsets != nullptr) __builtin_prefetch(g.offsets + b * kGroupRows, 0, 3);
 }
 
-// T rows of x (T <= kTileRows) against P adjacent groups: the accumulators stay in registers.
+// T rows of x (T <= kTileRows) against P adjacent groups: each block's sums in registers.
 template <bool kFourBit, typename Scale, int64_t T, int64_t P>
 void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float* x,
-                         int64_t x_stride, float* out, int64_t out_stride) {
-  Column acc[T][P] = {};
+                         int64_t x_stride, const float* x_sums, int64_t x_sums_stride, float* out,
+                         int64_t out_stride) {
+  for (int64_t t = 0; t < T; ++t) std::fill_n(out + t * out_stride, P * kGroupRows, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlockCols;
     for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit>(g[p], b + kPrefetchBlocks);
+    Column sum[T][P] = {};
     for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&w)[P]) {
       for (int64_t t = 0; t < T; ++t) {
         const float xv = xb[t * x_stride + j];
         for (int64_t p = 0; p < P; ++p)
-          for (int64_t v = 0; v < kVectors; ++v) acc[t][p][v] += xv * w[p][v];
+          for (int64_t v = 0; v < kVectors; ++v) sum[t][p][v] += xv * w[p][v];
       }
     });
+    add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride);
   }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t v = 0; v < kVectors; ++v)
-        store_lanes(out + t * out_stride + p * kGroupRows + v * kLanes, acc[t][p][v]);
 }
 
 // T rows against the groups [g0, g1) (out: the rows' first column): P at a time, then the rest
 // one by one.
 template <bool kFourBit, typename Scale, int64_t T>
 void tile_in_registers(const Groups<Scale>& groups, int64_t g0, int64_t g1, int64_t blocks,
-                       const float* x, int64_t x_stride, float* out, int64_t out_stride) {
+                       const float* x, int64_t x_stride, const float* x_sums,
+                       int64_t x_sums_stride, float* out, int64_t out_stride) {
   constexpr int64_t P = groups_per_tile(kFourBit, T);
   int64_t gi = g0;
   if constexpr (P > 1)
     for (; gi + P <= g1; gi += P) {
       Group<Scale> side[P];
       for (int64_t p = 0; p < P; ++p) side[p] = groups[gi + p];
-      groups_in_registers<kFourBit, Scale, T, P>(side, blocks, x, x_stride,
+      groups_in_registers<kFourBit, Scale, T, P>(side, blocks, x, x_stride, x_sums, x_sums_stride,
                                                  out + gi * kGroupRows, out_stride);
     }
   for (; gi < g1; ++gi) {
     const Group<Scale> one[1] = {groups[gi]};
-    groups_in_registers<kFourBit, Scale, T, 1>(one, blocks, x, x_stride, out + gi * kGroupRows,
-                                               out_stride);
+    groups_in_registers<kFourBit, Scale, T, 1>(one, blocks, x, x_stride, x_sums, x_sums_stride,
+                                               out + gi * kGroupRows, out_stride);
   }
 }
 
-// T rows of x against a block already dequantized into w (its columns in summation order),
-// accumulating into out.
-template <int64_t T>
-void tile_from_buffer(const float* w, const int64_t* order, const float* x, int64_t x_stride,
+// T rows of x against block b, its codes already widened into w (its columns in summation
+// order), added to out.
+template <bool kFourBit, typename Scale, int64_t T>
+void tile_from_buffer(const Group<Scale> (&g)[1], int64_t b, const float* w, const int64_t* order,
+                      const float* x, int64_t x_stride, const float* x_sums, int64_t x_sums_stride,
                       float* out, int64_t out_stride) {
-  Column acc[T];
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t v = 0; v < kVectors; ++v) acc[t][v] = load_lanes(out + t * out_stride + v * kLanes);
+  Column sum[T][1] = {};
   for (int64_t c = 0; c < kBlockCols; ++c) {
     const int64_t j = order[c];
     Column wc;
     for (int64_t v = 0; v < kVectors; ++v) wc[v] = load_lanes(w + c * kGroupRows + v * kLanes);
     for (int64_t t = 0; t < T; ++t) {
       const float xv = x[t * x_stride + j];
-      for (int64_t v = 0; v < kVectors; ++v) acc[t][v] += xv * wc[v];
+      for (int64_t v = 0; v < kVectors; ++v) sum[t][0][v] += xv * wc[v];
     }
   }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
+  add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride);
 }
 
-template <int64_t... T>
+template <bool kFourBit, typename Scale, int64_t... T>
 constexpr auto tile_kernels(std::integer_sequence<int64_t, T...>) {
-  using Kernel = void (*)(const float*, const int64_t*, const float*, int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&tile_from_buffer<T + 1>...};
+  using Kernel = void (*)(const Group<Scale>(&)[1], int64_t, const float*, const int64_t*,
+                          const float*, int64_t, const float*, int64_t, float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&tile_from_buffer<kFourBit, Scale, T + 1>...};
 }
 
 template <bool kFourBit, typename Scale, int64_t... T>
 constexpr auto register_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Groups<Scale>&, int64_t, int64_t, int64_t, const float*, int64_t,
-                          float*, int64_t);
+                          const float*, int64_t, float*, int64_t);
   return std::array<Kernel, sizeof...(T)>{&tile_in_registers<kFourBit, Scale, T + 1>...};
 }
 
-// More rows than a tile: each block is dequantized once into a buffer that every tile reads.
+// More rows than a tile: each block's codes are widened once into a buffer that every tile reads.
 template <bool kFourBit, typename Scale>
 void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const float* x,
-                          int64_t x_stride, int64_t rows, float* out, int64_t out_stride) {
-  static constexpr auto tiles = tile_kernels(std::make_integer_sequence<int64_t, kTileRows>{});
+                          int64_t x_stride, const float* x_sums, int64_t x_sums_stride,
+                          int64_t rows, float* out, int64_t out_stride) {
+  static constexpr auto tiles =
+      tile_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
   alignas(64) float w[kBlockCols * kGroupRows];
   int64_t order[kBlockCols];
   for (int64_t t = 0; t < rows; ++t) std::fill_n(out + t * out_stride, kGroupRows, 0.f);
@@ -292,8 +329,9 @@ void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const floa
     });
     for (int64_t t = 0; t < rows; t += kTileRows) {
       const int64_t n = std::min(kTileRows, rows - t);
-      tiles[n - 1](w, order, x + t * x_stride + b * kBlockCols, x_stride, out + t * out_stride,
-                   out_stride);
+      const float* tile_sums = kFourBit ? x_sums + t * x_sums_stride : nullptr;
+      tiles[n - 1](g, b, w, order, x + t * x_stride + b * kBlockCols, x_stride, tile_sums,
+                   x_sums_stride, out + t * out_stride, out_stride);
     }
   }
 }
@@ -310,6 +348,7 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
                              kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
                              values.stride(0), scales.stride(0)};
   const float* xp = x.data_ptr<float>();
+  const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
   float* outp = out.data_ptr<float>();
   const int64_t grain = groups_per_task(weight.group_bytes, groups_per_tile(kFourBit, 1));
   parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
@@ -317,13 +356,15 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
       const int64_t m = std::min(kChunkRows, rows - m0);
       float* o = outp + m0 * n;
       const float* xm = xp + m0 * x_stride;
+      const float* sm = kFourBit ? sums + m0 * blocks : nullptr;
       if (m <= kTileRows) {
-        in_registers[m - 1](weight, g0, g1, blocks, xm, x_stride, o, n);
+        in_registers[m - 1](weight, g0, g1, blocks, xm, x_stride, sm, blocks, o, n);
         continue;
       }
       for (int64_t gi = g0; gi < g1; ++gi) {
         const Group<Scale> one[1] = {weight[gi]};
-        group_through_buffer<kFourBit>(one, blocks, xm, x_stride, m, o + gi * kGroupRows, n);
+        group_through_buffer<kFourBit>(one, blocks, xm, x_stride, sm, blocks, m,
+                                       o + gi * kGroupRows, n);
       }
     }
   });
