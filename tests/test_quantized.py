@@ -79,6 +79,11 @@ def test_pack_and_unpack_are_inverse(kind):
         assert torch.equal(lane, codes[17, 36:40])
     else:  # the high nibbles hold the block's second half: columns 52-55
         assert torch.equal(lane & 15, codes[17, 36:40]) and torch.equal(lane >> 4, codes[17, 52:56])
+    if q.bits == 4:  # float activations: row 17's run 1 of block 1 as one word of 8 codes
+        assert q.values.dtype == torch.int32 and q.values.shape == (3, 3, 4, 16)
+        word = int(q.values[1, 1, 1, 1]) & 0xFFFFFFFF
+        columns = [32 + 16 * (k % 2) + 4 + k // 2 for k in range(8)]  # 36, 52, 37, 53, ...
+        assert [word >> (4 * k) & 15 for k in range(8)] == codes[17, columns].tolist()
     w = dequantize(q)
     expected = codes.float() * scales.float().repeat_interleave(32, 1)
     if offsets is not None:

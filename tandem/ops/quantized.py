@@ -5,15 +5,16 @@ block of 32 columns: weight = code * scale + offset. GGUF's Q8_0 (8-bit, float16
 Q4_1 (4-bit, float16 scales and offsets) and Q4_K (4-bit, float32: its scales are products of
 two) are all exactly this, and so is per-channel int8 (one float32 scale per row, repeated per
 block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each block's
-columns one at a time, so `pack` lays them out that way; `dequantize` is the float32 weight,
+columns one at a time, so `pack` lays them out that way (4-bit codes as one 32-bit word per row
+and run of 8 codes, which a shift turns into a column); `dequantize` is the float32 weight,
 whose product the kernels reproduce up to float32 rounding (they scale each block's sum of x *
 code rather than each code).
 
 With int8 activations (`for_int8_activations`, llama.cpp's numerics) the codes are laid out in
-runs of 4 columns per row instead ("quads"), and the kernels quantize each row of x per block of
-32 (`quantize_activations`) and multiply codes by codes in integers: several times fewer
-instructions per weight, at the cost of rounding the activations (`int8_activation_linear` is
-the reference).
+runs of 4 columns per row instead ("quads": for 4-bit codes the words' very bytes), and the
+kernels quantize each row of x per block of 32 (`quantize_activations`) and multiply codes by
+codes in integers: several times fewer instructions per weight, at the cost of rounding the
+activations (`int8_activation_linear` is the reference).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ QUAD_BYTES = RUN * GROUP_ROWS  # csrc: kQuadBytes
 class QuantizedWeight:
     """Packed codes, scales and offsets of one [out_features, in_features] weight."""
 
-    # columns: int8 [G, B, 32, 16] (8-bit) or uint8 [G, B, 16, 16] (4-bit nibbles);
-    # quads (int8 activations): int8 [G, B, 8, 64] or uint8 [G, B, 4, 64]
+    # float activations: columns int8 [G, B, 32, 16] (8-bit) or words int32 [G, B, 4, 16] (4-bit:
+    # the quads' bytes, a row's run as one word of 8 codes); quads (int8 activations): int8
+    # [G, B, 8, 64] or uint8 [G, B, 4, 64]
     values: torch.Tensor
     scales: torch.Tensor  # [G, B, 16] float16 or float32
     # 4-bit: like scales; 8-bit: None. 4-bit quads without offsets are symmetric (GGUF's Q4_0):
@@ -46,7 +48,7 @@ class QuantizedWeight:
 
     @property
     def bits(self) -> int:
-        return 4 if self.values.dtype == torch.uint8 else 8
+        return 4 if self.values.dtype in (torch.uint8, torch.int32) else 8
 
     @property
     def int8_activations(self) -> bool:
@@ -80,26 +82,28 @@ def pack(
     quads: bool = False,
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
-    -> the kernels' layout: columns, or `quads` for int8 activations (which store no offsets
-    where they are -8 * scale, as Q4_0's are)."""
+    -> the kernels' layout: columns (8-bit) or words (4-bit) for float activations, or `quads`
+    for int8 activations (which store no offsets where they are -8 * scale, as Q4_0's are)."""
     n, k = codes.shape
     if not can_quantize(n, k):
         raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
     groups, blocks = n // GROUP_ROWS, k // BLOCK_COLS
     grouped = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS)
-    if quads:  # [G, B, runs, 16 rows, 4 columns]: a row's run of 4 in one 32-bit lane
+    nibbles = codes.dtype == torch.uint8
+    if quads or nibbles:  # [G, B, runs, 16 rows, 4 columns]: a row's run of 4 in one 32-bit lane
         runs = grouped.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS // RUN, RUN)
         grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
     else:  # [G, B, 32 columns, 16 rows]
         grouped = grouped.permute(0, 2, 3, 1)
     if quads and offsets is not None and torch.equal(offsets, scales * -8):
         offsets = None  # symmetric: the kernel subtracts 8 from the codes in integers
-    if codes.dtype != torch.uint8:
+    if not nibbles:
         values = grouped.to(torch.int8).contiguous()
-    else:  # the high nibbles hold the block's second half (columns, or runs) of 16
-        nibbles = grouped.to(torch.uint8)
-        half = nibbles.shape[2] // 2
-        values = (nibbles[:, :, :half] | (nibbles[:, :, half:] << 4)).contiguous()
+    else:  # the high nibbles hold the block's second half of 16 columns (runs 4-7)
+        half = grouped.shape[2] // 2
+        values = (grouped[:, :, :half] | (grouped[:, :, half:] << 4)).contiguous()
+        if not quads:  # words: a row's 8 codes of a run, [G, B, 4, 16] int32
+            values = values.view(torch.int32)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous()
@@ -120,8 +124,9 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     groups, blocks = q.values.shape[:2]
     n, k = q.shape
     nibbles = q.bits == 4
-    grouped = torch.cat((q.values & 15, q.values >> 4), dim=2) if nibbles else q.values
-    if q.int8_activations:
+    values = q.values.view(torch.uint8) if q.values.dtype == torch.int32 else q.values
+    grouped = torch.cat((values & 15, values >> 4), dim=2) if nibbles else values
+    if q.int8_activations or nibbles:
         runs = grouped.reshape(groups, blocks, BLOCK_COLS // RUN, GROUP_ROWS, RUN)
         codes = runs.permute(0, 3, 1, 2, 4).reshape(n, k)
     else:

@@ -3,14 +3,17 @@
 // quantized to int8 per block of 32 and multiplied with integer dot products (llama.cpp's
 // numerics: several times fewer instructions per weight).
 //
-// Float layout ("columns"; tandem/ops/quantized.py packs both): the N output rows in groups of
-// 16, the K inputs in blocks of 32. For group g and block b:
-//   8-bit  values int8  [G, B, 32, 16]: values[g, b, i, n] is the code of row 16g+n, column 32b+i
-//   4-bit  values uint8 [G, B, 16, 16]: the low nibble is column 32b+i, the high one 32b+i+16
+// Float layouts (tandem/ops/quantized.py packs them all): the N output rows in groups of 16, the
+// K inputs in blocks of 32. For group g and block b:
+//   8-bit  "columns", values int8 [G, B, 32, 16]: values[g, b, i, n] is row 16g+n, column 32b+i
+//   4-bit  "words", values int32 [G, B, 4, 16]: values[g, b, j, n] holds row 16g+n's 8 codes of
+//          run j, code k (bits 4k..4k+3) column 32b + 4j + k/2 (k even) or 32b + 16 + 4j + k/2
+//          (k odd): the quads' bytes below, a row's run read as one word
 //   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset
-// So one column of a block is the 16 rows' codes in adjacent lanes, and the product is a sum of
-// outer products (x broadcast, codes as vectors): no reduction across lanes, every weight byte
-// read once, in order. The scale and offset are taken out of each block's sum:
+// So one column of a block is the 16 rows' codes in adjacent lanes (a 4-bit column: a shift of
+// the run's words, no widening across lanes), and the product is a sum of outer products (x
+// broadcast, codes as vectors): no reduction across lanes, every weight byte read once, in
+// order. The scale and offset are taken out of each block's sum:
 //   out += (sum of x * code) * scale + (sum of x) * offset
 // one FMA per weight instead of two for 4-bit codes (a dequantized weight first, then the
 // product), the block's sum of x once per row and call. Within float32 rounding of the
@@ -71,30 +74,42 @@ inline Column widen_i8(const int8_t* p) {
   return c;
 }
 
-// 16 bytes of nibbles -> the low nibbles' column and the high nibbles' column. On AVX-512 the
-// bytes are widened once and each nibble looked up in a 16-entry table (vpermps reads an index's
-// low 4 bits): three shuffles for 32 codes where two widenings and two conversions held one row
-// of 4-bit codes back.
-inline void widen_nibbles(const uint8_t* p, Column& lo, Column& hi) {
+// One run of a group's 4-bit words: 16 rows' words of 8 codes.
+using Words = std::array<LanesL, kVectors>;
+using LanesLUnaligned = int32_t __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+
+inline Words load_words(const uint8_t* p) {
+  Words w;
+  for (int64_t v = 0; v < kVectors; ++v)
+    w[v] = *reinterpret_cast<const LanesLUnaligned*>(p + v * kLanes * sizeof(int32_t));
+  return w;
+}
+
+// Code K of every row of a run, as floats. On AVX-512 a 16-entry table lookup (vpermps reads an
+// index's low 4 bits: no mask, no conversion); on AVX2 a mask and a conversion, in-lane either way.
+template <int64_t K>
+inline Column code_column(const Words& w) {
+  Column c;
 #if defined(__AVX512F__)
-  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  lo[0] = (VecL)_mm512_permutexvar_ps(codes, values);
-  hi[0] = (VecL)_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
+  c[0] = (VecL)_mm512_permutexvar_ps(_mm512_srli_epi32((__m512i)w[0], 4 * K), values);
 #elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
-  const __m128i l = _mm_and_si128(bytes, mask), h = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  lo[0] = (VecL)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l));
-  lo[1] = (VecL)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(l, l)));
-  hi[0] = (VecL)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h));
-  hi[1] = (VecL)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(h, h)));
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t v = 0; v < kVectors; ++v) {
+    const __m256i codes = _mm256_and_si256(_mm256_srli_epi32((__m256i)w[v], 4 * K), mask);
+    c[v] = (VecL)_mm256_cvtepi32_ps(codes);
+  }
 #else
   for (int64_t v = 0; v < kVectors; ++v)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      lo[v][l] = p[v * kLanes + l] & 15;
-      hi[v][l] = p[v * kLanes + l] >> 4;
-    }
+    for (int64_t l = 0; l < kLanes; ++l) c[v][l] = (static_cast<uint32_t>(w[v][l]) >> (4 * K)) & 15;
 #endif
+  return c;
+}
+
+// Calls f(std::integral_constant<K>) for K in the sequence: compile-time shifts.
+template <typename F, int64_t... K>
+inline void for_each_code(F&& f, std::integer_sequence<int64_t, K...>) {
+  (f(std::integral_constant<int64_t, K>{}), ...);
 }
 
 inline Column load_scales(const float* p) {
@@ -145,12 +160,18 @@ template <bool kFourBit, int64_t P, typename Scale, typename F>
 inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
   Column w[P];
   if constexpr (kFourBit) {
-    Column hi[P];
-    for (int64_t i = 0; i < kBlockCols / 2; ++i) {
+    constexpr int64_t kRunBytes = 4 * kGroupRows;
+    for (int64_t j = 0; j < kBlockCols / 8; ++j) {
+      Words run[P];
       for (int64_t p = 0; p < P; ++p)
-        widen_nibbles(g[p].values + (b * (kBlockCols / 2) + i) * kGroupRows, w[p], hi[p]);
-      f(i, w);
-      f(i + kBlockCols / 2, hi);
+        run[p] = load_words(g[p].values + (b * (kBlockCols / 8) + j) * kRunBytes);
+      for_each_code(
+          [&](auto k) {
+            constexpr int64_t K = decltype(k)::value;
+            for (int64_t p = 0; p < P; ++p) w[p] = code_column<K>(run[p]);
+            f((K % 2) * (kBlockCols / 2) + 4 * j + K / 2, w);
+          },
+          std::make_integer_sequence<int64_t, 8>{});
     }
   } else {
     const int64_t first = b * kBlockCols * kGroupRows;
@@ -349,7 +370,7 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
   const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
                              static_cast<const Scale*>(scales.data_ptr()),
                              kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
-                             values.stride(0), scales.stride(0)};
+                             values.stride(0) * values.element_size(), scales.stride(0)};
   const float* xp = x.data_ptr<float>();
   const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
   float* outp = out.data_ptr<float>();
@@ -637,11 +658,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1,
               "x must be float32 [M, K] with contiguous rows");
-  const bool four_bit = values.scalar_type() == at::kByte;
-  TORCH_CHECK(four_bit || values.scalar_type() == at::kChar, "values must be int8 or uint8");
-  // The layout is told by the last dimension: 16 rows of columns, or 16 rows' runs of 4.
-  const bool quads = values.dim() == 4 && values.size(3) == kQuadBytes;
-  const int64_t runs = quads ? kBlockCols / 4 / (four_bit ? 2 : 1) : kBlockCols / (four_bit ? 2 : 1);
+  const bool words = values.scalar_type() == at::kInt;
+  const bool four_bit = words || values.scalar_type() == at::kByte;
+  TORCH_CHECK(four_bit || values.scalar_type() == at::kChar, "values must be int8, uint8 or int32");
+  // The layout is told by the type and the last dimension: 8-bit columns (int8, 16 rows), 4-bit
+  // words (int32, 16 rows), or quads (int8 or uint8, 16 rows' runs of 4 bytes).
+  const bool quads = !words && values.dim() == 4 && values.size(3) == kQuadBytes;
+  const int64_t runs = four_bit ? kBlockCols / 8 : quads ? kBlockCols / 4 : kBlockCols;
   const int64_t last = quads ? kQuadBytes : kGroupRows;
   TORCH_CHECK(values.is_contiguous() && values.dim() == 4 && values.size(3) == last &&
                   values.size(2) == runs,
@@ -655,6 +678,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               "scales must be [groups, blocks, ", kGroupRows, "]");
   // 4-bit weights have offsets, except symmetric ones in the integer layout; 8-bit ones none.
   const bool symmetric = quads && four_bit && !present(offsets);
+  TORCH_CHECK(!four_bit || quads || words, "4-bit float-activation weights are int32 words");
   TORCH_CHECK(four_bit == (present(offsets) || symmetric),
               "4-bit weights have offsets, 8-bit ones none");
   TORCH_CHECK(!present(offsets) || (offsets.is_contiguous() && offsets.sizes() == scales.sizes() &&
