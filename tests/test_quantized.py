@@ -173,6 +173,10 @@ def test_bad_operands_are_refused():
     with pytest.raises(RuntimeError, match="4-bit weights have offsets"):
         torch.ops.tandem.quantized_linear(torch.randn(2, 64), four_bit.values, four_bit.scales,
                                           torch.empty(0), torch.empty(0))  # fmt: skip
+    bytes_not_words = four_bit.values.view(torch.uint8).reshape(1, 2, 16, 16)
+    with pytest.raises(RuntimeError, match="4-bit float-activation weights are int32 words"):
+        torch.ops.tandem.quantized_linear(torch.randn(2, 64), bytes_not_words,
+                                          *four_bit.flat()[1:], torch.empty(0))  # fmt: skip
     quads = for_int8_activations(four_bit)
     with pytest.raises(RuntimeError, match=r"values must be \[groups, blocks, 4, 64\]"):
         torch.ops.tandem.quantized_linear(torch.randn(2, 64), quads.values[:, :, :3].contiguous(),

@@ -667,6 +667,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   // The layout is told by the type and the last dimension: 8-bit columns (int8, 16 rows), 4-bit
   // words (int32, 16 rows), or quads (int8 or uint8, 16 rows' runs of 4 bytes).
   const bool quads = !words && values.dim() == 4 && values.size(3) == kQuadBytes;
+  TORCH_CHECK(!four_bit || quads || words, "4-bit float-activation weights are int32 words");
   const int64_t runs = four_bit ? kBlockCols / 8 : quads ? kBlockCols / 4 : kBlockCols;
   const int64_t last = quads ? kQuadBytes : kGroupRows;
   TORCH_CHECK(values.is_contiguous() && values.dim() == 4 && values.size(3) == last &&
@@ -681,7 +682,6 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               "scales must be [groups, blocks, ", kGroupRows, "]");
   // 4-bit weights have offsets, except symmetric ones in the integer layout; 8-bit ones none.
   const bool symmetric = quads && four_bit && !present(offsets);
-  TORCH_CHECK(!four_bit || quads || words, "4-bit float-activation weights are int32 words");
   TORCH_CHECK(four_bit == (present(offsets) || symmetric),
               "4-bit weights have offsets, 8-bit ones none");
   TORCH_CHECK(!present(offsets) || (offsets.is_contiguous() && offsets.sizes() == scales.sizes() &&
