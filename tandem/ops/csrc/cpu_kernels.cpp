@@ -553,11 +553,15 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   // spin on the core the host needs); where its OpenMP team computes, the team does (below).
   // Tasks are claimed one by one, so a core the host takes for a moment only shifts work to
   // the others. Short contexts stay on this thread: waking others would cost more than it saves.
-  // The bound, 2^18 floats of K (1 MiB), was as fast as the best bound tried at short and long
-  // contexts alike.
+  // Sleeping helpers pay from 2^18 floats of K (1 MiB; as fast as the best bound tried at short
+  // and long contexts alike); the team, awake between the step's GEMMs, from 2^14 (64 KiB): at
+  // one request a whole context of a few hundred tokens had been read by one core.
   int64_t total_rows = 0;
   for (int64_t r = 0; r < reqs; ++r) total_rows += p.context_lens[r];
-  const int64_t threads = total_rows * kv_heads * dim < (1 << 18) ? 1 : omp_get_num_procs();
+  const int64_t procs = omp_get_num_procs();
+  const bool team = omp_get_max_threads() >= procs;
+  const int64_t least = team ? int64_t{1} << 14 : int64_t{1} << 18;
+  const int64_t threads = total_rows * kv_heads * dim < least ? 1 : procs;
   const int64_t heads_per_task = reqs >= 4 * threads ? kv_heads : 1;
   const int64_t tasks_per_req = kv_heads / heads_per_task, items = reqs * tasks_per_req;
   const AttendVec fast = portable_attention ? nullptr : vector_kernel(dim, p.group);
@@ -580,7 +584,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       }
     }
   };
-  if (threads > 1 && omp_get_max_threads() >= threads) {
+  if (threads > 1 && team) {
     // torch's OpenMP team already runs this step's GEMMs, and after each parallel region its
     // workers spin (libgomp: ~300k pause loops, milliseconds) before they sleep. A helper from
     // the inter-op pool would share a core with a spinning worker; the team itself is awake.
