@@ -76,7 +76,6 @@ inline Column widen_i8(const int8_t* p) {
 
 // One run of a group's 4-bit words: 16 rows' words of 8 codes.
 using Words = std::array<LanesL, kVectors>;
-using LanesLUnaligned = int32_t __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
 
 inline Words load_words(const uint8_t* p) {
   Words w;

@@ -21,6 +21,7 @@ constexpr int64_t kCacheLineBytes = 64;  // what one prefetch brings in
 using VecL = float __attribute__((vector_size(4 * kLanes)));
 using LanesL = int32_t __attribute__((vector_size(4 * kLanes)));
 using VecLUnaligned = float __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+using LanesLUnaligned = int32_t __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
 
 inline VecL load_lanes(const float* p) { return *reinterpret_cast<const VecLUnaligned*>(p); }
 inline void store_lanes(float* p, VecL v) { *reinterpret_cast<VecLUnaligned*>(p) = v; }
