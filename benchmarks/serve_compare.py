@@ -34,7 +34,7 @@ while all streams were busy: after every stream of the first wave had its first 
 gauge's ~1 s window), until the last request started. Every server process is stopped on exit,
 Ctrl-C included.
 
-Setup, then a run (30-60 minutes on 2 cores with the defaults):
+Setup, then a run (40-70 minutes on 2 cores with the defaults):
     bash benchmarks/setup_llama_server.sh
     python benchmarks/serve_compare.py                    # table on stdout, docs/img/serving.png
     python benchmarks/serve_compare.py --servers tandem,llama-f32,llama-q8_0 --repeats 1 \\
