@@ -36,7 +36,7 @@ Ctrl-C included.
 
 Setup, then a run (40-70 minutes on 2 cores with the defaults):
     bash benchmarks/setup_llama_server.sh
-    python benchmarks/serve_compare.py                    # table on stdout, docs/img/serving.png
+    python benchmarks/serve_compare.py --plot serving.png     # the table on stdout, and a picture
     python benchmarks/serve_compare.py --servers tandem,llama-f32,llama-q8_0 --repeats 1 \\
         --concurrency 8 --max-tokens 16 --plot /tmp/serving.png
 """
@@ -348,11 +348,9 @@ async def run_cell(
     rng = random.Random(seed)
     prompts = [serve_load.make_prompt(rng, prompt_words) for _ in range(num_requests)]
     path = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
-    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
-    timeout = httpx.Timeout(timeout_s, connect=10.0)
     readings: list[tuple[float, list[float]]] = []
-    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=timeout) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with serve_load.session(server.url, streams, timeout_s) as client:
+        model = await serve_load.first_model(client)
         gate = asyncio.Semaphore(streams)
 
         async def gated(body: dict) -> serve_load.Result:
@@ -689,8 +687,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--plot",
         type=Path,
-        default=REPO / "docs" / "img" / "serving.png",
-        help="PNG written at the end of the run (default: docs/img/serving.png)",
+        help="a PNG of tok/s and TTFT per server, written at the end of the run",
     )
     p.add_argument("--json", type=Path, help="also write the table's rows as JSON here")
     args = p.parse_args(argv)
@@ -744,8 +741,9 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows
         ]
         args.json.write_text(json.dumps({"header": header, "rows": finite}, indent=2))
-    draw(rows, args.plot, header)
-    print(f"\nplot: {args.plot}", file=sys.stderr)
+    if args.plot is not None:
+        draw(rows, args.plot, header)
+        print(f"\nplot: {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -366,6 +366,35 @@ def test_64_concurrent_streams(live: LiveServer, model: str, offline: LLM) -> No
     assert_idle(live)
 
 
+def test_the_benchmarks_load_client_counts_what_was_served(live: LiveServer, model: str) -> None:
+    """benchmarks/serve_load.py, the client the serving figures come from: every streamed
+    request counted with its tokens, a first token and the gaps between chunks; a refused
+    request counted as an error with its status, not as served tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serve_load
+
+    for chat in (False, True):
+        flags = [
+            "--url",
+            live.url,
+            "--num-requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "5",
+        ]
+        summary = asyncio.run(serve_load.run(serve_load.parse_args(flags + ["--chat"] * chat)))
+        assert summary["model"] == model
+        assert (summary["completed"], summary["errors"], summary["output_tokens"]) == (6, 0, 30)
+        assert summary["ttft_p50_ms"] > 0 and summary["itl_p50_ms"] > 0
+    flags[flags.index("--max-tokens") + 1] = "100000"  # beyond the context: refused
+    summary = asyncio.run(serve_load.run(serve_load.parse_args(flags)))
+    assert (summary["completed"], summary["output_tokens"]) == (0, 0)
+    assert summary["error_kinds"] == {"HTTP 400": 6}
+    assert_idle(live)
+
+
 def _abort_count(url: str) -> float:
     key = ("tandem_requests_finished_total", (("finish_reason", "abort"),))
     return metric_samples(url).get(key, 0.0)

@@ -1,28 +1,26 @@
 """Response bodies and stream chunks, in the two shapes OpenAI clients parse.
 
-Plain dicts and `json.dumps` rather than pydantic models: a stream serialises one chunk per token
-per request, and this is the cheapest way to do it.
+Plain dicts encoded by msgspec rather than pydantic models or `json.dumps`: a stream serialises
+one chunk per token per request, and msgspec does a chunk in a tenth of json's time.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tandem.request import Logprob, TokenLogprobs
 from tandem.server.tool_calls import Parsed, ToolCallParser, ToolPlan, assemble, tool_finish_reason
 
 DONE = b"data: [DONE]\n\n"
+_encode_json = msgspec.json.Encoder().encode  # compact UTF-8, as json.dumps with separators
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return (
-        b"data: "
-        + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
+    return b"data: " + _encode_json(payload) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
