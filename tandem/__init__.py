@@ -2,7 +2,7 @@
 
 import os
 
-# Before torch's first allocation: large CPU buffers in huge pages (see tandem/execution/huge_pages.py).
+# Before torch's first allocation: large CPU buffers in huge pages (see tandem/ops/huge_pages.py).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # ruff: noqa: E402

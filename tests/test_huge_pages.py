@@ -11,8 +11,8 @@ import textwrap
 
 import torch
 
-from tandem.execution import huge_pages
 from tandem.execution.kv_cache import allocate_kv_cache
+from tandem.ops import huge_pages
 
 THP_OFFERED = huge_pages.thp_mode() in ("always", "madvise")
 
@@ -46,7 +46,7 @@ def test_importing_tandem_puts_torchs_large_buffers_in_huge_pages() -> None:
         if sys.argv[1] == "off":
             os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
         import tandem, torch
-        from tandem.execution.huge_pages import huge_kib
+        from tandem.ops.huge_pages import huge_kib
         from tandem.execution.kv_cache import allocate_kv_cache
         weight = torch.ones(4 << 20)  # 16 MiB through torch's allocator
         cache = allocate_kv_cache(1, 1024, 16, 2, 32, torch.float32, torch.device("cpu"))[0]

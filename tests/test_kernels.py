@@ -8,6 +8,7 @@ apart than FAST_PATH_LOGITS_ATOL (tests/test_equivalence.py runs the fast path, 
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -23,6 +24,7 @@ from tandem.ops import cpu_kernels
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata
+from tandem.ops.huge_pages import HUGE_PAGE
 from tandem.ops.linear import Linear, linear, pack_panels
 from tandem.ops.quantized import pack, quantized_linear
 
@@ -303,6 +305,13 @@ def test_the_fast_path_keeps_panels_in_place_of_float_weights(tiny_checkpoints, 
         assert m.bias is None or m.bias.numel() == m.out_features  # Qwen2's q/k/v biases stay
     with pytest.raises(RuntimeError):  # the stand-in cannot be multiplied by mistake
         torch.nn.functional.linear(torch.randn(1, m.in_features), m.weight)
+    # Every panel in one buffer, back to back in the order the forward reads them (layer by
+    # layer, the tied logits last), from a huge page's start.
+    panels = [m.packed for m in layers.values()] + [model.embedding_table] * tied
+    assert len({p.untyped_storage().data_ptr() for p in panels}) == 1
+    ends = [(p.data_ptr(), p.data_ptr() + p.numel() * 4) for p in panels]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ends)), ends
+    assert ends[0][0] % HUGE_PAGE == 0
 
 
 def test_enforce_eager_keeps_the_portable_path_and_matches_transformers(tiny_llama) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.execution import huge_pages
 from tandem.models.spec import LlamaSpec
+from tandem.ops import huge_pages
 from tandem.scheduling.kv_groups import KVGroups, kv_groups
 
 

@@ -28,8 +28,11 @@ from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.fp8 import Fp8Weight, RowQuantizer, can_quantize_fp8, quantize_fp8
 from tandem.ops.linear import (
     Linear,
+    can_pack_panels,
     can_prepack,
     linear,
+    pack_panels,
+    panel_arena,
     prepack,
     rows_from_panels,
     shape_only,
@@ -207,10 +210,21 @@ class LlamaModel(nn.Module):
         runs the per-op forward with its packed GEMMs (the one kernel has no sparse MLP).
 
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
-        packed = [m.prepack() for m in self.modules() if isinstance(m, Linear | moe.Experts)]
+        modules = [m for m in self.modules() if isinstance(m, Linear | moe.Experts)]
+        panelled = [m for m in modules if isinstance(m, Linear) and m.will_pack_panels()]
         tied = self.spec.tie_word_embeddings and self.tied_logits is None
+        tied_in_panels = tied and can_pack_panels(self.embed.weight)
+        weights = [m.weight for m in panelled] + [self.embed.weight] * tied_in_panels
+        arena = panel_arena([tuple(w.shape) for w in weights])  # in the order a forward reads
+        for m, panels in zip(panelled, arena, strict=False):
+            m.prepack(panels)
+        packed = [m in panelled or m.prepack() for m in modules]
         if tied and can_prepack(self.embed.weight):
-            self._packed_logits_weight = prepack(self.embed.weight)
+            self._packed_logits_weight = (
+                pack_panels(self.embed.weight, arena[-1])
+                if tied_in_panels
+                else prepack(self.embed.weight)
+            )
             if self._packed_logits_weight.dim() == 3:  # the panels serve the lookups too
                 self.embed.weight = shape_only(self.embed.weight.shape[0])
         if fused and self.has_fused_forward:

@@ -10,9 +10,12 @@ weight is packed for MKL's single-precision GEMM instead (`cblas_sgemm_pack`, re
 `torch.ops.mkl._mkl_linear`), a copy that needs the weight beside it (2.5x the weight's memory),
 which is why packing is a CPU float32 choice only. Panels replace the float weight instead
 (`Linear.prepack`; a tied embedding's table too): 1x, and `Linear.float_weight` reads it back.
+A model's panels lie back to back in one buffer (`panel_arena`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +23,7 @@ from torch import nn
 
 from tandem.ops import cpu_kernels
 from tandem.ops.fp8 import Fp8Weight, dequantize_fp8, fp8_linear
+from tandem.ops.huge_pages import HUGE_PAGE, advise
 from tandem.ops.quantized import (
     GROUP_ROWS,
     QuantizedWeight,
@@ -40,6 +44,11 @@ def can_prepack(weight: torch.Tensor) -> bool:
     return cpu_kernels.loaded() or mkl
 
 
+def can_pack_panels(weight: torch.Tensor) -> bool:
+    """Whether `prepack` packs this weight in panels (float32 on a CPU, the kernels loaded)."""
+    return cpu_kernels.loaded() and can_prepack(weight)
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """The weight packed for the fused kernels' GEMM (3-D panels) or else for MKL's (2-D)."""
     if cpu_kernels.loaded():
@@ -47,20 +56,56 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_BATCH_HINT)
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    width = torch.ops.tandem.gemm_panel_width()
+    return -(-out_features // width), in_features, width
+
+
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [out, in] as panels [ceil(out / width), in, width] of `width` output rows (the
     build's vector width x 3), zero past the last row: panels[p, k, j] = weight[p * width + j,
-    k], so a panel is read in order, a step of weights for every input k."""
-    width = torch.ops.tandem.gemm_panel_width()
+    k], so a panel is read in order, a step of weights for every input k. Into `out` (of
+    `panels_shape`) when given."""
     out_features, in_features = weight.shape
+    shape = panels_shape(out_features, in_features)
+    width = shape[2]
     full, rest = divmod(out_features, width)
     # Copied straight into place: a padded temporary as large as the weight, freed at once,
     # would raise glibc's mmap threshold and put later buffers in reused, small-paged memory.
-    panels = weight.new_zeros(full + (rest > 0), in_features, width)
+    if out is None:
+        panels = weight.new_zeros(shape)
+    else:
+        if tuple(out.shape) != shape or out.dtype != weight.dtype:
+            raise ValueError(f"panels of {tuple(out.shape)} for a weight packed as {shape}")
+        panels = out
     weight = weight.detach()
     panels[:full].transpose(1, 2).copy_(weight[: full * width].view(full, width, in_features))
     if rest:
         panels[full, :, :rest].copy_(weight[full * width :].T)
+        if out is not None:
+            panels[full, :, rest:].zero_()
+    return panels
+
+
+def panel_arena(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Uninitialised panels for weights of these [out, in] shapes, back to back in one buffer
+    backed by huge pages, in the order given: the order a forward reads them.
+
+    Why: a step of few rows streams every weight once, and one sequential stream in 2 MiB pages
+    keeps the memory's prefetchers going from one GEMM into the next, where separate buffers
+    under 2 MiB (a small model's every attention output) sat in 4 KiB pages. The pages are
+    only touched as each weight is packed into its place, so the weights' peak memory stays
+    that of packing them one by one."""
+    if not shapes:
+        return []
+    sizes = [math.prod(panels_shape(*shape)) for shape in shapes]
+    arena = torch.empty(sum(sizes) + HUGE_PAGE // 4)
+    advise(arena)
+    first = (-arena.data_ptr() % HUGE_PAGE) // arena.element_size()  # start on a huge page
+    panels = []
+    for shape, size in zip(shapes, sizes, strict=True):
+        panels.append(arena[first : first + size].view(panels_shape(*shape)))
+        first += size
     return panels
 
 
@@ -144,10 +189,18 @@ class Linear(nn.Module):
             if piece.numel():
                 whole.narrow(0, group, piece.shape[0]).copy_(piece)
 
-    def prepack(self) -> bool:
-        """Pack the weight for the CPU GEMMs where they exist; True if it did. Panels replace the
-        float weight (kept, it would double the weights' memory); MKL's packing needs it."""
-        if self.quantized is None and can_prepack(self.weight):
+    def will_pack_panels(self) -> bool:
+        """Whether `prepack` packs this layer in panels (a float32 weight, the kernels loaded)."""
+        return self.quantized is None and can_pack_panels(self.weight)
+
+    def prepack(self, panels: torch.Tensor | None = None) -> bool:
+        """Pack the weight for the CPU GEMMs where they exist (into `panels`, from
+        `panel_arena`, when given); True if it did. Panels replace the float weight (kept, it
+        would double the weights' memory); MKL's packing needs it."""
+        if panels is not None:
+            self.packed = pack_panels(self.weight, panels)
+            self.weight = shape_only(self.out_features)
+        elif self.quantized is None and can_prepack(self.weight):
             self.packed = prepack(self.weight)
             if self.packed.dim() == 3:
                 self.weight = shape_only(self.out_features)
