@@ -281,6 +281,7 @@ def test_unprovable_tokenizer_tokenizes_in_the_bulk_lane(guarded: LiveServer) ->
 
     big = completion_body(live, "hello world " * 150_000)  # 1.8 MB: about a second to tokenize
     with ThreadPoolExecutor(1) as pool:
+        start = time.perf_counter()
         first = pool.submit(httpx.post, f"{live.url}/v1/completions", json=big, timeout=60)
         wait_until(lambda: intake.bulk_pending == 1, 30, "the bulk lane to be busy")
         second = httpx.post(f"{live.url}/v1/completions", json=big, timeout=60)
@@ -290,12 +291,15 @@ def test_unprovable_tokenizer_tokenizes_in_the_bulk_lane(guarded: LiveServer) ->
         while intake.bulk_pending and len(during) < 50:
             during.extend(small_latencies(live, 1))
         refused = first.result()
+        busy = time.perf_counter() - start
     assert refused.status_code == 400
     message = refused.json()["error"]["message"]  # the engine's, after tokenizing
     assert message.startswith("prompt has ") and "at least" not in message
     assert during, "the large prompt was tokenized faster than one small request"
     assert statistics.median(during) <= 3 * baseline, (baseline, during)
-    assert max(during) <= 10 * baseline, (baseline, during)
+    # None waited for the tokenization: the lane's thread takes the GIL for moments (tens of
+    # ms on two busy cores), never for the prompt's whole second.
+    assert max(during) <= max(10 * baseline, busy / 4), (baseline, busy, during)
     assert_idle(live)
 
 
