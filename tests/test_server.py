@@ -368,8 +368,10 @@ def test_64_concurrent_streams(live: LiveServer, model: str, offline: LLM) -> No
 
 def test_the_benchmarks_load_client_counts_what_was_served(live: LiveServer, model: str) -> None:
     """benchmarks/serve_load.py, the client the serving figures come from: every streamed
-    request counted with its tokens, a first token and the gaps between chunks; a refused
-    request counted as an error with its status, not as served tokens."""
+    request counted with its tokens and a first token; a refused request counted as an error
+    with its status, not as served tokens. (Gaps between chunks are not asserted: a tiny model
+    can finish a request before the front end streams its second chunk, which then carries the
+    rest.)"""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import serve_load
 
@@ -387,7 +389,7 @@ def test_the_benchmarks_load_client_counts_what_was_served(live: LiveServer, mod
         summary = asyncio.run(serve_load.run(serve_load.parse_args(flags + ["--chat"] * chat)))
         assert summary["model"] == model
         assert (summary["completed"], summary["errors"], summary["output_tokens"]) == (6, 0, 30)
-        assert summary["ttft_p50_ms"] > 0 and summary["itl_p50_ms"] > 0
+        assert summary["ttft_p50_ms"] > 0
     flags[flags.index("--max-tokens") + 1] = "100000"  # beyond the context: refused
     summary = asyncio.run(serve_load.run(serve_load.parse_args(flags)))
     assert (summary["completed"], summary["output_tokens"]) == (0, 0)
