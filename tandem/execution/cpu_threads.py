@@ -7,6 +7,7 @@ charged; steps that prefill switch to every core (`ModelRunner.set_cpu_threads`)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,12 +34,38 @@ def apply_cpu_threads(
     runner.set_cpu_threads(plan.cpu_threads, max(timings))
 
 
+# Timing rounds: each round runs every candidate once, in turn, so that something else taking
+# the cores for a while slows every candidate's runs alike instead of one candidate's only.
+WARM_RUNS = 2  # per candidate, untimed: caches and thread pools
+MIN_ROUNDS, MAX_ROUNDS = 8, 40
+CLEAN_RUNS = 3  # runs per candidate that had their cores, wanted before stopping early
+# A run had its cores when its process used at least this share of threads x wall time: the
+# compute team's threads stay on their cores (they spin between regions), so a smaller share
+# means another process took one of them.
+CLEAN_SHARE = 0.85
+
+
+@dataclass
+class ThreadRuns:
+    """One candidate count's timed runs (ms): all of them, and those that had their cores."""
+
+    every: list[float] = field(default_factory=list)
+    clean: list[float] = field(default_factory=list)
+
+    def best(self) -> float:
+        """The fastest run that had its cores; the fastest of all if none had."""
+        return min(self.clean or self.every)
+
+
 def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dict[int, float]:
-    """Best-of-8 decode-step time (ms) of `model` at `batch` requests, for each candidate count.
+    """The fastest decode-step time (ms) of `model` at `batch` requests, for each candidate count.
 
     Why: a second compute thread speeds the step up, but takes the core the asynchronous host
     would schedule on; on a model small enough, one thread is as fast. Timing one synthetic
-    step per count settles it for this machine.
+    step per count settles it for this machine. The choice lasts the engine's life, so one
+    disturbed measurement must not make it: candidates alternate run by run, a run during
+    which the process did not have its threads' cores (`CLEAN_SHARE`) is set aside, and the
+    rounds go on (up to `MAX_ROUNDS`) until every count has `CLEAN_RUNS` runs that had them.
     Results are the same whatever the count (each output is computed by one thread), so the
     choice changes speed only. Candidates go up to the cores this process may run on; torch's
     thread count is left as it was found.
@@ -64,21 +91,32 @@ def tune_cpu_threads(model: LlamaModel, batch: int, block_size: int = 16) -> dic
     )
     ids = torch.randint(0, spec.vocab_size, (batch,))
     positions = torch.full((batch,), context - 1)
-    timings = {}
+
+    def step() -> None:
+        model.compute_logits(model(ids, positions, caches, meta)).argmax(-1)
+
+    runs = {n: ThreadRuns() for n in candidates}
     try:
         with torch.inference_mode():
             for n in candidates:
                 torch.set_num_threads(n)
-                runs = []
-                for i in range(10):
-                    start = time.perf_counter()
-                    model.compute_logits(model(ids, positions, caches, meta)).argmax(-1)
-                    if i >= 2:  # the first runs warm caches and thread pools
-                        runs.append(time.perf_counter() - start)
-                timings[n] = min(runs) * 1e3  # the least disturbed run: others share the cores
+                for _ in range(WARM_RUNS):
+                    step()
+            for round_index in range(MAX_ROUNDS):
+                for n in candidates:
+                    torch.set_num_threads(n)
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    step()
+                    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                    runs[n].every.append(wall * 1e3)
+                    if cpu >= CLEAN_SHARE * n * wall:
+                        runs[n].clean.append(wall * 1e3)
+                done = all(len(r.clean) >= CLEAN_RUNS for r in runs.values())
+                if round_index + 1 >= MIN_ROUNDS and done:
+                    break
     finally:
         torch.set_num_threads(before)
-    return timings
+    return {n: r.best() for n, r in runs.items()}
 
 
 def pick_cpu_threads(timings_ms: dict[int, float], batch: int) -> int:
