@@ -27,7 +27,11 @@ What each server gets:
 
 The repeats are interleaved: repeat 1 of every server, then repeat 2, and so on; a server that is
 not being measured is paused (SIGSTOP on its process group) so its idle threads take no CPU from
-the one that is (--no-pause keeps them running). The table holds the medians over the repeats.
+the one that is (--no-pause keeps them running). The table holds the medians over the repeats;
+the ratio lines under it pair the repeats (Tandem's figure over another server's in the same
+repeat, median and range), which keeps this machine's drift from minute to minute out of them:
+for a close comparison, many short repeats (`--num-requests` of one or two waves) beat a few
+long ones.
 While Tandem runs, its /metrics is read every second; "device idle" is the
 tandem_device_idle_fraction gauge (every sample, whatever its labels) over the readings taken
 while all streams were busy: after every stream of the first wave had its first token (plus the
@@ -245,6 +249,14 @@ async def start(server: Server, timeout_s: float, log_dir: Path) -> None:
     raise RuntimeError(f"no 200 from /health within {timeout_s:.0f} s: {log_tail(server)}")
 
 
+def execution_lines(server: Server) -> list[str]:
+    """Tandem's start-up report of how it executes (the line naming its compute threads)."""
+    if server.log_path is None or not server.log_path.is_file():
+        return []
+    text = server.log_path.read_text(errors="replace")
+    return [line.split("execution: ", 1)[1] for line in text.splitlines() if "execution: " in line]
+
+
 def log_tail(server: Server, lines: int = 15) -> str:
     if server.log_path is None or not server.log_path.is_file():
         return ""
@@ -437,6 +449,8 @@ def summarize_cell(runs: list[CellRun]) -> dict:
         "errors": sum(r.summary["errors"] for r in runs),
         "short_requests": sum(r.short_requests for r in runs),
         "repeats": len(runs),
+        "tokens_per_s_by_repeat": [r.summary["output_tokens_per_s"] for r in runs],
+        "itl_p50_ms_by_repeat": [r.summary["itl_p50_ms"] for r in runs],
     }
 
 
@@ -467,20 +481,39 @@ def shown(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if math.isfinite(value) else "–"
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """Median, min and max over the repeats of ours[i] / theirs[i]. Why paired: repeat i of
+    every server runs within the same minute, and this machine's speed drifts by more than
+    the servers differ between minutes, so a ratio of medians mixes the drift into the result."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b and a == a and b == b]
+    if not ratios:
+        return (float("nan"),) * 3
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def tandem_ratios(rows: list[dict]) -> list[str]:
-    """`tandem`'s output tok/s over every other row's, cell by cell: the figures the targets
-    are stated in (async over sync, served over offline, over llama-server)."""
-    cells = {(r["mode"], r["streams"]): {} for r in rows}
+    """`tandem` against every other row, cell by cell, paired by repeat: its output tok/s over
+    theirs and its ITL p50 over theirs (the figures the targets are stated in: async over sync,
+    served over offline, against llama-server)."""
+    cells: dict[tuple[str, int], dict[str, dict]] = {(r["mode"], r["streams"]): {} for r in rows}
     for row in rows:
-        cells[(row["mode"], row["streams"])][row["label"]] = row["output_tokens_per_s"]
+        cells[(row["mode"], row["streams"])][row["label"]] = row
     lines = []
     for (mode, streams), by_label in cells.items():
         ours = by_label.get("tandem")
-        others = [(label, value) for label, value in by_label.items() if label != "tandem"]
-        if ours is None or not others:
+        if ours is None:
             continue
-        parts = ", ".join(f"{ours / value:.2f}x {label}" for label, value in others if value)
-        lines.append(f"tandem output tok/s, {mode} x{streams}: {parts}")
+        for label, theirs in by_label.items():
+            if label == "tandem":
+                continue
+            parts = []
+            for key, name in (("tokens_per_s_by_repeat", "output tok/s"),
+                              ("itl_p50_ms_by_repeat", "ITL p50")):  # fmt: skip
+                mid, low, high = paired_ratio(ours[key], theirs[key])
+                if math.isfinite(mid):
+                    parts.append(f"{name} {mid:.3f}x ({low:.2f}-{high:.2f})")
+            if parts:
+                lines.append(f"tandem / {label}, {mode} x{streams}: " + ", ".join(parts))
     return lines
 
 
@@ -550,6 +583,8 @@ async def benchmark(args: argparse.Namespace, servers: list[Server], log_dir: Pa
             stop(server)
             continue
         print(f"{server.name}: ready on {server.url}", file=sys.stderr, flush=True)
+        for line in execution_lines(server):  # what it chose: its compute threads above all
+            print(f"{server.name}: {line}", file=sys.stderr, flush=True)
         if args.pause:
             signal_group(server, signal.SIGSTOP)
         ready.append(server)
