@@ -249,18 +249,21 @@ async def start(server: Server, timeout_s: float, log_dir: Path) -> None:
     raise RuntimeError(f"no 200 from /health within {timeout_s:.0f} s: {log_tail(server)}")
 
 
-def execution_lines(server: Server) -> list[str]:
-    """Tandem's start-up report of how it executes (the line naming its compute threads)."""
+def log_lines(server: Server) -> list[str]:
     if server.log_path is None or not server.log_path.is_file():
         return []
-    text = server.log_path.read_text(errors="replace")
-    return [line.split("execution: ", 1)[1] for line in text.splitlines() if "execution: " in line]
+    return server.log_path.read_text(errors="replace").splitlines()
+
+
+def execution_lines(server: Server) -> list[str]:
+    """Tandem's start-up report of how it executes (the line naming its compute threads)."""
+    marker = "execution: "
+    return [line.split(marker, 1)[1] for line in log_lines(server) if marker in line]
 
 
 def log_tail(server: Server, lines: int = 15) -> str:
-    if server.log_path is None or not server.log_path.is_file():
-        return ""
-    return "\n" + "\n".join(server.log_path.read_text(errors="replace").splitlines()[-lines:])
+    tail = log_lines(server)[-lines:]
+    return "\n" + "\n".join(tail) if tail else ""
 
 
 def signal_group(server: Server, sig: signal.Signals) -> None:
