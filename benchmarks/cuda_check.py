@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -50,9 +51,9 @@ from types import SimpleNamespace
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-MODEL_8B = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"
+MODEL_8B = Path(__file__).resolve().parents[1] / "tandem" / "bench" / "models" / "llama-3.1-8b"
 BF16_TOLERANCE = 0.1  # logprob difference allowed between two bf16 implementations
-SECTIONS = ("equivalence", "bf16", "features", "blog", "fp8", "hf")
+SECTIONS = ("equivalence", "bf16", "features", "blog", "fp8", "speculative", "serve", "hf")
 TABLE: list[tuple[str, str, str]] = []  # (section, what, result): printed last
 RESULTS: dict = {"runs": [], "checks": []}  # --json: the figures, beside the table
 FP8_PROMPTS, FP8_PROMPT_LEN, FP8_GREEDY_TOKENS = 8, 128, 32
@@ -264,6 +265,161 @@ def check_features(path: Path) -> None:
     assert worst < 1e-3
 
 
+def check_speculative(path: Path) -> None:
+    """Speculative decoding on CUDA: ngram and draft-model drafts verified in one forward give
+    the tokens decoding without drafts gives, greedy and seeded sampling, sync and async, with
+    no hidden sync (verification steps run eagerly: their row lengths live on the device)."""
+    from tandem import LLM, SamplingParams
+
+    rng = random.Random(4)
+    spans = [[rng.randrange(3, 1024) for _ in range(rng.randint(4, 40))] for _ in range(12)]
+    prompts = [span * 3 for span in spans]  # text the answer may repeat: drafts found
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    options = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=200)
+    methods = {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+        "draft model": {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3},
+    }
+    runs = {}
+    for name, spec in methods.items():
+        for async_scheduling in (False, True):
+            llm = LLM(str(path), device=DEVICE, async_scheduling=async_scheduling,
+                      speculative_config=spec, **options)  # fmt: skip
+            with no_hidden_sync():
+                outs = llm.generate(prompts, params)
+            stats = llm.engine.stats().speculative
+            runs[name, async_scheduling] = [o.token_ids for o in outs]
+            llm.close()
+            same = sum(a == b for a, b in zip(runs[name, async_scheduling], runs["off", False],
+                                              strict=True))  # fmt: skip
+            record("speculative", f"{name}, {'async' if async_scheduling else 'sync'}",
+                   f"{same}/{len(prompts)} equal decoding without drafts (greedy and seeded); "
+                   f"{stats.accepted_tokens}/{stats.drafted_tokens} drafts accepted; "
+                   f"{sync_checked()}")  # fmt: skip
+            assert same == len(prompts)
+
+
+def speculative_speed(output_len: int) -> dict[str, float]:
+    """One and four requests on the 8B-shaped dummy model (bf16, async): tokens/s without drafts
+    (CUDA graphs), with adaptive ngram drafts, and with 4 drafts at every step (eager
+    verification steps). Random weights accept almost no draft, so the fixed run prices a
+    verification step against a decode step (what a real model's accepted drafts must beat)."""
+    from tandem import Engine, EngineConfig
+    from tandem.bench import run_workload
+    from tandem.bench.workloads import Workload, repeated_span_ids
+
+    max_model_len = 1024 + output_len
+    engine = Engine(EngineConfig(
+        model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
+        max_model_len=max_model_len, max_num_seqs=4, num_kv_blocks=4 * (max_model_len // 16 + 2),
+    ))  # fmt: skip
+    shape = SimpleNamespace(num_requests=4, prompt_len=512, len_spread=0.0, workload_seed=5)
+    prompts = repeated_span_ids(shape, engine.spec.vocab_size, max_model_len)
+    variants = {
+        "off": None,
+        "ngram": {"method": "ngram"},
+        "ngram, 4 every step": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    }
+    rates = {}
+    for batch in (1, 4):
+        work = Workload(prompts[:batch], [output_len] * batch, [0.0] * batch)
+        for name, spec in variants.items():
+            engine.configure(async_scheduling=True, speculative_config=spec)
+            # The same workload first: a step of a new row count compiles Triton kernels once.
+            run_workload(engine, work, 0.0, None, "warmup")
+            engine.configure(speculative_config=spec)  # the draft policy learns afresh
+            before = engine.stats().speculative
+            run = run_workload(engine, work, 0.0, None, f"{name}-{batch}")
+            after = engine.stats().speculative
+            drafted = after.drafted_tokens - before.drafted_tokens
+            accepted = after.accepted_tokens - before.accepted_tokens
+            step_ms = 1e3 * run.summary.wall_s / max(1, len(run.records))
+            rates[f"{name}, batch {batch}"] = run.summary.tokens_per_s
+            RESULTS["runs"].append({
+                "name": f"speculative {name}, batch {batch}", "requests": batch,
+                "output_len": output_len, "tokens_per_s": run.summary.tokens_per_s,
+                "wall_s": run.summary.wall_s, "steps": len(run.records), "step_ms": step_ms,
+                "drafted": drafted, "accepted": accepted,
+                "step_idle_pct": 100 * run.summary.device_idle_fraction,
+            })  # fmt: skip
+            record("speculative", f"8B dummy, batch {batch}, drafts {name}",
+                   f"{run.summary.tokens_per_s:.0f} tok/s, {step_ms:.2f} ms a step; "
+                   f"{accepted}/{drafted} drafts accepted; step-level idle "
+                   f"{100 * run.summary.device_idle_fraction:.2f}%")  # fmt: skip
+        off = rates[f"off, batch {batch}"]
+        record("speculative", f"batch {batch} vs drafts off",
+               ", ".join(f"{name} {rates[f'{name}, batch {batch}'] / off:.2f}x"
+                         for name in variants if name != "off"))  # fmt: skip
+    engine.close()
+    return rates
+
+
+def served_split(output_len: int, tmp: Path) -> dict[str, float]:
+    """`tandem serve` on the 8B-shaped dummy model, async and sync, under 32 streams of token-id
+    prompts (`serve_load.py --token-prompts`): output tokens/s, and from each engine core's step
+    trace the device's idle per 1 s window with 16+ requests running, and how many steps the
+    core launched only after the device had finished the one before (host work on the device's
+    critical path)."""
+    import asyncio
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import serve_compare
+    import serve_load
+    import serve_timeline
+
+    rates = {}
+    for mode in ("async", "sync"):
+        trace = tmp / f"serve-{mode}.json"
+        command = [sys.executable, "-m", "tandem", "serve", "--model", str(BLOG_MODEL),
+                   "--load-format", "dummy", "--dtype", "bfloat16", "--device", DEVICE,
+                   "--max-num-seqs", "32", "--max-model-len", str(128 + output_len),
+                   "--port", "{port}", "--trace", str(trace)]  # fmt: skip
+        if mode == "sync":
+            command.append("--no-async")
+        server = serve_compare.Server(f"tandem-{mode}", f"Tandem {mode}", command)
+        began = time.perf_counter()
+        try:
+            asyncio.run(serve_compare.start(server, 300.0, tmp))
+            record("serve", f"{mode} server start", f"{time.perf_counter() - began:.1f} s")
+
+            def load(requests: int, url: str = server.url) -> dict:
+                return asyncio.run(serve_load.run(serve_load.parse_args([
+                    "--url", url, "--num-requests", str(requests), "--concurrency", "32",
+                    "--max-tokens", str(output_len), "--prompt-words", "32", "--token-prompts",
+                ])))  # fmt: skip
+
+            load(8)  # warm-up
+            summary = load(128)
+        finally:
+            serve_compare.stop(server)  # SIGTERM first: the core writes its trace on the way out
+        steps = serve_timeline.read_trace(str(trace))
+        idle = serve_timeline.windows(steps, 1.0, 16)
+        late = sum(1 for _, wait, launched_late in serve_timeline.gaps(steps)
+                   if launched_late and wait > 0)  # fmt: skip
+        figures = {
+            "name": f"serve {mode}", "requests": summary["requests"],
+            "errors": summary["errors"], "output_len": output_len,
+            "tokens_per_s": summary["output_tokens_per_s"], "wall_s": summary["wall_s"],
+            "steps": len(steps), "steps_launched_late": late, "idle_windows": len(idle),
+            "step_idle_pct_median": 100 * statistics.median(idle) if idle else None,
+            "step_idle_pct_max": 100 * max(idle) if idle else None,
+        }  # fmt: skip
+        RESULTS["runs"].append(figures)
+        rates[mode] = summary["output_tokens_per_s"]
+        median = "n/a" if not idle else f"{figures['step_idle_pct_median']:.2f}%"
+        worst = "n/a" if not idle else f"{figures['step_idle_pct_max']:.2f}%"
+        record("serve", f"{mode}, 128 requests x {output_len} tokens, 32 streams",
+               f"{summary['output_tokens_per_s']:.0f} tok/s, {summary['errors']} errors; device "
+               f"idle per 1 s window (16+ running, {len(idle)} windows) median {median}, max "
+               f"{worst}; {late} of {len(steps)} steps launched after the device had "
+               "finished the one before")  # fmt: skip
+        assert summary["errors"] == 0
+    record("serve", "async vs sync through the server", f"{rates['async'] / rates['sync']:.2f}x")
+    return rates
+
+
 def blog_workload(output_len: int, vocab_size: int, max_model_len: int):
     from tandem.bench import make_workload
 
@@ -442,6 +598,11 @@ def hf_async_batching(output_len: int) -> float | None:
     return tokens / wall
 
 
+def write_json(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(RESULTS | {"table": TABLE}, indent=1) + "\n")
+
+
 def synchronize() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -465,7 +626,12 @@ def main() -> int:
                         help="the blog runs with CUDA graphs on, off or both")  # fmt: skip
     parser.add_argument("--fp8-output-len", type=int, default=256,
                         help="tokens per request in the FP8 section's runs")  # fmt: skip
-    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--spec-output-len", type=int, default=256,
+                        help="tokens per request in the speculative section's speed runs")  # fmt: skip
+    parser.add_argument("--serve-output-len", type=int, default=256,
+                        help="tokens per request in the serve section's load")  # fmt: skip
+    parser.add_argument("--json", type=Path,
+                        help="also write the figures to this JSON file (after every section)")  # fmt: skip
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run every section on the CPU at tiny sizes (the blog runs on the "
                         "tiny model's config with dummy weights, no profiler): checks the "
@@ -477,6 +643,8 @@ def main() -> int:
         args.blog_output_len = min(args.blog_output_len, 24)
         args.hf_output_len = min(args.hf_output_len, 16)
         args.fp8_output_len = min(args.fp8_output_len, 8)
+        args.spec_output_len = min(args.spec_output_len, 8)
+        args.serve_output_len = min(args.serve_output_len, 8)
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check (--cpu-dry-run checks the script)", file=sys.stderr)
         return 2
@@ -504,6 +672,11 @@ def main() -> int:
             ("features", lambda: check_features(tiny)),
             ("blog", lambda: blog_experiment(args.blog_output_len, hf_len, graph_modes)),
             ("fp8", lambda: fp8_experiment(args.fp8_output_len)),
+            (
+                "speculative",
+                lambda: (check_speculative(tiny), speculative_speed(args.spec_output_len)),
+            ),
+            ("serve", lambda: served_split(args.serve_output_len, Path(tmp))),
             ("hf", lambda: hf_async_batching(args.hf_output_len)),
         ]
         skipped = {"hf"} if args.skip_hf else set()
@@ -518,6 +691,8 @@ def main() -> int:
                 traceback.print_exc()
                 record(name, "FAILED", f"{type(exc).__name__}: {exc}"[:300])
             record(name, "section time", f"{time.perf_counter() - start:.0f} s")
+            if args.json:  # after every section: a run cut short keeps what it measured
+                write_json(args.json)
     rates, hf = results.get("blog") or {}, results.get("hf")
     if rates and hf:
         same = rates.get(f"async, graphs on, {hf_len} tokens", rates.get("async, graphs on", 0))
@@ -528,8 +703,7 @@ def main() -> int:
                f"{rates.get('async, graphs on', 0) / rates['sync, graphs off']:.2f}x "
                "(target >= 1.25)")  # fmt: skip
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(RESULTS, indent=1) + "\n")
+        write_json(args.json)
         print(f"figures written to {args.json}", flush=True)
     width = max(len(w) for _, w, _ in TABLE)
     print("\n" + "-" * 100)

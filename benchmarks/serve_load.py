@@ -101,7 +101,10 @@ async def run(args: argparse.Namespace) -> dict:
         gate = asyncio.Semaphore(args.concurrency)
 
         def body() -> dict:
-            prompt = make_prompt(rng, args.prompt_words)
+            if args.token_prompts:  # ids below 1000: valid in any model's vocabulary
+                prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_words)]
+            else:
+                prompt = make_prompt(rng, args.prompt_words)
             request = {
                 "model": model,
                 "max_tokens": args.max_tokens,
@@ -201,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS"
     )
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument(
+        "--token-prompts",
+        action="store_true",
+        help="completions prompts of --prompt-words random token ids, for a model served\n"
+        "without a tokenizer: it streams no text, so TTFT and ITL read nan and the\n"
+        "tokens are counted from the usage chunk",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -209,6 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.token_prompts and args.chat:
+        print("--token-prompts sends completions prompts: leave out --chat", file=sys.stderr)
+        return 2
     summary = asyncio.run(run(args))
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -275,7 +275,7 @@ def _portable_prefill(b: Batch) -> torch.Tensor:
         if seg.context_len == seg.num_tokens:
             keys, values = b.k[rows], b.v[rows]
         else:
-            keys, values = attention._gather_context(b.k_cache, b.v_cache, b.meta, seg)
+            keys, values = attention._gather_context(b.k_cache, b.v_cache, b.meta, seg, 0)
         out[rows] = attention._chunk_attention(b.q[rows], keys, values, seg, 0.1, None)
     return out
 

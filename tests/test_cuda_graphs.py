@@ -15,7 +15,13 @@ import numpy as np
 import torch
 
 from tandem import SamplingParams
-from tandem.execution.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode, graph_sizes
+from tandem.execution.cuda_graphs import (
+    _INTS,
+    DecodeGraphs,
+    capture_sizes,
+    graph_mode,
+    graph_sizes,
+)
 
 from conftest import random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -41,10 +47,11 @@ def _with_eager_graphs(llm, sizes: list[int]) -> EagerGraphs:
     runner, engine = llm.engine.runner, llm.engine
     width = -(-engine.max_model_len // engine.config.block_size)
     spare = runner.kv_caches[0].shape[1] - 1
-    sink = len(runner.token_table) - 1
+    sink, length_sink = len(runner.token_table) - 1, len(runner.lengths) - 1
     runner.graphs = EagerGraphs(
-        runner._graph_step, sizes, width, spare, engine.config.block_size, sink, runner.device
-    )
+        runner._graph_step, sizes, width, spare, engine.config.block_size, sink, length_sink,
+        runner.device,
+    )  # fmt: skip
     return runner.graphs
 
 
@@ -110,15 +117,19 @@ def test_padded_layout(tiny_llama):
     llm.generate([[5, 6, 7], [8, 9]], greedy(3))
     x, (ints, floats) = captured[0]
     n, width = x.num_tokens, graphs.width
-    fields = ints[: 8 * 4].reshape(8, 4)  # _INTS order, 4 rows each
+    fields = ints[: len(_INTS) * 4].reshape(len(_INTS), 4)  # _INTS order, 4 rows each
     assert n == 2 and np.array_equal(fields[0, :n], x.token_index)
     sink = len(engine.runner.token_table) - 1
     assert (fields[0, n:] == sink).all() and (fields[4, n:] == sink).all()  # read, write: sink
     assert (fields[2, n:] == graphs.pad_block * engine.config.block_size).all()  # spare block
     assert (fields[3, n:] == 1).all()  # context 1: the spare slot itself
-    tables = ints[8 * 4 : 8 * 4 + 4 * width].reshape(4, width)
+    assert (
+        len(x.length_rows) == 0
+        and (fields[_INTS.index("length_rows")] == len(engine.runner.lengths) - 1).all()
+    )  # no speculation: every row writes the spare length
+    tables = ints[len(_INTS) * 4 : len(_INTS) * 4 + 4 * width].reshape(4, width)
     # Then the sync loop's host-known last samples, written into the table before the replay.
-    tail = ints[8 * 4 + 4 * width :]
+    tail = ints[len(_INTS) * 4 + 4 * width :]
     assert len(x.known_index) == n and np.array_equal(tail, np.r_[x.known_index, x.known_tokens])
     assert np.array_equal(tables[:n, : x.block_tables.shape[1]], x.block_tables)
     assert (tables[n:] == graphs.pad_block).all()
@@ -145,17 +156,56 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout[done.stdout.rindex("-" * 100) :]
     assert "FAILED" not in table
-    for section in ("equivalence", "features", "blog", "fp8", "hf", "targets"):
+    for section in ("equivalence", "features", "blog", "fp8", "speculative", "serve", "hf"):
         assert f"\n{section}" in table, table
+    assert "\ntargets" in table, table
     results = json.loads(out.read_text())
     assert results["machine"]["torch"] == torch.__version__
     names = [r["name"] for r in results["runs"]]
-    assert names == [f"blog {m}, graphs {g}" for g in ("on", "off") for m in ("sync", "async")] + [
+    decode = [f"blog {m}, graphs {g}" for g in ("on", "off") for m in ("sync", "async")] + [
         "fp8 check: bf16", "fp8 check: fp8"
     ]  # fmt: skip
+    speculative = [f"speculative {d}, batch {b}" for b in (1, 4)
+                   for d in ("off", "ngram", "ngram, 4 every step")]  # fmt: skip
+    assert names == decode + speculative + ["serve async", "serve sync"]
+    runs = {r["name"]: r for r in results["runs"]}
     for run in results["runs"]:
-        assert run["tokens_per_s"] > 0 and run["weight_bytes"] > 0
-        assert run["fraction_of_streaming"] > 0 and run["nominal_gbs"] is None
-    assert results["runs"][-1]["weight_bytes"] < results["runs"][-2]["weight_bytes"]  # fp8
+        assert run["tokens_per_s"] > 0
+    for name in decode:
+        assert runs[name]["weight_bytes"] > 0
+        assert runs[name]["fraction_of_streaming"] > 0 and runs[name]["nominal_gbs"] is None
+    assert runs["fp8 check: fp8"]["weight_bytes"] < runs["fp8 check: bf16"]["weight_bytes"]
+    assert runs["speculative ngram, 4 every step, batch 1"]["drafted"] > 0
+    for mode in ("async", "sync"):
+        assert runs[f"serve {mode}"]["errors"] == 0 and runs[f"serve {mode}"]["steps"] > 0
     assert 0 <= results["fp8"]["greedy_same_token_share"] <= 1
     assert len(results["checks"]) == table.count("\n") - 1
+
+
+def test_speculation_replays_steps_without_drafts(tiny_llama):
+    """Under ngram speculation a step with no verification goes through the graph body, which
+    writes its rows' lengths where the next verification places its tokens: the outputs equal
+    decoding without drafts, sync and async, while drafts are made and accepted. A draft model's
+    steps stay eager (its forward over every step's tokens is not in the graph)."""
+    rng = random.Random(7)
+    spans = [[rng.randrange(3, 1024) for _ in range(rng.randint(3, 12))] for _ in range(5)]
+    prompts = [span * 4 for span in spans]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    options = dict(num_kv_blocks=96, max_num_seqs=6, max_num_batched_tokens=64)
+    reference = [o.token_ids for o in make_llm(tiny_llama, **options).generate(prompts, params)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    for async_scheduling in (False, True):
+        llm = make_llm(tiny_llama, async_scheduling=async_scheduling, speculative_config=ngram,
+                       **options)  # fmt: skip
+        graphs = _with_eager_graphs(llm, [1, 2, 4, 8])
+        assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+        stats = llm.engine.stats().speculative
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
+        assert sum(graphs.replays.values()) > 0
+        assert_idle_and_balanced(llm.engine)
+    draft = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}
+    llm = make_llm(tiny_llama, speculative_config=draft, **options)
+    graphs = _with_eager_graphs(llm, [1, 2, 4, 8])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    assert not graphs.replays

@@ -7,10 +7,12 @@ gather, forward, sampler, scatter of the sampled ids into the token table) with 
 
 Graphs are captured once, at start-up, for a set of padded batch sizes and three sampler
 variants (all greedy; sampling; sampling with top-k / top-p), into one memory pool. A step is
-replayed when it is decode-only, plain (no penalties, no logprobs) and fits the largest size;
-anything else runs eagerly. Its inputs are packed on the host in the graph's fixed layout
-(padded rows write their K/V into a spare cache block and their sampled id into a spare
-token-table entry, so they touch nothing real), uploaded in one copy, and copied on the compute
+replayed when it is decode-only, plain (no penalties, no logprobs, nothing to verify) and fits
+the largest size; anything else runs eagerly. Under speculative decoding a step without drafts
+in flight replays too, and writes its rows' lengths where the next verification reads them.
+Its inputs are packed on the host in the graph's fixed layout (padded rows write their K/V into
+a spare cache block, their sampled id into a spare token-table entry and their length into a
+spare entry, so they touch nothing real), uploaded in one copy, and copied on the compute
 stream into the static buffers the graph reads, so a replay never races the previous one.
 The variant a step uses gives the same tokens as the eager sampler: a row that does not use a
 filter is left exactly as it is (see `sampling._top_k_top_p`).
@@ -31,7 +33,7 @@ from tandem.sampler.inputs import SamplingFlags, SamplingRows
 MAX_CAPTURE_BATCH = 256
 MODES = ("greedy", "sample", "sample-filtered")
 _INTS = ("token_index", "positions", "slot_mapping", "context_lens", "sample_index", "top_k",
-         "seed_keys", "output_index")  # fmt: skip
+         "seed_keys", "output_index", "length_rows", "lengths")  # fmt: skip
 _FLOATS = ("temperature", "top_p", "min_p")
 
 
@@ -52,10 +54,10 @@ def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) ->
 def graph_mode(x: StepInputs) -> str | None:
     """The captured variant that runs step `x` exactly as the eager path would, or None."""
     plain_decode = (
-        x.sampler.plain
+        x.sampler.plain  # verifications run eagerly: their rows' lengths are the device's
         and not x.prefills
         and x.num_tokens == x.num_decodes == x.num_sampled
-        and not len(x.length_rows)  # speculation keeps row lengths on the device: eager steps
+        and not x.draft_kv  # a draft model's forward over the step's tokens is not captured
     )
     if not plain_decode or x.num_tokens == 0:
         return None
@@ -103,6 +105,7 @@ class DecodeGraphs:
         pad_block: int,
         block_size: int,
         token_sink: int,
+        length_sink: int,
         device: torch.device,
     ):
         self.sizes = sizes
@@ -110,7 +113,8 @@ class DecodeGraphs:
         self.pad = {  # what a padded row holds: harmless, and finite through every kernel
             "token_index": token_sink, "positions": 0, "slot_mapping": pad_block * block_size,
             "context_lens": 1, "sample_index": token_sink, "top_k": 0, "seed_keys": 0,
-            "output_index": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0,
+            "output_index": 0, "length_rows": length_sink, "lengths": 0, "temperature": 0.0,
+            "top_p": 1.0, "min_p": 0.0,
         }  # fmt: skip
         self.pad_block = pad_block
         largest = max(sizes)
@@ -145,8 +149,9 @@ class DecodeGraphs:
         ints[self._num_ints(size) :] = np.concatenate([x.known_index, x.known_tokens])
         for i, name in enumerate(_INTS):
             part = ints[i * size : (i + 1) * size]
-            part[:n] = arrays[name]
-            part[n:] = self.pad[name]
+            m = len(arrays[name])  # n, or 0: row lengths are sent only under speculation
+            part[:m] = arrays[name]
+            part[m:] = self.pad[name]
         tables = ints[len(_INTS) * size : self._num_ints(size)].reshape(size, self.width)
         tables[:] = self.pad_block
         tables[:n, : x.block_tables.shape[1]] = x.block_tables[:n]

@@ -188,8 +188,9 @@ class ModelRunner:
         self.token_table = torch.zeros(sink + 1, dtype=torch.int64, device=device)
         self.max_model_len = max_model_len
         # Speculative decoding: each row's length as the device knows it (a verification
-        # advances it by what it accepts, which the host learns only when the step retires).
-        self.lengths = torch.zeros(table_rows, dtype=torch.int64, device=device)
+        # advances it by what it accepts, which the host learns only when the step retires);
+        # one entry more, where padded graph rows write theirs.
+        self.lengths = torch.zeros(table_rows + 1, dtype=torch.int64, device=device)
         self.draft: DraftModel | None = None  # build_runner sets it
         # Everything that happens to the logits; owns penalties' per-row token counts.
         self.sampler = Sampler(table_rows, model.spec.vocab_size, device)
@@ -210,7 +211,9 @@ class ModelRunner:
         if graph_sizes:
             spare = kv_caches[0].shape[1] - SPARE_KV_BLOCKS
             width = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(graph_sizes, width, spare, block_size, sink, device)
+            self.graphs = DecodeGraphs(
+                graph_sizes, width, spare, block_size, sink, table_rows, device
+            )
             with torch.inference_mode():
                 self.graphs.capture(self._graph_step)
 
@@ -436,6 +439,7 @@ class ModelRunner:
         """What a captured decode step does, from the static buffers: the eager path's plain
         decode (gather, forward, sample, scatter) at a fixed padded size."""
         i = inputs.ints
+        self.lengths.index_copy_(0, i["length_rows"], i["lengths"])  # under speculation
         input_ids = self.token_table[i["token_index"]]
         meta = AttentionMetadata(
             slot_mapping=i["slot_mapping"],
