@@ -15,13 +15,17 @@ import numpy as np
 import torch
 
 from tandem import SamplingParams
+from tandem.config import SpeculativeConfig
 from tandem.execution.cuda_graphs import (
     _INTS,
+    _VERIFY_INTS,
     DecodeGraphs,
     capture_sizes,
     graph_mode,
     graph_sizes,
+    verify_shape,
 )
+from tandem.execution.fast_path import ExecutionPlan
 
 from conftest import random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -33,26 +37,32 @@ class EagerGraphs(DecodeGraphs):
     def __init__(self, body, *args):
         super().__init__(*args)
         self.body = body
-        self.replays: dict[tuple[int, str], int] = {}
+        self.replays: dict[tuple[int, str, int | None], int] = {}
 
-    def replay(self, size, mode, ints, floats, batch):
+    def replay(self, key, ints, floats, x):
+        size, mode, history = key
         self.int_buffer[: self._num_ints(size)].copy_(ints[: self._num_ints(size)])
         self.float_buffer[: floats.numel()].copy_(floats)
-        self.replays[size, mode] = self.replays.get((size, mode), 0) + 1
+        self.replays[key] = self.replays.get(key, 0) + 1
         with torch.inference_mode():
-            return self.body(self.views(size), mode)[:batch]
+            return self.output(self.body(self.views(size), mode, history), size, x)
 
 
 def _with_eager_graphs(llm, sizes: list[int]) -> EagerGraphs:
     runner, engine = llm.engine.runner, llm.engine
     width = -(-engine.max_model_len // engine.config.block_size)
     spare = runner.kv_caches[0].shape[1] - 1
-    sink, length_sink = len(runner.token_table) - 1, len(runner.lengths) - 1
+    verify = verify_shape(engine.config.speculative_config, engine.max_model_len)
     runner.graphs = EagerGraphs(
-        runner._graph_step, sizes, width, spare, engine.config.block_size, sink, length_sink,
-        runner.device,
+        runner._graph_step, sizes, width, spare, engine.config.block_size,
+        _token_sink(llm), len(runner.lengths) - 1, runner.device, verify,
     )  # fmt: skip
     return runner.graphs
+
+
+def _token_sink(llm) -> int:
+    """The token table's spare row (after every table row), where padded rows read and write."""
+    return (len(llm.engine.runner.lengths) - 1) * llm.engine.max_model_len
 
 
 def test_capture_sizes_and_where_graphs_apply():
@@ -60,6 +70,20 @@ def test_capture_sizes_and_where_graphs_apply():
     assert capture_sizes(5) == [1, 2, 4, 5]
     assert capture_sizes(1000)[-1] == 256
     assert graph_sizes(torch.device("cpu"), False, 128) == []  # nothing to capture on a CPU
+
+
+def test_verification_graph_bands():
+    """ngram verifications get graphs in bands of history up to the context limit; a draft
+    model's none; the execution line names them."""
+    ngram = SpeculativeConfig(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1)
+    assert verify_shape(None, 4096) is None
+    assert verify_shape(SpeculativeConfig(method="draft_model", model="m"), 4096) is None
+    assert verify_shape(ngram, 8272).histories == (1024, 4096, 8272)
+    assert verify_shape(ngram, 1000).histories == (1000,)
+    assert verify_shape(ngram, 1000).lookup == (3, 1)
+    plan = ExecutionPlan(ops="fused-triton", packed_gemm=False, kernels=None,
+                         cuda_graph_sizes=[1, 2, 4], cuda_graph_histories=(1024, 2048))  # fmt: skip
+    assert "ngram verifications (histories up to 1024, 2048 tokens)" in plan.describe()
 
 
 def test_graph_step_gives_the_eager_tokens(tiny_llama):
@@ -84,9 +108,9 @@ def test_graph_step_gives_the_eager_tokens(tiny_llama):
         outs = llm.generate(prompts, params[:9])
         assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
         assert_idle_and_balanced(llm.engine)
-        modes = {mode for _, mode in graphs.replays}
+        modes = {mode for _, mode, _ in graphs.replays}
         assert "sample-filtered" in modes and modes <= {"sample", "sample-filtered"}
-        assert {size for size, _ in graphs.replays} >= {2, 8}  # padded: 6 requests -> 8
+        assert {size for size, _, _ in graphs.replays} >= {2, 8}  # padded: 6 requests -> 8
         # The padded rows wrote only the spare block.
         assert any(not torch.equal(c[:, spare], b) for c, b in zip(
             llm.engine.runner.kv_caches, cache_before, strict=True))  # fmt: skip
@@ -98,13 +122,13 @@ def test_all_greedy_steps_use_the_greedy_variant(tiny_llama):
     reference = [o.token_ids for o in make_llm(tiny_llama).generate(prompts, greedy(8))]
     graphs = _with_eager_graphs(llm, [1, 2, 4])
     assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == reference
-    assert {mode for _, mode in graphs.replays} == {"greedy"}
-    assert (4, "greedy") in graphs.replays  # 3 requests padded to 4
+    assert {mode for _, mode, _ in graphs.replays} == {"greedy"}
+    assert (4, "greedy", None) in graphs.replays  # 3 requests padded to 4
     sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(3)]
     reference = [o.token_ids for o in make_llm(tiny_llama).generate(prompts, sampled)]
     graphs.replays.clear()
     assert [o.token_ids for o in llm.generate(prompts, sampled)] == reference
-    assert {mode for _, mode in graphs.replays} == {"sample"}
+    assert {mode for _, mode, _ in graphs.replays} == {"sample"}
 
 
 def test_padded_layout(tiny_llama):
@@ -117,9 +141,10 @@ def test_padded_layout(tiny_llama):
     llm.generate([[5, 6, 7], [8, 9]], greedy(3))
     x, (ints, floats) = captured[0]
     n, width = x.num_tokens, graphs.width
-    fields = ints[: len(_INTS) * 4].reshape(len(_INTS), 4)  # _INTS order, 4 rows each
+    cap = 5  # every array holds the padded size's 4 rows and one past them
+    fields = ints[: len(_INTS) * cap].reshape(len(_INTS), cap)  # _INTS order
     assert n == 2 and np.array_equal(fields[0, :n], x.token_index)
-    sink = len(engine.runner.token_table) - 1
+    sink = _token_sink(llm)
     assert (fields[0, n:] == sink).all() and (fields[4, n:] == sink).all()  # read, write: sink
     assert (fields[2, n:] == graphs.pad_block * engine.config.block_size).all()  # spare block
     assert (fields[3, n:] == 1).all()  # context 1: the spare slot itself
@@ -127,13 +152,17 @@ def test_padded_layout(tiny_llama):
         len(x.length_rows) == 0
         and (fields[_INTS.index("length_rows")] == len(engine.runner.lengths) - 1).all()
     )  # no speculation: every row writes the spare length
-    tables = ints[len(_INTS) * 4 : len(_INTS) * 4 + 4 * width].reshape(4, width)
+    tables = ints[len(_INTS) * cap : (len(_INTS) + width) * cap].reshape(cap, width)
+    verify = ints[(len(_INTS) + width) * cap : (len(_INTS) + width + len(_VERIFY_INTS)) * cap]
+    verify = dict(zip(_VERIFY_INTS, verify.reshape(-1, cap), strict=True))
+    assert (verify["table_rows"] == len(engine.runner.lengths) - 1).all()  # no verification
+    assert (verify["token_batch"] == 4).all() and (verify["draft_item"] == 4).all()  # past end
     # Then the sync loop's host-known last samples, written into the table before the replay.
-    tail = ints[len(_INTS) * 4 + 4 * width :]
+    tail = ints[(len(_INTS) + width + len(_VERIFY_INTS)) * cap :]
     assert len(x.known_index) == n and np.array_equal(tail, np.r_[x.known_index, x.known_tokens])
     assert np.array_equal(tables[:n, : x.block_tables.shape[1]], x.block_tables)
     assert (tables[n:] == graphs.pad_block).all()
-    temperature, top_p = floats[:4], floats[4:8]
+    temperature, top_p = floats[:cap], floats[cap : 2 * cap]
     assert (temperature[n:] == 0).all() and (top_p[n:] == 1).all()
     assert graph_mode(x) == "greedy"
 
@@ -182,30 +211,60 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     assert len(results["checks"]) == table.count("\n") - 1
 
 
-def test_speculation_replays_steps_without_drafts(tiny_llama):
-    """Under ngram speculation a step with no verification goes through the graph body, which
-    writes its rows' lengths where the next verification places its tokens: the outputs equal
-    decoding without drafts, sync and async, while drafts are made and accepted. A draft model's
-    steps stay eager (its forward over every step's tokens is not in the graph)."""
+def test_capture_runs_touch_nothing_real(tiny_llama):
+    """What capture runs (every graph's body on buffers that are all padding, with requests
+    in flight around it) writes only the spare block, the token table's spare row and the
+    spare length, whatever the sink's length had grown to."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = make_llm(tiny_llama, speculative_config=ngram, num_kv_blocks=64)
+    graphs = _with_eager_graphs(llm, [1, 4])
+    runner, sink = llm.engine.runner, _token_sink(llm)
+    llm.generate([[5, 6, 7] * 5, [8, 9] * 6], greedy(6))  # rows, lengths and blocks in use
+    runner.lengths[-1] = 10**6  # a spare length grown by earlier padded verifications
+    table, lengths = runner.token_table.clone(), runner.lengths.clone()
+    caches = [c.clone() for c in runner.kv_caches]
+    for size, mode, history in graphs.capture_keys():
+        with torch.inference_mode():
+            out = runner._graph_step(graphs.padded(size), mode, history)
+        assert len(out) == (size if history is None else 2 * size + 1)
+    assert {h for _, _, h in graphs.capture_keys()} == {None, *graphs.verify.histories}
+    assert torch.equal(runner.token_table[:sink], table[:sink])
+    assert torch.equal(runner.lengths[:-1], lengths[:-1])
+    spare = graphs.pad_block
+    for cache, before in zip(runner.kv_caches, caches, strict=True):
+        assert torch.equal(cache[:, :spare], before[:, :spare])
+
+
+def test_speculation_through_graphs(tiny_llama):
+    """Under ngram speculation every decode step goes through a graph body: a step without
+    drafts in flight writes its rows' lengths there, and a verification places its tokens by
+    the device's lengths, drafts, samples and counts what is kept, in the band of history its
+    requests' lengths fall in (a prompt past 1024 tokens takes the second). The outputs equal
+    decoding without drafts, greedy and seeded, sync and async, while drafts are accepted and
+    rejected; the padded entries touch no request's blocks or rows. A draft model's steps stay
+    eager (its forward over every step's tokens is not in the graph)."""
     rng = random.Random(7)
     spans = [[rng.randrange(3, 1024) for _ in range(rng.randint(3, 12))] for _ in range(5)]
-    prompts = [span * 4 for span in spans]
+    prompts = [span * 4 for span in spans] + [spans[0] * (1100 // len(spans[0]) + 1)]
     params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
-    options = dict(num_kv_blocks=96, max_num_seqs=6, max_num_batched_tokens=64)
+    options = dict(num_kv_blocks=256, max_num_seqs=6, max_num_batched_tokens=256)
     reference = [o.token_ids for o in make_llm(tiny_llama, **options).generate(prompts, params)]
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     for async_scheduling in (False, True):
         llm = make_llm(tiny_llama, async_scheduling=async_scheduling, speculative_config=ngram,
                        **options)  # fmt: skip
-        graphs = _with_eager_graphs(llm, [1, 2, 4, 8])
+        graphs = _with_eager_graphs(llm, [1, 2, 4, 8, 16, 32])
+        assert graphs.verify.histories == (1024, llm.engine.max_model_len)
         assert [o.token_ids for o in llm.generate(prompts, params)] == reference
         stats = llm.engine.stats().speculative
-        assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
-        assert sum(graphs.replays.values()) > 0
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+        bands = {history for _, _, history in graphs.replays}
+        assert None in bands and bands >= set(graphs.verify.histories), bands
         assert_idle_and_balanced(llm.engine)
     draft = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}
     llm = make_llm(tiny_llama, speculative_config=draft, **options)
     graphs = _with_eager_graphs(llm, [1, 2, 4, 8])
+    assert graphs.verify is None
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     assert not graphs.replays

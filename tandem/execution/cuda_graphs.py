@@ -7,15 +7,21 @@ gather, forward, sampler, scatter of the sampled ids into the token table) with 
 
 Graphs are captured once, at start-up, for a set of padded batch sizes and three sampler
 variants (all greedy; sampling; sampling with top-k / top-p), into one memory pool. A step is
-replayed when it is decode-only, plain (no penalties, no logprobs, nothing to verify) and fits
-the largest size; anything else runs eagerly. Under speculative decoding a step without drafts
-in flight replays too, and writes its rows' lengths where the next verification reads them.
-Its inputs are packed on the host in the graph's fixed layout (padded rows write their K/V into
-a spare cache block, their sampled id into a spare token-table entry and their length into a
-spare entry, so they touch nothing real), uploaded in one copy, and copied on the compute
-stream into the static buffers the graph reads, so a replay never races the previous one.
+replayed when it is decode-only, plain (no penalties, no logprobs) and fits the largest size;
+anything else runs eagerly. Its inputs are packed on the host in the graph's fixed layout,
+uploaded in one copy, and copied on the compute stream into the static buffers the graph reads,
+so a replay never races the previous one. Every array of that layout has one entry past the
+padded size, and padded entries point there or at spare places: the spare cache block for K/V,
+the token table's spare row and the lengths' spare entry. So padded rows touch nothing real.
 The variant a step uses gives the same tokens as the eager sampler: a row that does not use a
 filter is left exactly as it is (see `sampling._top_k_top_p`).
+
+Under ngram speculation (the method chosen at start-up) verification steps replay graphs too:
+the same sizes and variants, once per band of history the drafts are searched in (a band fixes
+the search's shape), each placing the verified tokens by the device's lengths, drafting,
+sampling and counting what is kept as the eager step does (`drafting`, `sampler.verify`). A
+step without drafts in flight writes its rows' lengths in its graph. A draft model's steps run
+eagerly (its passes are as many as the step's most drafts, chosen on the host).
 """
 
 from __future__ import annotations
@@ -26,15 +32,45 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from tandem.execution.batch import StepInputs
 from tandem.ops.attention import triton_kernels
-from tandem.sampler.inputs import SamplingFlags, SamplingRows
+from tandem.sampler.inputs import SamplerInputs, SamplingFlags, SamplingRows, VerifyRows
 
 MAX_CAPTURE_BATCH = 256
 MODES = ("greedy", "sample", "sample-filtered")
 _INTS = ("token_index", "positions", "slot_mapping", "context_lens", "sample_index", "top_k",
          "seed_keys", "output_index", "length_rows", "lengths")  # fmt: skip
 _FLOATS = ("temperature", "top_p", "min_p")
+# A verification's arrays (`VerifyRows`): its requests', their tokens' and their drafts'.
+_VERIFY_INTS = ("table_rows", "prompt_lens", "token_item", "token_offset", "token_batch",
+                "sample_rows", "draft_batch", "draft_item", "draft_index", "check_rows")  # fmt: skip
+SHORTEST_HISTORY = 1024  # the first band of history a verification graph searches; x4 per band
+GraphKey = tuple[int, str, int | None]  # padded size, sampler variant, history band (verifying)
+
+
+@dataclass(frozen=True)
+class VerifyShape:
+    """What a captured verification fixes on the host's side: the ngram sizes, room for the
+    most drafts any request may have, and the bands of history (each an upper bound of the
+    verifying requests' lengths) there are graphs for."""
+
+    lookup: tuple[int, int]
+    histories: tuple[int, ...]
+    max_drafts: int = MAX_SPECULATIVE_TOKENS
+
+
+def verify_shape(spec: SpeculativeConfig | None, max_model_len: int) -> VerifyShape | None:
+    """The verification graphs to capture: ngram's only (a draft model drafts in host-counted
+    passes); bands of 1024, 4096, ... tokens up to the context limit."""
+    if spec is None or spec.method != "ngram":
+        return None
+    bands, history = [], SHORTEST_HISTORY
+    while history < max_model_len:
+        bands.append(history)
+        history *= 4
+    bands.append(max_model_len)
+    return VerifyShape((spec.prompt_lookup_max, spec.prompt_lookup_min), tuple(bands))
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -52,14 +88,18 @@ def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) ->
 
 
 def graph_mode(x: StepInputs) -> str | None:
-    """The captured variant that runs step `x` exactly as the eager path would, or None."""
-    plain_decode = (
-        x.sampler.plain  # verifications run eagerly: their rows' lengths are the device's
+    """The sampler variant whose graphs run step `x` exactly as the eager path would, or None
+    (a verification also needs its band: `DecodeGraphs.key_for`)."""
+    s = x.sampler
+    decode = (
+        s.processing is None
+        and s.logprobs is None
+        and s.grammar is None
         and not x.prefills
         and x.num_tokens == x.num_decodes == x.num_sampled
         and not x.draft_kv  # a draft model's forward over the step's tokens is not captured
     )
-    if not plain_decode or x.num_tokens == 0:
+    if not decode or x.num_tokens == 0 or (s.verify is not None and s.verify.method != "ngram"):
         return None
     flags = x.sampler.sampling.flags
     if flags.all_greedy:
@@ -71,21 +111,26 @@ def graph_mode(x: StepInputs) -> str | None:
 
 @dataclass
 class GraphInputs:
-    """Views of the static buffers in the layout of one padded batch size."""
+    """Views of the static buffers in the layout of one padded batch size: `size` rows, and
+    one entry more in every array (where padded verification entries write)."""
 
-    ints: dict[str, torch.Tensor]
-    floats: dict[str, torch.Tensor]
-    block_tables: torch.Tensor  # [size, width]
+    size: int
+    ints: dict[str, torch.Tensor]  # [size + 1] each
+    floats: dict[str, torch.Tensor]  # [size + 1] each
+    block_tables: torch.Tensor  # [size + 1, width]
+    verify: dict[str, torch.Tensor]  # [size + 1] each: a verification's arrays, padded
 
-    def sampling(self, mode: str) -> SamplingRows[torch.Tensor]:
+    def sampling(self, mode: str, rows: int | None = None) -> SamplingRows[torch.Tensor]:
+        """The sampling rows (the first `rows`; all `size + 1` by default)."""
         filtered = mode == "sample-filtered"
+        end = self.size + 1 if rows is None else rows
         return SamplingRows(
-            temperature=self.floats["temperature"],
-            top_k=self.ints["top_k"],
-            top_p=self.floats["top_p"],
-            min_p=self.floats["min_p"],
-            seed_keys=self.ints["seed_keys"],
-            output_index=self.ints["output_index"],
+            temperature=self.floats["temperature"][:end],
+            top_k=self.ints["top_k"][:end],
+            top_p=self.floats["top_p"][:end],
+            min_p=self.floats["min_p"][:end],
+            seed_keys=self.ints["seed_keys"][:end],
+            output_index=self.ints["output_index"][:end],
             flags=SamplingFlags(
                 all_greedy=mode == "greedy",
                 use_top_k=filtered,
@@ -93,6 +138,27 @@ class GraphInputs:
                 use_min_p=mode != "greedy",  # min_p = 0 leaves a row exactly as it is
             ),
         )
+
+    def verify_rows(self, shape: VerifyShape, history: int) -> VerifyRows[torch.Tensor]:
+        """The verification at this size, in the captured shape (`history`: its band)."""
+        none = self.verify["table_rows"][:0]
+        return VerifyRows(
+            **self.verify, num_drafts=none, pass_items=none, item_batch=none, item_row=none,
+            pass_sizes=[], max_drafts=shape.max_drafts, history_len=history, method="ngram",
+            lookup=shape.lookup,
+        )  # fmt: skip
+
+    def step(self, mode: str, verify: VerifyRows[torch.Tensor] | None) -> StepInputs:
+        """The arrays as a step's device inputs, whole (what `drafting.place_tokens` writes)."""
+        i, none = self.ints, self.ints["token_index"][:0]
+        return StepInputs(
+            step_id=-1, token_index=i["token_index"], positions=i["positions"],
+            slot_mapping=i["slot_mapping"], known_index=none, known_tokens=none,
+            logits_index=none, sample_index=i["sample_index"], block_tables=self.block_tables,
+            context_lens=i["context_lens"], num_decodes=self.size,
+            decode_max_blocks=self.block_tables.shape[1], prefills=[],
+            sampler=SamplerInputs(sampling=self.sampling(mode), verify=verify),
+        )  # fmt: skip
 
 
 class DecodeGraphs:
@@ -107,92 +173,150 @@ class DecodeGraphs:
         token_sink: int,
         length_sink: int,
         device: torch.device,
+        verify: VerifyShape | None = None,
     ):
+        """`token_sink`: the token table's spare row's first entry; `length_sink`: that row's
+        index (its length entry is spare too); `verify`: the verification graphs, if any."""
         self.sizes = sizes
         self.width = width  # block-table columns: the longest sequence's blocks
+        self.verify = verify
         self.pad = {  # what a padded row holds: harmless, and finite through every kernel
             "token_index": token_sink, "positions": 0, "slot_mapping": pad_block * block_size,
             "context_lens": 1, "sample_index": token_sink, "top_k": 0, "seed_keys": 0,
-            "output_index": 0, "length_rows": length_sink, "lengths": 0, "temperature": 0.0,
-            "top_p": 1.0, "min_p": 0.0,
+            "output_index": 0, "length_rows": length_sink, "temperature": 0.0, "top_p": 1.0,
+            "min_p": 0.0,
+            # A verification's padded length rows set the spare row's length to 1 before its
+            # tokens are placed: a padded token sits at position 0 of the spare row.
+            "lengths": 1, "table_rows": length_sink, "prompt_lens": 0, "token_offset": 0,
+            "draft_index": 0, "check_rows": 0,
         }  # fmt: skip
+        # Padded entries that index the step's own arrays point one past its padded size.
+        self.past_end = ("token_item", "token_batch", "sample_rows", "draft_batch", "draft_item")
         self.pad_block = pad_block
         largest = max(sizes)
         self.int_buffer = torch.zeros(self._num_ints(largest), dtype=torch.int64, device=device)
-        self.float_buffer = torch.zeros(len(_FLOATS) * largest, dtype=torch.float32, device=device)
-        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        floats = len(_FLOATS) * (largest + 1)
+        self.float_buffer = torch.zeros(floats, dtype=torch.float32, device=device)
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _num_ints(self, size: int) -> int:
-        return len(_INTS) * size + size * self.width
+        return (len(_INTS) + len(_VERIFY_INTS) + self.width) * (size + 1)
 
     def views(self, size: int) -> GraphInputs:
-        ints = dict(zip(_INTS, self.int_buffer[: len(_INTS) * size].split(size), strict=True))
-        tables = self.int_buffer[len(_INTS) * size : self._num_ints(size)].view(size, self.width)
-        floats = dict(
-            zip(_FLOATS, self.float_buffer[: len(_FLOATS) * size].split(size), strict=True)
+        n = size + 1
+        parts = self.int_buffer[: self._num_ints(size)].split(
+            [len(_INTS) * n, n * self.width, len(_VERIFY_INTS) * n]
         )
-        return GraphInputs(ints, floats, tables)
+        floats = self.float_buffer[: len(_FLOATS) * n].split(n)
+        return GraphInputs(
+            size=size,
+            ints=dict(zip(_INTS, parts[0].split(n), strict=True)),
+            floats=dict(zip(_FLOATS, floats, strict=True)),
+            block_tables=parts[1].view(n, self.width),
+            verify=dict(zip(_VERIFY_INTS, parts[2].split(n), strict=True)),
+        )
 
     def size_for(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
+    def key_for(self, x: StepInputs) -> GraphKey | None:
+        """The graph that runs step `x` as the eager path would; None: it runs eagerly."""
+        mode = graph_mode(x)
+        size = self.size_for(x.num_tokens) if mode else None
+        if size is None:
+            return None
+        v = x.sampler.verify
+        if v is None:
+            return size, mode, None
+        shape = self.verify
+        if shape is None or v.lookup != shape.lookup or v.max_drafts > shape.max_drafts:
+            return None
+        history = next((h for h in shape.histories if h >= v.history_len), None)
+        return None if history is None else (size, mode, history)
+
+    def _pad_value(self, name: str, size: int) -> int | float:
+        return size if name in self.past_end else self.pad[name]
+
     def pack(self, x: StepInputs, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The step's arrays padded to `size` rows, in the static buffers' layout, followed by
-        its host-known tokens (index, then value: the sync loop's last samples), which the
-        runner writes into the token table before the replay."""
-        n, k = x.num_tokens, len(x.known_index)
+        """The step's arrays padded to `size` rows (and the one past), in the static buffers'
+        layout, followed by its host-known tokens (index, then value: the sync loop's last
+        samples), which the runner writes into the token table before the replay."""
+        n, k, cap = x.num_tokens, len(x.known_index), size + 1
         rows = x.sampler.sampling  # the sampling settings; the rest are the step's own arrays
-        arrays = {
-            name: getattr(rows if hasattr(rows, name) else x, name) for name in _INTS + _FLOATS
-        }
+        v = x.sampler.verify
+        arrays = {name: getattr(rows if hasattr(rows, name) else x, name) for name in _INTS}
+        arrays |= {name: getattr(rows, name) for name in _FLOATS}
+        empty = np.zeros(0, np.int64)
+        arrays |= {name: empty if v is None else getattr(v, name) for name in _VERIFY_INTS}
         ints = np.empty(self._num_ints(size) + 2 * k, dtype=np.int64)
         ints[self._num_ints(size) :] = np.concatenate([x.known_index, x.known_tokens])
-        for i, name in enumerate(_INTS):
-            part = ints[i * size : (i + 1) * size]
-            m = len(arrays[name])  # n, or 0: row lengths are sent only under speculation
+        per_row = ints[: self._num_ints(size)].reshape(-1, cap)  # one array per row of it
+        names = (*_INTS, *[None] * self.width, *_VERIFY_INTS)  # None: the block tables
+        for name, part in zip(names, per_row, strict=True):
+            if name is None:
+                continue
+            m = len(arrays[name])  # n, or fewer: lengths of plain rows, a verification's parts
             part[:m] = arrays[name]
-            part[m:] = self.pad[name]
-        tables = ints[len(_INTS) * size : self._num_ints(size)].reshape(size, self.width)
+            part[m:] = self._pad_value(name, size)
+        tables = per_row[len(_INTS) : len(_INTS) + self.width].reshape(cap, self.width)
         tables[:] = self.pad_block
         tables[:n, : x.block_tables.shape[1]] = x.block_tables[:n]
-        floats = np.empty(len(_FLOATS) * size, dtype=np.float32)
+        floats = np.empty(len(_FLOATS) * cap, dtype=np.float32)
         for i, name in enumerate(_FLOATS):
-            floats[i * size : i * size + n] = arrays[name]
-            floats[i * size + n : (i + 1) * size] = self.pad[name]
+            floats[i * cap : i * cap + n] = arrays[name]
+            floats[i * cap + n : (i + 1) * cap] = self.pad[name]
         return ints, floats
 
-    def capture(self, body: Callable[[GraphInputs, str], torch.Tensor]) -> None:
-        """Capture every (size, mode), largest first (its allocations seed the shared pool).
+    def capture_keys(self) -> list[GraphKey]:
+        """Every graph to capture, largest size first (its allocations seed the shared pool)."""
+        histories = (None, *(self.verify.histories if self.verify else ()))
+        return [
+            (size, mode, history)
+            for size in sorted(self.sizes, reverse=True)
+            for history in histories
+            for mode in MODES
+        ]
 
-        `body` runs one decode step from the static buffers and returns the sampled ids. It is
-        run twice on a side stream first: kernels compile and the allocator warms up outside
-        the capture. Padded inputs fill the buffers, so these runs write nothing real."""
+    def capture(self, body: Callable[[GraphInputs, str, int | None], torch.Tensor]) -> None:
+        """Capture every graph of `capture_keys()`.
+
+        `body` runs one decode step (a verification, given a band) from the static buffers and
+        returns what the step sends to the host. It is run twice on a side stream first:
+        kernels compile and the allocator warms up outside the capture. Padded inputs fill the
+        buffers, so these runs write nothing real."""
         pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.sizes, reverse=True):
-            ints, floats = self._padding(size)
-            self.int_buffer[: len(ints)].copy_(torch.from_numpy(ints))
-            self.float_buffer[: len(floats)].copy_(torch.from_numpy(floats))
-            inputs = self.views(size)
-            for mode in MODES:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        body(inputs, mode)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = body(inputs, mode)
-                self.graphs[size, mode] = (graph, out)
+        for size, mode, history in self.capture_keys():
+            inputs = self.padded(size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    body(inputs, mode, history)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = body(inputs, mode, history)
+            self.graphs[size, mode, history] = (graph, out)
         torch.cuda.synchronize()
 
+    def padded(self, size: int) -> GraphInputs:
+        """The static buffers filled as for a step with no rows at all (what capture runs)."""
+        ints, floats = self._padding(size)
+        self.int_buffer[: len(ints)].copy_(torch.from_numpy(ints))
+        self.float_buffer[: len(floats)].copy_(torch.from_numpy(floats))
+        return self.views(size)
+
     def _padding(self, size: int) -> tuple[np.ndarray, np.ndarray]:
-        ints = np.empty(self._num_ints(size), dtype=np.int64)
+        """Every entry padded."""
+        cap = size + 1
+        ints = np.empty(self._num_ints(size), dtype=np.int64).reshape(-1, cap)
         for i, name in enumerate(_INTS):
-            ints[i * size : (i + 1) * size] = self.pad[name]
-        ints[len(_INTS) * size :] = self.pad_block
-        floats = np.repeat(np.array([self.pad[n] for n in _FLOATS], np.float32), size)
-        return ints, floats
+            ints[i] = self._pad_value(name, size)
+        ints[len(_INTS) : len(_INTS) + self.width] = self.pad_block
+        for i, name in enumerate(_VERIFY_INTS):
+            ints[len(_INTS) + self.width + i] = self._pad_value(name, size)
+        floats = np.repeat(np.array([self.pad[n] for n in _FLOATS], np.float32), cap)
+        return ints.reshape(-1), floats
 
     def known_tokens(self, ints: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (token-table index, token) pairs packed after the static layout."""
@@ -200,11 +324,25 @@ class DecodeGraphs:
         return index, tokens
 
     def replay(
-        self, size: int, mode: str, ints: torch.Tensor, floats: torch.Tensor, batch: int
+        self,
+        key: GraphKey,
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        x: StepInputs,
     ) -> torch.Tensor:
-        """On the compute stream: inputs into the static buffers, replay; the real rows' ids."""
+        """On the compute stream: inputs into the static buffers, replay; the real rows' ids
+        (a verification: then the kept counts of its requests, as the eager step sends)."""
+        size = key[0]
         self.int_buffer[: self._num_ints(size)].copy_(ints[: self._num_ints(size)])
         self.float_buffer[: floats.numel()].copy_(floats)
-        graph, out = self.graphs[size, mode]
+        graph, out = self.graphs[key]
         graph.replay()
-        return out[:batch]
+        return self.output(out, size, x)
+
+    @staticmethod
+    def output(out: torch.Tensor, size: int, x: StepInputs) -> torch.Tensor:
+        """What the step sends to the host, from a graph's output at `size`."""
+        v = x.sampler.verify
+        if v is None:
+            return out[: x.num_tokens]
+        return torch.cat([out[: x.num_tokens], out[size : size + len(v.table_rows)]])

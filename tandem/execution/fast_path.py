@@ -32,6 +32,7 @@ class ExecutionPlan:
     tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
     backend: str | None = None  # their collectives: gloo or nccl
     cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
+    cuda_graph_histories: tuple[int, ...] = ()  # ... and ngram verifications' history bands
     weight_formats: dict[str, int] = field(default_factory=dict)  # linear layers by format
     weight_bytes: int | None = None  # weights one forward reads (LlamaModel.weight_bytes)
 
@@ -65,6 +66,9 @@ class ExecutionPlan:
                 f"; CUDA graphs for decode steps of up to {max(self.cuda_graph_sizes)} requests "
                 f"({len(self.cuda_graph_sizes)} sizes x 3 sampler variants)"
             )
+            if self.cuda_graph_histories:
+                bands = ", ".join(str(h) for h in self.cuda_graph_histories)
+                text += f" and ngram verifications (histories up to {bands} tokens)"
         if self.weight_formats:
             text += "; " + self.describe_weights()
         k = self.kernels

@@ -18,7 +18,13 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.execution.batch import SKIPPED_STEP, StepInputs
-from tandem.execution.cuda_graphs import DecodeGraphs, GraphInputs, graph_mode, graph_sizes
+from tandem.execution.cuda_graphs import (
+    DecodeGraphs,
+    GraphInputs,
+    VerifyShape,
+    graph_sizes,
+    verify_shape,
+)
 from tandem.execution.drafting import ngram_drafts, place_tokens
 from tandem.execution.kv_cache import (
     allocate_kv_cache,
@@ -144,8 +150,9 @@ def build_runner(
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
     sizes = sizes if groups.num_groups == 1 and model.spec.moe is None else None
     caches = cache_of(model, groups)
+    verify = verify_shape(config.speculative_config, max_model_len) if sizes else None
     runner = ModelRunner(
-        model, caches, groups, table_rows, max_model_len, config.block_size, device, sizes
+        model, caches, groups, table_rows, max_model_len, config.block_size, device, sizes, verify
     )
     if draft is not None:
         runner.draft = DraftModel(
@@ -173,6 +180,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         graph_sizes: list[int] | None = None,
+        verify: VerifyShape | None = None,
     ):
         """`kv_caches` hold the scheduler's blocks plus SPARE_KV_BLOCKS, per layer (`groups`:
         which block tables the layers use); `graph_sizes`: the padded batch sizes to capture
@@ -183,9 +191,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         # Every running request's tokens, by (table row, position): the only copy the device
-        # needs; one entry more, where padded graph rows put their samples.
+        # needs; one row more, where padded graph rows put their samples and read drafts.
         sink = table_rows * max_model_len
-        self.token_table = torch.zeros(sink + 1, dtype=torch.int64, device=device)
+        self.token_table = torch.zeros(sink + max_model_len, dtype=torch.int64, device=device)
         self.max_model_len = max_model_len
         # Speculative decoding: each row's length as the device knows it (a verification
         # advances it by what it accepts, which the host learns only when the step retires);
@@ -212,7 +220,7 @@ class ModelRunner:
             spare = kv_caches[0].shape[1] - SPARE_KV_BLOCKS
             width = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(
-                graph_sizes, width, spare, block_size, sink, table_rows, device
+                graph_sizes, width, spare, block_size, sink, table_rows, device, verify
             )
             with torch.inference_mode():
                 self.graphs.capture(self._graph_step)
@@ -264,6 +272,12 @@ class ModelRunner:
     def graph_sizes(self) -> list[int]:
         """The padded batch sizes whose decode steps replay a captured graph."""
         return self.graphs.sizes if self.graphs is not None else []
+
+    @property
+    def graph_histories(self) -> tuple[int, ...]:
+        """The history bands of the captured ngram verifications (none: they run eagerly)."""
+        verify = self.graphs.verify if self.graphs is not None else None
+        return verify.histories if verify is not None else ()
 
     def check_health(self) -> None:
         """In-process execution has no separate worker to lose (see MultiprocExecutor)."""
@@ -421,11 +435,12 @@ class ModelRunner:
         return self._to_host(pack(ids, logprobs) if logprobs else ids)
 
     def _replay(self, x: StepInputs) -> torch.Tensor | None:
-        """A plain decode step through its captured graph; None if it has none."""
-        mode = graph_mode(x)
-        size = self.graphs.size_for(x.num_tokens) if mode else None
-        if size is None:
+        """A decode step (or an ngram verification) through its captured graph; None if it
+        has none."""
+        key = self.graphs.key_for(x)
+        if key is None:
             return None
+        size = key[0]
         ints, floats = self.graphs.pack(x, size)
         if self._cuda:
             uploaded = self._int_staging.upload(ints), self._float_staging.upload(floats)
@@ -433,27 +448,37 @@ class ModelRunner:
             uploaded = torch.from_numpy(ints), torch.from_numpy(floats)
         if len(x.known_index):
             self.token_table.index_copy_(0, *self.graphs.known_tokens(uploaded[0], size))
-        return self.graphs.replay(size, mode, *uploaded, x.num_tokens)
+        return self.graphs.replay(key, *uploaded, x)
 
-    def _graph_step(self, inputs: GraphInputs, mode: str) -> torch.Tensor:
-        """What a captured decode step does, from the static buffers: the eager path's plain
-        decode (gather, forward, sample, scatter) at a fixed padded size."""
+    def _graph_step(self, inputs: GraphInputs, mode: str, history: int | None) -> torch.Tensor:
+        """What a captured step does, from the static buffers: the eager path's decode at a
+        fixed padded size; with a history band, its verification too. Returns the sampled ids
+        (then, verifying, each request's kept count)."""
+        n = inputs.size
         i = inputs.ints
         self.lengths.index_copy_(0, i["length_rows"], i["lengths"])  # under speculation
-        input_ids = self.token_table[i["token_index"]]
+        verify = None if history is None else inputs.verify_rows(self.graphs.verify, history)
+        t = inputs.step(mode, verify)
+        if verify is not None:
+            self._prepare_verification(t, verify)
+        input_ids = self.token_table[t.token_index]  # one past the padded rows: a spare read
         meta = AttentionMetadata(
-            slot_mapping=i["slot_mapping"],
-            block_tables=inputs.block_tables,
-            context_lens=i["context_lens"],
-            num_decodes=len(input_ids),
-            decode_max_blocks=inputs.block_tables.shape[1],
+            slot_mapping=t.slot_mapping[:n],
+            block_tables=t.block_tables[:n],
+            context_lens=t.context_lens[:n],
+            num_decodes=n,
+            decode_max_blocks=t.block_tables.shape[1],
             prefills=[],
             block_size=self.block_size,
         )
-        hidden = self.model(input_ids, i["positions"], self.kv_caches, meta)
-        ids = self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling(mode))
-        self.token_table.index_copy_(0, i["sample_index"], ids)
-        return ids
+        hidden = self.model(input_ids[:n], t.positions[:n], self.kv_caches, meta)
+        ids = self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling(mode, n))
+        self.token_table.index_copy_(0, t.sample_index[:n], ids)
+        if verify is None:
+            return ids
+        kept = self.sampler.keep_verified(ids, input_ids, t.sampler)
+        self.lengths.index_add_(0, verify.table_rows, kept)
+        return torch.cat([ids, kept])
 
     def _upload(self, packed: np.ndarray) -> torch.Tensor:
         """CUDA: one pinned, double-buffered copy per dtype of the step's arrays."""

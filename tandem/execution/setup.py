@@ -46,6 +46,7 @@ class LoadedExecution:
             model, config, device, self.num_kv_blocks, table_rows, max_model_len, self.draft
         )
         plan.cuda_graph_sizes = runner.graph_sizes
+        plan.cuda_graph_histories = runner.graph_histories
         if device.type == "cpu" and (config.cpu_threads is not None or plan.kernels):
             batch = min(config.max_num_seqs, 32)
             apply_cpu_threads(runner, model, plan, config.cpu_threads, batch)

@@ -94,6 +94,7 @@ class _Worker:
         num_blocks, table_rows, max_model_len = self.inputs.recv()
         runner = build_runner(model, config, device, num_blocks, table_rows, max_model_len)
         plan.cuda_graph_sizes = runner.graph_sizes  # every rank captures alike
+        plan.cuda_graph_histories = runner.graph_histories
         plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
         self.outputs.send(("ready", a.rank, plan))
         try:
