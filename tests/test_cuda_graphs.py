@@ -80,6 +80,7 @@ def test_verification_graph_bands():
     assert verify_shape(SpeculativeConfig(method="draft_model", model="m"), 4096) is None
     assert verify_shape(ngram, 8272).histories == (1024, 4096, 8272)
     assert verify_shape(ngram, 1000).histories == (1000,)
+    assert verify_shape(ngram, 131072).histories == (1024, 4096, 16384)  # longer: eager
     assert verify_shape(ngram, 1000).lookup == (3, 1)
     plan = ExecutionPlan(ops="fused-triton", packed_gemm=False, kernels=None,
                          cuda_graph_sizes=[1, 2, 4], cuda_graph_histories=(1024, 2048))  # fmt: skip

@@ -46,6 +46,9 @@ _FLOATS = ("temperature", "top_p", "min_p")
 _VERIFY_INTS = ("table_rows", "prompt_lens", "token_item", "token_offset", "token_batch",
                 "sample_rows", "draft_batch", "draft_item", "draft_index", "check_rows")  # fmt: skip
 SHORTEST_HISTORY = 1024  # the first band of history a verification graph searches; x4 per band
+# The longest band: the search holds [requests, history, ngram size] int64 (at 256 rows, 135 MB
+# here), in the graphs' pool; verifications of longer requests run eagerly.
+LONGEST_HISTORY = 16384
 GraphKey = tuple[int, str, int | None]  # padded size, sampler variant, history band (verifying)
 
 
@@ -62,14 +65,15 @@ class VerifyShape:
 
 def verify_shape(spec: SpeculativeConfig | None, max_model_len: int) -> VerifyShape | None:
     """The verification graphs to capture: ngram's only (a draft model drafts in host-counted
-    passes); bands of 1024, 4096, ... tokens up to the context limit."""
+    passes); bands of 1024, 4096, ... tokens up to the context limit or `LONGEST_HISTORY`."""
     if spec is None or spec.method != "ngram":
         return None
+    longest = min(max_model_len, LONGEST_HISTORY)
     bands, history = [], SHORTEST_HISTORY
-    while history < max_model_len:
+    while history < longest:
         bands.append(history)
         history *= 4
-    bands.append(max_model_len)
+    bands.append(longest)
     return VerifyShape((spec.prompt_lookup_max, spec.prompt_lookup_min), tuple(bands))
 
 
