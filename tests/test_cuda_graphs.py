@@ -81,6 +81,11 @@ def test_verification_graph_bands():
     assert verify_shape(ngram, 8272).histories == (1024, 4096, 8272)
     assert verify_shape(ngram, 1000).histories == (1000,)
     assert verify_shape(ngram, 131072).histories == (1024, 4096, 16384)  # longer: eager
+    graphs = DecodeGraphs([1, 32, 64, 80], 4, 9, 16, 100, 10, torch.device("cpu"),
+                          verify_shape(ngram, 2048))  # fmt: skip
+    keys = graphs.capture_keys()
+    assert len(keys) == 3 * (4 + 3 * 2)  # sizes up to 64 verify, in both bands
+    assert {h for size, _, h in keys if size == 80} == {None}
     assert verify_shape(ngram, 1000).lookup == (3, 1)
     plan = ExecutionPlan(ops="fused-triton", packed_gemm=False, kernels=None,
                          cuda_graph_sizes=[1, 2, 4], cuda_graph_histories=(1024, 2048))  # fmt: skip

@@ -49,6 +49,9 @@ SHORTEST_HISTORY = 1024  # the first band of history a verification graph search
 # The longest band: the search holds [requests, history, ngram size] int64 (at 256 rows, 135 MB
 # here), in the graphs' pool; verifications of longer requests run eagerly.
 LONGEST_HISTORY = 16384
+# Verifications of more tokens run eagerly: drafts pay in small steps (a large one is bound by
+# compute, and the draft policy gives it few), and every size costs a graph per band at start-up.
+VERIFY_MAX_TOKENS = 64
 GraphKey = tuple[int, str, int | None]  # padded size, sampler variant, history band (verifying)
 
 
@@ -235,6 +238,8 @@ class DecodeGraphs:
         shape = self.verify
         if shape is None or v.lookup != shape.lookup or v.max_drafts > shape.max_drafts:
             return None
+        if size > VERIFY_MAX_TOKENS:
+            return None
         history = next((h for h in shape.histories if h >= v.history_len), None)
         return None if history is None else (size, mode, history)
 
@@ -273,11 +278,11 @@ class DecodeGraphs:
 
     def capture_keys(self) -> list[GraphKey]:
         """Every graph to capture, largest size first (its allocations seed the shared pool)."""
-        histories = (None, *(self.verify.histories if self.verify else ()))
+        bands = self.verify.histories if self.verify else ()
         return [
             (size, mode, history)
             for size in sorted(self.sizes, reverse=True)
-            for history in histories
+            for history in (None, *(bands if size <= VERIFY_MAX_TOKENS else ()))
             for mode in MODES
         ]
 
