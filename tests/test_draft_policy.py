@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tandem.request import Request, SamplingParams
-from tandem.scheduling.draft_policy import TRUSTED, DraftPolicy, StepCosts
+from tandem.scheduling.draft_policy import TRUSTED, DraftPolicy, StepCosts, count_band
 
 
 def make_request(name: str = "r") -> Request:
@@ -42,19 +42,33 @@ def test_an_odd_slow_step_is_outvoted():
 
 def test_untimed_sizes_follow_the_line_and_never_cost_less_than_a_smaller_one():
     costs = StepCosts()
-    times = {32: 0.100, 36: 0.110, 40: 0.200}  # 40 rows take a slower kernel
+    times = {32: 0.100, 48: 0.140, 64: 0.300}  # 64 rows take a slower kernel
     for tokens, seconds in times.items():
         for _ in range(TRUSTED):
             costs.add(tokens, seconds)
-    estimated = costs.costs(32, 44)
-    assert estimated[0] == times[32] and estimated[4] == times[36] and estimated[8] == times[40]
-    assert all(later >= times[40] for later in estimated[9:])  # the floor of the slow size
+    estimated = dict(zip(range(32, 81), costs.costs(32, 80), strict=True))
+    assert all(estimated[t] >= times[64] for t in range(64, 81))  # the floor of the slow size
     tokens, seconds = np.array(list(times)), np.array(list(times.values()))
     slope, fixed = np.polyfit(tokens, seconds, 1)  # through the medians...
     assert fixed < 0  # ... would give a step of no tokens a negative cost, so:
     (through_origin,), *_ = np.linalg.lstsq(tokens[:, None], seconds, rcond=None)
-    assert estimated[2] == pytest.approx(through_origin * 34)
-    assert times[32] < estimated[2] < estimated[3] < times[40]
+    assert estimated[40] == pytest.approx(through_origin * 40)
+    assert times[32] <= estimated[33] < estimated[40] < estimated[56] < times[64]
+
+
+def test_steps_of_scattered_sizes_are_timed_in_bands():
+    """Drafted steps seldom repeat a size: above 15 tokens sizes are timed in bands (four per
+    doubling), so they still make trusted points, which move the line."""
+    assert [count_band(t) for t in (1, 15, 16, 19, 20, 32, 39, 40, 64, 79, 80, 150)] == [
+        1, 15, 16, 16, 20, 32, 32, 40, 64, 64, 80, 128
+    ]  # fmt: skip
+    costs = StepCosts()
+    for tokens in (1, 1, 1, 32, 32, 32):
+        costs.add(tokens, 0.010 + 0.002 * tokens)
+    low = costs.costs(100, 100)[0]
+    for tokens in (97, 103, 110):  # three drafted steps, three sizes, 30% slower than the line
+        costs.add(tokens, 1.3 * (0.010 + 0.002 * tokens))
+    assert costs.costs(100, 100)[0] > 1.2 * low
 
 
 def test_a_line_that_falls_is_flat_at_the_mean():
@@ -106,3 +120,30 @@ def test_drafts_that_do_not_pay_are_not_made():
     assert compute_bound[-10:] == [0] * 10
     cheap = run(lambda tokens: 0.010 + 0.0001 * tokens, lambda k: k)  # bound by the weights
     assert cheap[-10:] == [32 * 4] * 10
+
+
+def test_a_compute_bound_batch_stops_drafting_though_small_steps_were_cheap():
+    """Small steps bound by the weights, large ones by compute (every token a token's time):
+    a line through both gives large steps a fixed part they do not have and drafts a cost too
+    low. The drafts the line lets through are timed where they are made: drafted steps of
+    scattered sizes must still teach the model, so that it stops drafting."""
+
+    def hockey_stick(tokens: int) -> float:
+        return max(0.010, 0.0022 * tokens)
+
+    policy = DraftPolicy(max_drafts=4)
+    for tokens in (2, 4, 6, 12, 16):  # a batch's tail: few requests left
+        for _ in range(TRUSTED):
+            policy.observe_step(tokens, hockey_stick(tokens))
+    requests = [make_request(f"r{i}") for i in range(32)]
+    rng = np.random.default_rng(0)
+    made = []
+    for _ in range(60):
+        allotted = policy.allot(requests, base_tokens=32, room=4)
+        tokens = 32 + sum(allotted)
+        policy.observe_step(tokens, hockey_stick(tokens))
+        for r, k in zip(requests, allotted, strict=True):
+            if k:  # most drafts kept, more or fewer by request and step: scattered step sizes
+                policy.observe(r, k, int(rng.integers(max(0, k - 2), k + 1)))
+        made.append(sum(allotted))
+    assert made[-20:] == [0] * 20, made

@@ -11,14 +11,16 @@ Per step: a draft token costs device time even when it is rejected, and what it 
 on the step's size and the device (where a step is bound by reading the weights, a few more
 tokens are almost free; where it is bound by compute, each costs nearly a token's time; kernels
 change at some row counts). The policy measures it: the device time of decoding steps by their
-token count (the median of a count's latest times once it has a few, a least-squares line
-through those medians for the others), and gives each step the number of drafts, taken in order
+token count (small counts each on its own, larger ones in bands, since drafted steps' sizes
+scatter; the median of a band's latest times once it has a few, a least-squares line through
+those medians for the others), and gives each step the number of drafts, taken in order
 of their chance of acceptance, that maximises the expected tokens per second of device time. So
 speculation does not slow a large batch: it drafts there only what pays. In a small step, a
 request that got no drafts for `PROBE_INTERVAL` steps gets one (a probe), or it would never
 learn that its drafts became good; the interval doubles after each verification that accepted
 nothing (free text probes rarely), and resets on an accepted draft.
-Until the line exists, one request in every other step drafts (two step sizes to time).
+Until the line exists, every other step drafts: one request, or as many as it takes to reach
+the next band of step sizes (two bands to time).
 """
 
 from __future__ import annotations
@@ -38,46 +40,61 @@ COUNT_DECAY = 0.9  # weight of a request's earlier tries in its estimate (about 
 PRIOR_WEIGHT = 2.0  # tries at the rate over all requests added to each request's own
 POOLED_DECAY = 0.8  # weight of earlier verifications in the rate over all requests
 INITIAL_ACCEPTANCE = 0.7
-COST_WINDOW = 9  # a token count's latest step times kept; its cost is their median
-TRUSTED = 3  # step times of a token count before its median stands for it
+COST_WINDOW = 9  # a band's latest step times kept; its cost is their median
+TRUSTED = 3  # step times of a band before its median stands for it
+EXACT_COUNTS = 16  # token counts below this are timed each on its own; above, in bands
 # Drafts are made only where they promise this much more tokens per second than none: the
 # estimates are noisy, and a draft that barely pays in them may cost in fact (a large batch).
 MIN_GAIN = 1.1
+
+
+def count_band(tokens: int) -> int:
+    """The band a step's token count is timed in: the count itself below `EXACT_COUNTS`, then
+    four bands per doubling (16-19, 20-23, ..., 32-39, ...), so that drafted steps, whose sizes
+    scatter, still add up to trusted times."""
+    if tokens < EXACT_COUNTS:
+        return tokens
+    width = 1 << (tokens.bit_length() - 3)
+    return tokens - tokens % width
 
 
 @dataclass
 class StepCosts:
     """Device seconds of a decoding step by its token count.
 
-    A count timed `TRUSTED` times costs the median of its latest `COST_WINDOW` times: other work
-    on the machine only lengthens steps, and a mean would keep an odd slow step (a first run of
-    a kernel, a busy neighbour) for good, since a count that looks slow is not chosen, so never
-    timed, again. A count not yet trusted costs what the least-squares line through the trusted
-    counts' medians says, and never less than the largest trusted count below it (more tokens
-    never cost less); None until two counts are trusted."""
+    Steps are timed by band (`count_band`). A band timed `TRUSTED` times stands for the median
+    of its latest `COST_WINDOW` steps (their median count and median time): other work on the
+    machine only lengthens steps, and a mean would keep an odd slow step (a first run of a
+    kernel, a busy neighbour) for good, since a count that looks slow is not chosen, so never
+    timed, again. A count of its own band costs that time; any other count what the
+    least-squares line through the trusted points says, and never less than a trusted point at
+    or below it (more tokens never cost less); None until two bands are trusted."""
 
-    times: dict[int, deque[float]] = field(default_factory=dict)
-    _trusted: dict[int, float] = field(default_factory=dict)  # count -> median, kept current
+    times: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    _trusted: dict[int, tuple[float, float]] = field(default_factory=dict)  # band -> point
     _line: tuple[float, float] | None = None
 
     def add(self, tokens: int, seconds: float) -> None:
-        times = self.times.setdefault(tokens, deque(maxlen=COST_WINDOW))
-        times.append(seconds)
+        band = count_band(tokens)
+        times = self.times.setdefault(band, deque(maxlen=COST_WINDOW))
+        times.append((tokens, seconds))
         if len(times) >= TRUSTED:
-            self._trusted[tokens] = statistics.median(times)
+            counts, seconds_ = zip(*times, strict=True)
+            self._trusted[band] = (statistics.median(counts), statistics.median(seconds_))
             self._line = self._fit()
 
     def _fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token): least squares through the trusted counts'
-        medians, neither part below zero (a line bent to zero at one end is refitted with that
-        part fixed, so the other still fits the points)."""
+        """(fixed seconds, seconds per token): least squares through the trusted points,
+        neither part below zero (a line bent to zero at one end is refitted with that part
+        fixed, so the other still fits the points)."""
         if len(self._trusted) < 2:
             return None
-        n = len(self._trusted)
-        sx = sum(self._trusted)
-        sy = sum(self._trusted.values())
-        sxx = sum(t * t for t in self._trusted)
-        sxy = sum(t * c for t, c in self._trusted.items())
+        points = list(self._trusted.values())
+        n = len(points)
+        sx = sum(t for t, _ in points)
+        sy = sum(c for _, c in points)
+        sxx = sum(t * t for t, _ in points)
+        sxy = sum(t * c for t, c in points)
         per_token = (n * sxy - sx * sy) / (n * sxx - sx * sx)
         fixed = (sy - per_token * sx) / n
         if per_token < 0:  # larger steps timed faster (noise): a flat line at the mean
@@ -91,15 +108,12 @@ class StepCosts:
         if self._line is None:
             return None
         fixed, per_token = self._line
-        floor = max((c for t, c in self._trusted.items() if t < first), default=0.0)
+        points = sorted(self._trusted.values())
         costs = []
         for tokens in range(first, last + 1):
-            trusted = self._trusted.get(tokens)
-            if trusted is None:
-                costs.append(max(fixed + per_token * tokens, floor))
-            else:
-                costs.append(trusted)
-                floor = max(floor, trusted)
+            floor = max((c for t, c in points if t <= tokens), default=0.0)
+            own = self._trusted.get(tokens) if tokens < EXACT_COUNTS else None
+            costs.append(own[1] if own else max(fixed + per_token * tokens, floor))
         return costs
 
 
@@ -141,9 +155,14 @@ class DraftPolicy:
         if not self.adaptive or k == 0:
             return [k] * len(requests)
         costs = self.costs.costs(base_tokens, base_tokens + len(requests) * k)
-        if costs is None:  # time steps with and without drafts first
+        if costs is None:  # time steps with and without drafts first, in two bands
             self._untimed_steps += 1
-            return [k * (i == 0 and self._untimed_steps % 2) for i in range(len(requests))]
+            if self._untimed_steps % 2 == 0:
+                return [0] * len(requests)
+            band = count_band(base_tokens)
+            next_band = band + (1 if band < EXACT_COUNTS else 1 << (band.bit_length() - 3))
+            drafting = -(-(next_band - base_tokens) // k)  # requests to reach the next band
+            return [k * (i < drafting) for i in range(len(requests))]
         probing = base_tokens <= PROBE_MAX_TOKENS
         probes = [
             probing and r.steps_without_drafts >= PROBE_INTERVAL << r.probe_backoff
