@@ -1,6 +1,7 @@
 """The CUDA path's checks and the blog's experiment, for a machine with a GPU (CI has none).
 
-One prepared script, sized to finish within 8 minutes on one H200; it prints one table last.
+One prepared script; it prints one table last (every section with `--skip-hf`: about 5 minutes on
+one H200 at the default lengths).
 1. Greedy fp32 outputs on CUDA equal Hugging Face `generate` on CPU, sync and async, CUDA graphs
    on and off (`enforce_eager`), with chunked prefill and preemption, the whole loop under
    `torch.cuda.set_sync_debug_mode("error")` (any hidden host-device sync raises).
@@ -18,12 +19,19 @@ One prepared script, sized to finish within 8 minutes on one H200; it prints one
    tokens/s, the decode step and its bandwidth, and how far FP8's prompt logprobs and greedy tokens
    stay from bf16's (random weights: the accuracy on a real model is measured on a CPU with the
    same rounding, `benchmarks/perplexity.py --tandem-quantization default,fp8`).
-6. transformers' `generate_batch` with async batching (and its CUDA graphs) on the same dummy
+6. Speculative decoding: ngram and draft-model outputs equal decoding without drafts (greedy
+   and seeded, sync and async) under the same sync check; then on the dummy 8B model at 1 and 4
+   requests, tokens/s without drafts, with adaptive drafts and with 4 at every step.
+7. `tandem serve` on the dummy 8B model, async and sync, 32 streams of token-id prompts: output
+   tokens/s, the device's idle per 1 s window and the steps launched late, from the cores' traces.
+8. transformers' `generate_batch` with async batching (and its CUDA graphs) on the same dummy
    8B model and prompts, if this transformers has it, with shorter outputs (`--hf-output-len`:
    on an H200 it had not finished 32 x 1024 tokens in 190 s), against Tandem async at that length.
 
 `--json PATH` writes every figure as JSON beside the table (with the GPU and the software
-versions); a device run's file is committed under docs/results/. `--sections` picks sections.
+versions), after every section; a device run's file is committed under docs/results/.
+`--sections` picks sections. A GPU machine whose image lacks the engine's dependencies (gguf,
+xgrammar, msgspec, pyzmq, fastapi, ...) takes them as wheels: docs/performance.md, H200.
 
     python benchmarks/cuda_check.py [--blog-output-len 1024] [--hf-output-len 128] [--skip-hf]
     python benchmarks/cuda_check.py --sections blog,fp8 --blog-output-len 8192 --blog-graphs on \
@@ -268,7 +276,7 @@ def check_features(path: Path) -> None:
 def check_speculative(path: Path) -> None:
     """Speculative decoding on CUDA: ngram and draft-model drafts verified in one forward give
     the tokens decoding without drafts gives, greedy and seeded sampling, sync and async, with
-    no hidden sync (verification steps run eagerly: their row lengths live on the device)."""
+    no hidden sync (ngram verifications replay their CUDA graphs; a draft model's run eagerly)."""
     from tandem import LLM, SamplingParams
 
     rng = random.Random(4)
@@ -302,10 +310,10 @@ def check_speculative(path: Path) -> None:
 
 
 def speculative_speed(output_len: int) -> dict[str, float]:
-    """One and four requests on the 8B-shaped dummy model (bf16, async): tokens/s without drafts
-    (CUDA graphs), with adaptive ngram drafts, and with 4 drafts at every step (eager
-    verification steps). Random weights accept almost no draft, so the fixed run prices a
-    verification step against a decode step (what a real model's accepted drafts must beat)."""
+    """One and four requests on the 8B-shaped dummy model (bf16, async): tokens/s without drafts,
+    with adaptive ngram drafts, and with 4 drafts at every step. Random weights accept almost no
+    draft, so the fixed run prices a verification step against a decode step (what a real
+    model's accepted drafts must beat)."""
     from tandem import Engine, EngineConfig
     from tandem.bench import run_workload
     from tandem.bench.workloads import Workload, repeated_span_ids
