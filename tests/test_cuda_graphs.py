@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from tandem import SamplingParams
@@ -19,6 +20,7 @@ from tandem.config import SpeculativeConfig
 from tandem.execution.cuda_graphs import (
     _INTS,
     _VERIFY_INTS,
+    MODES,
     DecodeGraphs,
     capture_sizes,
     graph_mode,
@@ -239,6 +241,35 @@ def test_capture_runs_touch_nothing_real(tiny_llama):
     spare = graphs.pad_block
     for cache, before in zip(runner.kv_caches, caches, strict=True):
         assert torch.equal(cache[:, :spare], before[:, :spare])
+
+
+def test_a_verification_graph_that_fails_to_capture_leaves_verifications_eager(monkeypatch, caplog):
+    """Capturing a verification graph that fails (out of memory, say) drops the verification
+    graphs with a warning and keeps the decode graphs; a decode graph that fails stops start-up."""
+    ngram = SpeculativeConfig(method="ngram")
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def graphs_capturing(fails) -> DecodeGraphs:
+        graphs = DecodeGraphs([1, 2], 4, 9, 16, 100, 10, torch.device("cpu"),
+                              verify_shape(ngram, 2048))  # fmt: skip
+
+        def capture_one(key, body, pool):
+            if fails(key):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return "graph", "out"
+
+        graphs._capture_one = capture_one
+        return graphs
+
+    graphs = graphs_capturing(lambda key: key == (1, "sample", 2048))
+    with caplog.at_level("WARNING"):
+        graphs.capture(None)
+    assert sorted(graphs.graphs) == sorted((s, m, None) for s in (1, 2) for m in MODES)
+    assert graphs.verify is None and "ngram verifications run eagerly" in caplog.text
+    graphs = graphs_capturing(lambda key: key == (2, "greedy", None))
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs.capture(None)
 
 
 def test_speculation_through_graphs(tiny_llama):

@@ -21,11 +21,14 @@ the same sizes and variants, once per band of history the drafts are searched in
 the search's shape), each placing the verified tokens by the device's lengths, drafting,
 sampling and counting what is kept as the eager step does (`drafting`, `sampler.verify`). A
 step without drafts in flight writes its rows' lengths in its graph. A draft model's steps run
-eagerly (its passes are as many as the step's most drafts, chosen on the host).
+eagerly (its passes are as many as the step's most drafts, chosen on the host), and so do
+verifications of more than `VERIFY_MAX_TOKENS` tokens, or all of them if one of their graphs
+fails to capture (with a warning: the engine still starts).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +39,8 @@ from tandem.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from tandem.execution.batch import StepInputs
 from tandem.ops.attention import triton_kernels
 from tandem.sampler.inputs import SamplerInputs, SamplingFlags, SamplingRows, VerifyRows
+
+logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_BATCH = 256
 MODES = ("greedy", "sample", "sample-filtered")
@@ -277,14 +282,19 @@ class DecodeGraphs:
         return ints, floats
 
     def capture_keys(self) -> list[GraphKey]:
-        """Every graph to capture, largest size first (its allocations seed the shared pool)."""
+        """Every graph to capture: the decode steps', then the verifications', each largest
+        size first (its allocations seed the shared pool)."""
         bands = self.verify.histories if self.verify else ()
-        return [
+        sizes = sorted(self.sizes, reverse=True)
+        decodes = [(size, mode, None) for size in sizes for mode in MODES]
+        verifications = [
             (size, mode, history)
-            for size in sorted(self.sizes, reverse=True)
-            for history in (None, *(bands if size <= VERIFY_MAX_TOKENS else ()))
+            for size in sizes
+            if size <= VERIFY_MAX_TOKENS
+            for history in bands
             for mode in MODES
         ]
+        return decodes + verifications
 
     def capture(self, body: Callable[[GraphInputs, str, int | None], torch.Tensor]) -> None:
         """Capture every graph of `capture_keys()`.
@@ -292,21 +302,39 @@ class DecodeGraphs:
         `body` runs one decode step (a verification, given a band) from the static buffers and
         returns what the step sends to the host. It is run twice on a side stream first:
         kernels compile and the allocator warms up outside the capture. Padded inputs fill the
-        buffers, so these runs write nothing real."""
+        buffers, so these runs write nothing real. A verification graph that fails to capture
+        (out of memory, say) leaves verifications eager, with a warning, not the engine down."""
         pool = torch.cuda.graph_pool_handle()
-        for size, mode, history in self.capture_keys():
-            inputs = self.padded(size)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    body(inputs, mode, history)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = body(inputs, mode, history)
-            self.graphs[size, mode, history] = (graph, out)
+        keys = self.capture_keys()
+        verifying = [key for key in keys if key[2] is not None]
+        for key in keys:
+            try:
+                self.graphs[key] = self._capture_one(key, body, pool)
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one
+                if key not in verifying:
+                    raise
+                logger.warning("ngram verifications run eagerly: capturing %s failed: %s", key, exc)
+                for k in verifying:
+                    self.graphs.pop(k, None)
+                self.verify = None
+                break
         torch.cuda.synchronize()
+
+    def _capture_one(
+        self, key: GraphKey, body: Callable[[GraphInputs, str, int | None], torch.Tensor], pool
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        size, mode, history = key
+        inputs = self.padded(size)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body(inputs, mode, history)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = body(inputs, mode, history)
+        return graph, out
 
     def padded(self, size: int) -> GraphInputs:
         """The static buffers filled as for a step with no rows at all (what capture runs)."""
