@@ -49,7 +49,8 @@ _INTS = ("token_index", "positions", "slot_mapping", "context_lens", "sample_ind
 _FLOATS = ("temperature", "top_p", "min_p")
 # A verification's arrays (`VerifyRows`): its requests', their tokens' and their drafts'.
 _VERIFY_INTS = ("table_rows", "prompt_lens", "token_item", "token_offset", "token_batch",
-                "sample_rows", "draft_batch", "draft_item", "draft_index", "check_rows")  # fmt: skip
+                "sample_rows", "draft_batch", "draft_item", "draft_index",
+                "check_rows")  # fmt: skip
 SHORTEST_HISTORY = 1024  # the first band of history a verification graph searches; x4 per band
 # The longest band: the search holds [requests, history, ngram size] int64 (at 256 rows, 135 MB
 # here), in the graphs' pool; verifications of longer requests run eagerly.
@@ -109,9 +110,10 @@ def graph_mode(x: StepInputs) -> str | None:
         and s.grammar is None
         and not x.prefills
         and x.num_tokens == x.num_decodes == x.num_sampled
-        and not x.draft_kv  # a draft model's forward over the step's tokens is not captured
+        # A draft model's forward over the step's tokens (and its passes) is not captured.
+        and not x.draft_kv
     )
-    if not decode or x.num_tokens == 0 or (s.verify is not None and s.verify.method != "ngram"):
+    if not decode or x.num_tokens == 0:
         return None
     flags = x.sampler.sampling.flags
     if flags.all_greedy:
@@ -255,31 +257,41 @@ class DecodeGraphs:
         """The step's arrays padded to `size` rows (and the one past), in the static buffers'
         layout, followed by its host-known tokens (index, then value: the sync loop's last
         samples), which the runner writes into the token table before the replay."""
-        n, k, cap = x.num_tokens, len(x.known_index), size + 1
         rows = x.sampler.sampling  # the sampling settings; the rest are the step's own arrays
         v = x.sampler.verify
         arrays = {name: getattr(rows if hasattr(rows, name) else x, name) for name in _INTS}
         arrays |= {name: getattr(rows, name) for name in _FLOATS}
-        empty = np.zeros(0, np.int64)
-        arrays |= {name: empty if v is None else getattr(v, name) for name in _VERIFY_INTS}
-        ints = np.empty(self._num_ints(size) + 2 * k, dtype=np.int64)
-        ints[self._num_ints(size) :] = np.concatenate([x.known_index, x.known_tokens])
+        if v is not None:
+            arrays |= {name: getattr(v, name) for name in _VERIFY_INTS}
+        known = np.concatenate([x.known_index, x.known_tokens])
+        return self._layout(size, arrays, x.block_tables[: x.num_tokens], known)
+
+    def _layout(
+        self, size: int, arrays: dict[str, np.ndarray], tables_in: np.ndarray, tail: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`arrays` (any left out: none) and the block tables in the layout of `size`, each
+        array padded; `tail` after the ints."""
+        cap, none = size + 1, np.zeros(0, np.int64)
+        ints = np.empty(self._num_ints(size) + len(tail), dtype=np.int64)
+        ints[self._num_ints(size) :] = tail
         per_row = ints[: self._num_ints(size)].reshape(-1, cap)  # one array per row of it
         names = (*_INTS, *[None] * self.width, *_VERIFY_INTS)  # None: the block tables
         for name, part in zip(names, per_row, strict=True):
             if name is None:
                 continue
-            m = len(arrays[name])  # n, or fewer: lengths of plain rows, a verification's parts
-            part[:m] = arrays[name]
-            part[m:] = self._pad_value(name, size)
+            # The step's rows, or fewer: plain rows' lengths, a verification's parts.
+            values = arrays.get(name, none)
+            part[: len(values)] = values
+            part[len(values) :] = self._pad_value(name, size)
         tables = per_row[len(_INTS) : len(_INTS) + self.width].reshape(cap, self.width)
         tables[:] = self.pad_block
-        tables[:n, : x.block_tables.shape[1]] = x.block_tables[:n]
-        floats = np.empty(len(_FLOATS) * cap, dtype=np.float32)
-        for i, name in enumerate(_FLOATS):
-            floats[i * cap : i * cap + n] = arrays[name]
-            floats[i * cap + n : (i + 1) * cap] = self.pad[name]
-        return ints, floats
+        tables[: len(tables_in), : tables_in.shape[1]] = tables_in
+        floats = np.empty(len(_FLOATS) * cap, dtype=np.float32).reshape(-1, cap)
+        for name, part in zip(_FLOATS, floats, strict=True):
+            values = arrays.get(name, none)
+            part[: len(values)] = values
+            part[len(values) :] = self.pad[name]
+        return ints, floats.reshape(-1)
 
     def capture_keys(self) -> list[GraphKey]:
         """Every graph to capture: the decode steps', then the verifications', each largest
@@ -305,17 +317,14 @@ class DecodeGraphs:
         buffers, so these runs write nothing real. A verification graph that fails to capture
         (out of memory, say) leaves verifications eager, with a warning, not the engine down."""
         pool = torch.cuda.graph_pool_handle()
-        keys = self.capture_keys()
-        verifying = [key for key in keys if key[2] is not None]
-        for key in keys:
+        for key in self.capture_keys():
             try:
                 self.graphs[key] = self._capture_one(key, body, pool)
             except RuntimeError as exc:  # torch.OutOfMemoryError is one
-                if key not in verifying:
+                if key[2] is None:  # a decode step's graph
                     raise
                 logger.warning("ngram verifications run eagerly: capturing %s failed: %s", key, exc)
-                for k in verifying:
-                    self.graphs.pop(k, None)
+                self.graphs = {k: g for k, g in self.graphs.items() if k[2] is None}
                 self.verify = None
                 break
         torch.cuda.synchronize()
@@ -345,15 +354,7 @@ class DecodeGraphs:
 
     def _padding(self, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Every entry padded."""
-        cap = size + 1
-        ints = np.empty(self._num_ints(size), dtype=np.int64).reshape(-1, cap)
-        for i, name in enumerate(_INTS):
-            ints[i] = self._pad_value(name, size)
-        ints[len(_INTS) : len(_INTS) + self.width] = self.pad_block
-        for i, name in enumerate(_VERIFY_INTS):
-            ints[len(_INTS) + self.width + i] = self._pad_value(name, size)
-        floats = np.repeat(np.array([self.pad[n] for n in _FLOATS], np.float32), cap)
-        return ints.reshape(-1), floats
+        return self._layout(size, {}, np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
 
     def known_tokens(self, ints: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (token-table index, token) pairs packed after the static layout."""

@@ -424,15 +424,26 @@ class ModelRunner:
         logprobs: list,
         x: SamplerInputs[torch.Tensor],
     ):
-        """Sampled ids into the token table (the next step gathers them), and to the host; a
-        verification's kept counts advance its rows' lengths and follow the ids out."""
+        """Sampled ids into the token table and to the host (see `_keep`)."""
+        ids = self._keep(sample_index, input_ids, ids, x)
+        return self._to_host(pack(ids, logprobs) if logprobs else ids)
+
+    def _keep(
+        self,
+        sample_index: torch.Tensor,
+        input_ids: torch.Tensor,
+        ids: torch.Tensor,
+        x: SamplerInputs[torch.Tensor],
+    ) -> torch.Tensor:
+        """Sampled ids into the token table (the next step gathers them); a verification's
+        kept counts advance its rows' lengths and follow the ids (what the host reads)."""
         if len(ids):
             self.token_table.index_copy_(0, sample_index, ids)
         if x.verify is not None:
             kept = self.sampler.keep_verified(ids, input_ids, x)
             self.lengths.index_add_(0, x.verify.table_rows, kept)
             ids = torch.cat([ids, kept])
-        return self._to_host(pack(ids, logprobs) if logprobs else ids)
+        return ids
 
     def _replay(self, x: StepInputs) -> torch.Tensor | None:
         """A decode step (or an ngram verification) through its captured graph; None if it
@@ -473,12 +484,7 @@ class ModelRunner:
         )
         hidden = self.model(input_ids[:n], t.positions[:n], self.kv_caches, meta)
         ids = self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling(mode, n))
-        self.token_table.index_copy_(0, t.sample_index[:n], ids)
-        if verify is None:
-            return ids
-        kept = self.sampler.keep_verified(ids, input_ids, t.sampler)
-        self.lengths.index_add_(0, verify.table_rows, kept)
-        return torch.cat([ids, kept])
+        return self._keep(t.sample_index[:n], input_ids, ids, t.sampler)
 
     def _upload(self, packed: np.ndarray) -> torch.Tensor:
         """CUDA: one pinned, double-buffered copy per dtype of the step's arrays."""
