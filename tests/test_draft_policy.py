@@ -97,28 +97,34 @@ def test_a_slow_first_verification_does_not_stop_drafting():
     assert [policy.allot([request], 1, 4)[0] for _ in range(5)] == [4] * 5
 
 
+def drafts_at_32_rows(policy, steps: int, seconds_per_step, accepted_of) -> list[int]:
+    """Drive `policy` through `steps` steps of 32 decoding requests (each step timed by
+    `seconds_per_step` of its tokens; `accepted_of(k)`: a request's kept drafts of k) and
+    return the drafts each step made."""
+    requests = [make_request(f"r{i}") for i in range(32)]
+    made = []
+    for _ in range(steps):
+        allotted = policy.allot(requests, base_tokens=32, room=4)
+        tokens = 32 + sum(allotted)
+        policy.observe_step(tokens, seconds_per_step(tokens))
+        for r, k in zip(requests, allotted, strict=True):
+            if k:
+                policy.observe(r, k, accepted_of(k))
+        made.append(sum(allotted))
+    return made
+
+
 def test_drafts_that_do_not_pay_are_not_made():
     """A compute-bound large batch (every token costs a token's time) whose drafts are mostly
     rejected: after the first timings, no drafts; a batch whose tokens are nearly free and
     whose drafts hold takes every draft."""
-
-    def run(seconds_per_step, accepted_of) -> list[int]:
-        policy = DraftPolicy(max_drafts=4)
-        requests = [make_request(f"r{i}") for i in range(32)]
-        made = []
-        for _ in range(30):
-            allotted = policy.allot(requests, base_tokens=32, room=4)
-            tokens = 32 + sum(allotted)
-            policy.observe_step(tokens, seconds_per_step(tokens))
-            for r, k in zip(requests, allotted, strict=True):
-                if k:
-                    policy.observe(r, k, accepted_of(k))
-            made.append(sum(allotted))
-        return made
-
-    compute_bound = run(lambda tokens: 0.003 * tokens, lambda k: 0)
+    compute_bound = drafts_at_32_rows(
+        DraftPolicy(4), 30, lambda tokens: 0.003 * tokens, lambda k: 0
+    )
     assert compute_bound[-10:] == [0] * 10
-    cheap = run(lambda tokens: 0.010 + 0.0001 * tokens, lambda k: k)  # bound by the weights
+    cheap = drafts_at_32_rows(  # bound by the weights
+        DraftPolicy(4), 30, lambda tokens: 0.010 + 0.0001 * tokens, lambda k: k
+    )
     assert cheap[-10:] == [32 * 4] * 10
 
 
@@ -135,15 +141,9 @@ def test_a_compute_bound_batch_stops_drafting_though_small_steps_were_cheap():
     for tokens in (2, 4, 6, 12, 16):  # a batch's tail: few requests left
         for _ in range(TRUSTED):
             policy.observe_step(tokens, hockey_stick(tokens))
-    requests = [make_request(f"r{i}") for i in range(32)]
     rng = np.random.default_rng(0)
-    made = []
-    for _ in range(60):
-        allotted = policy.allot(requests, base_tokens=32, room=4)
-        tokens = 32 + sum(allotted)
-        policy.observe_step(tokens, hockey_stick(tokens))
-        for r, k in zip(requests, allotted, strict=True):
-            if k:  # most drafts kept, more or fewer by request and step: scattered step sizes
-                policy.observe(r, k, int(rng.integers(max(0, k - 2), k + 1)))
-        made.append(sum(allotted))
+    # Most drafts kept, more or fewer by request and step: scattered step sizes.
+    made = drafts_at_32_rows(
+        policy, 60, hockey_stick, lambda k: int(rng.integers(max(0, k - 2), k + 1))
+    )
     assert made[-20:] == [0] * 20, made
