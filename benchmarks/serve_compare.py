@@ -67,6 +67,8 @@ from pathlib import Path
 
 import httpx
 
+from tandem.bench.ratios import paired_ratio
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model  # noqa: E402
 import serve_load  # noqa: E402
@@ -482,16 +484,6 @@ def markdown_table(rows: list[dict]) -> str:
 
 def shown(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if math.isfinite(value) else "–"
-
-
-def paired_ratio(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
-    """Median, min and max over the repeats of ours[i] / theirs[i]. Why paired: repeat i of
-    every server runs within the same minute, and this machine's speed drifts by more than
-    the servers differ between minutes, so a ratio of medians mixes the drift into the result."""
-    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b and a == a and b == b]
-    if not ratios:
-        return (float("nan"),) * 3
-    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def tandem_ratios(rows: list[dict]) -> list[str]:

@@ -134,7 +134,8 @@ def test_speculation_rows_from_the_run_summaries():
     table.add_column("metric")
     for c in columns:
         table.add_column(c.name)
-    add_speculation_rows(table, columns, results)
+    runs = {name: [run] for name, run in results.items()}
+    add_speculation_rows(table, columns, results, runs)
     console = Console(file=io.StringIO(), width=300)
     console.print(table)
     rows = bench_table(console.file.getvalue())
@@ -144,6 +145,32 @@ def test_speculation_rows_from_the_run_summaries():
     assert rows["spec decode: mean accepted length"] == ["-", "-", "4.00", "1.50"]
     assert rows["ngram vs off (tokens/s)"] == ["", "", "1.500x", "2.500x"]
     assert "draft vs off (tokens/s)" not in rows
+
+
+def test_speculation_ratio_pairs_each_round_with_the_same_round_off():
+    """Three rounds in which ngram ran 1.3x, 1.05x and 0.8x speculation off, the machine
+    faster in round 2: medians taken apart (130 over 100) would report 1.3x."""
+
+    def run(tokens_per_s: float) -> Run:
+        stats = SpeculativeStats(4, 2, 1)
+        return Run(RunSummary(1.0, 1.0, 1, tokens_per_s, [], [], {}, 0, stats), [], [], 0, 0)
+
+    work, ngram = Workload([[5]], [4], [0.0]), SpeculativeConfig()
+    columns = bench_columns(_bench_args(), True, work, ["sync"], ngram)
+    off, on = (c.name for c in columns)
+    runs = {off: [run(100), run(200), run(50)], on: [run(130), run(210), run(40)]}
+    results = {off: runs[off][0], on: runs[on][0]}
+    table = Table()
+    table.add_column("metric")
+    for c in columns:
+        table.add_column(c.name)
+    add_speculation_rows(table, columns, results, runs)
+    console = Console(file=io.StringIO(), width=300)
+    console.print(table)
+    assert bench_table(console.file.getvalue())["ngram vs off (tokens/s)"] == [
+        "",
+        "1.050x (0.80-1.30)",
+    ]
 
 
 # ------------------------------------------------------------------ the report

@@ -4,6 +4,8 @@ not pay are not made."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,42 @@ def test_untimed_sizes_follow_the_line_and_never_cost_less_than_a_smaller_one():
     assert times[32] <= estimated[33] < estimated[40] < estimated[56] < times[64]
 
 
+def compute_bound_with_a_slow_base(base: int = 28) -> StepCosts:
+    """Steps of 2.2 ms a token, except the base band's, all timed while the machine ran 1.5x
+    slower (a neighbour's burst)."""
+    costs = StepCosts()
+    for tokens in (4, 8, 16, 20, 24):
+        for _ in range(TRUSTED):
+            costs.add(tokens, 0.0022 * tokens)
+    for _ in range(TRUSTED):
+        costs.add(base, 1.5 * 0.0022 * base)
+    return costs
+
+
+def test_a_base_timed_slow_does_not_make_larger_steps_look_free():
+    """An untimed larger step costs the base's own time plus the line's cost per token for its
+    extra tokens, more than the line alone says (13% over the slow base's time for 43% more
+    tokens)."""
+    costs = compute_bound_with_a_slow_base()
+    base, *larger = costs.costs(28, 40)
+    assert base == pytest.approx(1.5 * 0.0022 * 28)
+    fixed, per_token = costs._line
+    assert larger[-1] == pytest.approx(base + per_token * 12)
+    assert larger[-1] > fixed + per_token * 40
+
+
+def test_a_base_timed_slow_does_not_make_drafts_pay():
+    """28 requests copying well (85% of drafts kept) on a compute-bound machine: a draft costs
+    a token's time and brings 0.85 of one, so none is made, even with the base band's times
+    taken in a slow moment."""
+    policy = DraftPolicy(max_drafts=4)
+    policy.costs = compute_bound_with_a_slow_base()
+    requests = [make_request(f"r{i}") for i in range(28)]
+    for r in requests:
+        r.draft_hits, r.draft_tries = 8.5, 10.0
+    assert policy.allot(requests, base_tokens=28, room=4 * 28) == [0] * 28
+
+
 def test_steps_of_scattered_sizes_are_timed_in_bands():
     """Drafted steps seldom repeat a size: above 15 tokens sizes are timed in bands (four per
     doubling), so they still make trusted points, which move the line."""
@@ -63,12 +101,27 @@ def test_steps_of_scattered_sizes_are_timed_in_bands():
         1, 15, 16, 16, 20, 32, 32, 40, 64, 64, 80, 128
     ]  # fmt: skip
     costs = StepCosts()
-    for tokens in (1, 1, 1, 32, 32, 32):
+    for tokens in (1, 1, 1, 32, 32, 32, 70, 70, 70):
         costs.add(tokens, 0.010 + 0.002 * tokens)
     low = costs.costs(100, 100)[0]
     for tokens in (97, 103, 110):  # three drafted steps, three sizes, 30% slower than the line
         costs.add(tokens, 1.3 * (0.010 + 0.002 * tokens))
-    assert costs.costs(100, 100)[0] > 1.2 * low
+    assert costs.costs(100, 100)[0] > 1.15 * low
+
+
+def test_steps_far_beyond_the_timed_ones_are_not_estimated():
+    """A line through steps of 1 and 32 tokens is not trusted for 49 (over 1.5x the largest
+    timed count): such a step costs infinity, so drafts grow band by band, each timed first."""
+    costs = StepCosts()
+    for tokens in (1, 1, 1, 32, 32, 32):
+        costs.add(tokens, 0.010 + 0.0001 * tokens)  # bound by the weights: drafts nearly free
+    assert costs.costs(48, 49) == [pytest.approx(0.0148), math.inf]
+    policy = DraftPolicy(max_drafts=4)
+    policy.costs = costs
+    requests = [make_request(f"r{i}") for i in range(32)]  # every draft kept
+    for r in requests:
+        r.draft_hits, r.draft_tries = 100.0, 100.0
+    assert sum(policy.allot(requests, base_tokens=32, room=4)) == 16  # up to 48 tokens
 
 
 def test_a_line_that_falls_is_flat_at_the_mean():

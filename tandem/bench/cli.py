@@ -35,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
+from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
 from tandem.bench.run import Run, run_workload
 from tandem.bench.workloads import (
@@ -510,9 +511,13 @@ def add_json_rows(table: Table, columns: list[Column], results: dict[str, Run]) 
         )
 
 
-def add_speculation_rows(table: Table, columns: list[Column], results: dict[str, Run]) -> None:
+def add_speculation_rows(
+    table: Table, columns: list[Column], results: dict[str, Run], runs: dict[str, list[Run]]
+) -> None:
     """Speculative decoding: its counters in each run (RunSummary.speculative), and with
-    --speculative-config each method's tokens/s over that of speculation off in the same loop."""
+    --speculative-config each method's tokens/s over that of speculation off in the same loop,
+    paired by round (`runs`: each column's runs in round order): the median of the rounds'
+    ratios, and their range when there are several."""
 
     def cells(text) -> list[str]:
         return [
@@ -528,19 +533,22 @@ def add_speculation_rows(table: Table, columns: list[Column], results: dict[str,
     table.add_row(
         "spec decode: mean accepted length", *cells(lambda s: f"{s.mean_accepted_length:.2f}")
     )
-    off = {c.mode: results[c.name] for c in columns if c.variant.speculation == "off"}
+    off = {c.mode: runs[c.name] for c in columns if c.variant.speculation == "off"}
     for method in ("ngram", "draft"):
         if not any(c.variant.speculation == method for c in columns) or not off:
             continue
         ratios = []
         for c in columns:
             base = off.get(c.mode)
-            if c.variant.speculation != method or base is None or not base.summary.tokens_per_s:
+            if c.variant.speculation != method or base is None:
                 ratios.append("")
                 continue
-            ratios.append(
-                f"{results[c.name].summary.tokens_per_s / base.summary.tokens_per_s:.3f}x"
+            mid, low, high = paired_ratio(
+                [r.summary.tokens_per_s for r in runs[c.name]],
+                [r.summary.tokens_per_s for r in base],
             )
+            spread = f" ({low:.2f}-{high:.2f})" if len(base) > 1 else ""
+            ratios.append("" if mid != mid else f"{mid:.3f}x{spread}")
         table.add_row(f"{method} vs off (tokens/s)", *ratios)
 
 
@@ -662,7 +670,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.workload == JSON_PRESET:
         add_json_rows(table, columns, results)
     if speculative is not None:
-        add_speculation_rows(table, columns, results)
+        add_speculation_rows(table, columns, results, runs)
 
     def ratio_row(label: str, pairs: dict[str, tuple[str, str]]) -> None:
         """`pairs`: column -> (numerator column, denominator column) of wall times."""

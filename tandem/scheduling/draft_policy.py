@@ -25,6 +25,7 @@ the next band of step sizes (two bands to time).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ INITIAL_ACCEPTANCE = 0.7
 COST_WINDOW = 9  # a band's latest step times kept; its cost is their median
 TRUSTED = 3  # step times of a band before its median stands for it
 EXACT_COUNTS = 16  # token counts below this are timed each on its own; above, in bands
+# Steps of more than this many times the largest trusted count are not estimated (they are
+# not taken): a line through nearby counts, extrapolated far, has charged steps of 4x the
+# tokens two thirds of what they took. So the drafts of a large batch grow band by band, each
+# timed before the next is tried.
+REACH = 1.5
 # Drafts are made only where they promise this much more tokens per second than none: the
 # estimates are noisy, and a draft that barely pays in them may cost in fact (a large batch).
 MIN_GAIN = 1.1
@@ -68,7 +74,11 @@ class StepCosts:
     kernel, a busy neighbour) for good, since a count that looks slow is not chosen, so never
     timed, again. A count of its own band costs that time; any other count what the
     least-squares line through the trusted points says, and never less than a trusted point at
-    or below it (more tokens never cost less); None until two bands are trusted."""
+    or below it (more tokens never cost less), nor less than the first count asked for plus the
+    line's cost per token for the tokens it adds: a base band timed while the machine ran slow
+    would otherwise make the untimed larger steps beside it look free. Counts beyond `REACH`
+    times the largest trusted one cost infinity (untried). None until two bands are
+    trusted."""
 
     times: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     _trusted: dict[int, tuple[float, float]] = field(default_factory=dict)  # band -> point
@@ -109,11 +119,20 @@ class StepCosts:
             return None
         fixed, per_token = self._line
         points = sorted(self._trusted.values())
-        costs = []
+        reach = REACH * points[-1][0]
+        costs: list[float] = []
         for tokens in range(first, last + 1):
-            floor = max((c for t, c in points if t <= tokens), default=0.0)
+            if tokens > reach:
+                costs.append(math.inf)
+                continue
             own = self._trusted.get(tokens) if tokens < EXACT_COUNTS else None
-            costs.append(own[1] if own else max(fixed + per_token * tokens, floor))
+            if own:
+                costs.append(own[1])
+                continue
+            floor = max((c for t, c in points if t <= tokens), default=0.0)
+            if costs:
+                floor = max(floor, costs[0] + per_token * (tokens - first))
+            costs.append(max(fixed + per_token * tokens, floor))
         return costs
 
 
