@@ -12,7 +12,7 @@ one H200 at the default lengths).
 4. The blog's experiment (`tandem bench --workload llama8b-32x8k`: 32 requests at once, short prompts,
    long generations) on the 8B-shaped dummy model (`tandem/bench/models/llama-3.1-8b`): sync and
    async, CUDA graphs on and off; tokens/s, step-level device idle, and kernel-level device idle
-   over a profiled window (torch.profiler).
+   over a profiled window (torch.profiler), with the kernels that end the most idle.
    Beside each: what a decode step must read (weights + KV) and the share of the device's
    bandwidth its decode steps reached (`tandem.bench.roofline`), and kernels per step.
 5. FP8 weights (`quantization="fp8"`) against bf16 on the dummy 8B model, async with graphs:
@@ -132,9 +132,22 @@ def run_figures(name: str, engine, run, kernels, bandwidth: tuple[float, float |
         "fraction_of_streaming": roofline.fraction_of(bandwidth[0]) if roofline else None,
         "nominal_gbs": bandwidth[1] / 1e9 if bandwidth[1] else None,
         "fraction_of_nominal": roofline.fraction_of(bandwidth[1]) if roofline else None,
+        "kernels_by_idle_before": kernel_shares(kernels),
     }
     RESULTS["runs"].append(figures)
     return figures
+
+
+def kernel_shares(kernels, top: int = 16) -> list[dict]:
+    """The kernels that end the most idle in a profiled window, per step (`KernelShare`)."""
+    if not kernels or not kernels.steps:
+        return []
+    steps = kernels.measured_steps
+    return [
+        {"kernel": s.name, "launches": s.count / steps, "busy_us": s.busy_s * 1e6 / steps,
+         "idle_before_us": s.idle_before_s * 1e6 / steps}
+        for s in kernels.shares[:top]
+    ]  # fmt: skip
 
 
 def describe_figures(f: dict) -> str:
@@ -319,10 +332,14 @@ def speculative_speed(output_len: int) -> dict[str, float]:
     from tandem.bench.workloads import Workload, repeated_span_ids
 
     max_model_len = 1024 + output_len
+    # Loaded with ngram speculation, so its verification graphs are captured (the engine's
+    # `configure` then switches drafts off and on; steps without drafts replay decode graphs).
     engine = Engine(EngineConfig(
         model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
         max_model_len=max_model_len, max_num_seqs=4, num_kv_blocks=4 * (max_model_len // 16 + 2),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
     ))  # fmt: skip
+    record("speculative", "8B dummy engine", engine.execution.describe())
     shape = SimpleNamespace(num_requests=4, prompt_len=512, len_spread=0.0, workload_seed=5)
     prompts = repeated_span_ids(shape, engine.spec.vocab_size, max_model_len)
     variants = {
@@ -479,6 +496,10 @@ def blog_experiment(
                 record("blog", f"{name}, {hf_len} tokens (transformers' workload)",
                        f"{rate:.0f} tok/s")  # fmt: skip
             record("blog", f"{name}, 32 x {output_len} tokens", describe_figures(figures))
+            for share in figures["kernels_by_idle_before"][:6]:
+                record("blog", f"  idle before {share['kernel'][:60]}",
+                       f"{share['idle_before_us']:.2f} us a step over {share['launches']:.0f} "
+                       f"launches ({share['busy_us']:.0f} us busy)")  # fmt: skip
         engine.close()
         del engine
         gc.collect()

@@ -8,7 +8,16 @@ import argparse
 
 import pytest
 
-from tandem.bench.kernel_profile import EDGE_FRACTION, measure, union_busy
+from tandem.bench.kernel_profile import (
+    EDGE_FRACTION,
+    NAME_CHARS,
+    KernelEvent,
+    idle_by_kernel,
+    measure,
+    measure_events,
+    short_name,
+    union_busy,
+)
 from tandem.bench.workloads import (
     BLOG_OUTPUT_LEN,
     make_workload,
@@ -82,6 +91,7 @@ def test_measure_leaves_out_the_window_edges():
     span = 150e-3
     assert window.wall_s == pytest.approx(span * (1 - 2 * EDGE_FRACTION))
     assert window.kernels == 11 and window.steps == 10
+    assert window.span_s == pytest.approx(span) and window.measured_steps == pytest.approx(8)
     busy, wall = union_busy(kernels, (span * EDGE_FRACTION, span * (1 - EDGE_FRACTION)))
     assert window.busy_s == pytest.approx(busy) and 0 < window.idle_pct < 100
     assert window.idle_pct == pytest.approx(100 * (1 - busy / wall))
@@ -106,13 +116,13 @@ def test_help_names_the_preset_and_profile(capsys):
     assert "--load-format" in capsys.readouterr().out
 
 
-def test_kernel_intervals_keep_only_the_device_kernels():
+def test_kernel_events_keep_only_the_device_kernels():
     """The filter over what torch.profiler records (fake events: the CPU build records no CUDA)."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    from tandem.bench.kernel_profile import kernel_intervals
+    from tandem.bench.kernel_profile import kernel_events
 
     def event(name, kind, device=DeviceType.CUDA, start=0, duration=1000):
         return SimpleNamespace(
@@ -131,5 +141,63 @@ def test_kernel_intervals_keep_only_the_device_kernels():
     profile = SimpleNamespace(
         profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
     )
-    flat = [t for interval in kernel_intervals(profile) for t in interval]
+    kernels = kernel_events(profile)
+    assert [k.name for k in kernels] == ["gemm", "rms_norm"]
+    flat = [t for k in kernels for t in (k.start, k.end)]
     assert flat == pytest.approx([1e-6, 3e-6, 5e-6, 5.5e-6])
+
+
+def test_idle_is_told_by_the_kernel_that_ends_each_gap():
+    # One step of a 10 us window: gemm 0-4, norm 5-6 (1 us idle before it), a second stream's
+    # copy kernel 5.2-5.8 inside it (no idle), gemm 9-10 (3 us idle), norm cut by the window.
+    events = [
+        KernelEvent("gemm", 0e-6, 4e-6),
+        KernelEvent("norm", 5e-6, 6e-6),
+        KernelEvent("copy", 5.2e-6, 5.8e-6),
+        KernelEvent("gemm", 9e-6, 10e-6),
+        KernelEvent("norm", 10.5e-6, 12e-6),
+    ]
+    shares = {s.name: s for s in idle_by_kernel(events, (0.0, 10e-6))}
+    assert [s.name for s in idle_by_kernel(events, (0.0, 10e-6))] == ["gemm", "norm", "copy"]
+    assert shares["gemm"].count == 2 and shares["gemm"].idle_before_s == pytest.approx(3e-6)
+    assert shares["gemm"].busy_s == pytest.approx(5e-6)
+    assert shares["norm"].count == 1 and shares["norm"].idle_before_s == pytest.approx(1e-6)
+    assert shares["copy"].idle_before_s == 0
+    busy, wall = union_busy([(e.start, e.end) for e in events], (0.0, 10e-6))
+    assert sum(s.idle_before_s for s in shares.values()) == pytest.approx(wall - busy)
+    # measure_events: the same window as measure's, with the shares of its span.
+    window = measure_events(events, steps=1, pause_s=0.0)
+    assert window.idle_pct == pytest.approx(
+        measure([(e.start, e.end) for e in events], 1, 0).idle_pct
+    )
+    assert {s.name for s in window.shares} == {"gemm", "norm", "copy"}
+
+
+def test_kernel_names_lose_their_signature():
+    assert short_name("_rms_norm_kernel") == "_rms_norm_kernel"
+    name = "void at::native::elementwise_kernel<128, 4, at::native::Op<float>(int)>(int, float*)"
+    assert short_name(name) == "at::native::elementwise_kernel<128, 4, at::native::Op<float>(int)>"
+    assert len(short_name("k" * 500)) == NAME_CHARS and short_name("k" * 500).endswith("...")
+
+
+def test_profile_prints_the_kernels_the_device_idles_before():
+    from rich.console import Console
+
+    from tandem.bench.cli import kernel_share_table
+    from tandem.bench.kernel_profile import KernelShare, KernelWindow
+
+    shares = [
+        KernelShare("nvjet_gemm", 128, 6.4e-3, 96e-6),
+        KernelShare("_rms_norm", 64, 1e-4, 32e-6),
+    ]
+    # 5 steps profiled, of which the measured middle of the span holds 2
+    window = KernelWindow(steps=5, kernels=192, busy_s=6.5e-3, wall_s=6.756e-3, pause_s=0.0,
+                          span_s=6.756e-3 * 2.5)  # fmt: skip
+    window.shares = shares
+    console = Console(width=200, record=True)
+    console.print(kernel_share_table("async", window))
+    cells = [line.replace("│", " ").split() for line in console.export_text().splitlines()]
+    rows = {c[0]: c[1:] for c in cells if c[:1] in (["nvjet_gemm"], ["_rms_norm"])}
+    # per step: launches, busy us, idle before us, share of the window's 256 us of idle
+    assert rows["nvjet_gemm"][:4] == ["64.0", "3200.0", "48.00", "37.5"]
+    assert rows["_rms_norm"][:4] == ["32.0", "50.0", "16.00", "12.5"]

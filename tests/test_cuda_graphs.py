@@ -54,7 +54,9 @@ def _with_eager_graphs(llm, sizes: list[int]) -> EagerGraphs:
     runner, engine = llm.engine.runner, llm.engine
     width = -(-engine.max_model_len // engine.config.block_size)
     spare = runner.kv_caches[0].shape[1] - 1
-    verify = verify_shape(engine.config.speculative_config, engine.max_model_len)
+    verify = verify_shape(
+        engine.config.speculative_config, engine.max_model_len, engine.config.max_num_seqs
+    )
     runner.graphs = EagerGraphs(
         runner._graph_step, sizes, width, spare, engine.config.block_size,
         _token_sink(llm), len(runner.lengths) - 1, runner.device, verify,
@@ -78,20 +80,28 @@ def test_verification_graph_bands():
     """ngram verifications get graphs in bands of history up to the context limit; a draft
     model's none; the execution line names them."""
     ngram = SpeculativeConfig(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1)
-    assert verify_shape(None, 4096) is None
-    assert verify_shape(SpeculativeConfig(method="draft_model", model="m"), 4096) is None
-    assert verify_shape(ngram, 8272).histories == (1024, 4096, 8272)
-    assert verify_shape(ngram, 1000).histories == (1000,)
-    assert verify_shape(ngram, 131072).histories == (1024, 4096, 16384)  # longer: eager
+    assert verify_shape(None, 4096, 8) is None
+    assert verify_shape(SpeculativeConfig(method="draft_model", model="m"), 4096, 8) is None
+    assert verify_shape(ngram, 8272, 8).histories == (1024, 4096, 8272)
+    assert verify_shape(ngram, 1000, 8).histories == (1000,)
+    assert verify_shape(ngram, 131072, 8).histories == (1024, 4096, 16384)  # longer: eager
     graphs = DecodeGraphs([1, 32, 64, 80], 4, 9, 16, 100, 10, torch.device("cpu"),
-                          verify_shape(ngram, 2048))  # fmt: skip
+                          verify_shape(ngram, 2048, 80))  # fmt: skip
     keys = graphs.capture_keys()
-    assert len(keys) == 3 * (4 + 3 * 2)  # sizes up to 64 verify, in both bands
+    assert graphs.verify.sizes == (1, 2, 4, 8, 16, 32, 48, 64)  # tokens: at most 64
+    assert len(keys) == 3 * (4 + 8 * 2)  # every verification size, in both bands
     assert {h for size, _, h in keys if size == 80} == {None}
-    assert verify_shape(ngram, 1000).lookup == (3, 1)
+    assert [size for size, _, _ in keys] == sorted((size for size, _, _ in keys), reverse=True)
+    assert verify_shape(ngram, 1000, 8).lookup == (3, 1)
+    # One request verifying 4 drafts is 5 tokens: it has graphs of its own beyond size 1.
+    one = verify_shape(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, 1)
+    assert one.sizes == (1, 2, 4, 5)
+    assert verify_shape(SpeculativeConfig(num_speculative_tokens=16), 2048, 4).sizes[-1] == 64
     plan = ExecutionPlan(ops="fused-triton", packed_gemm=False, kernels=None,
-                         cuda_graph_sizes=[1, 2, 4], cuda_graph_histories=(1024, 2048))  # fmt: skip
-    assert "ngram verifications (histories up to 1024, 2048 tokens)" in plan.describe()
+                         cuda_graph_sizes=[1, 2, 4], cuda_graph_histories=(1024, 2048),
+                         cuda_graph_verify_tokens=20)  # fmt: skip
+    text = plan.describe()
+    assert "ngram verifications of up to 20 tokens (histories up to 1024, 2048 tokens)" in text
 
 
 def test_graph_step_gives_the_eager_tokens(tiny_llama):
@@ -252,7 +262,7 @@ def test_a_verification_graph_that_fails_to_capture_leaves_verifications_eager(m
 
     def graphs_capturing(fails) -> DecodeGraphs:
         graphs = DecodeGraphs([1, 2], 4, 9, 16, 100, 10, torch.device("cpu"),
-                              verify_shape(ngram, 2048))  # fmt: skip
+                              verify_shape(ngram, 2048, 2))  # fmt: skip
 
         def capture_one(key, body, pool):
             if fails(key):
@@ -305,3 +315,22 @@ def test_speculation_through_graphs(tiny_llama):
     assert graphs.verify is None
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     assert not graphs.replays
+
+
+def test_one_request_verifies_its_drafts_through_a_graph(tiny_llama):
+    """At one request a verification of 4 drafts holds 5 tokens, more rows than any decode
+    graph has: it replays a verification graph of its own size instead of running eagerly, and
+    gives the tokens decoding without drafts gives."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 1024) for _ in range(6)] * 5 for _ in range(2)]
+    params = [greedy(20), SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)]
+    options = dict(num_kv_blocks=64, max_num_seqs=1)
+    reference = [o.token_ids for o in make_llm(tiny_llama, **options).generate(prompts, params)]
+    fixed = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    llm = make_llm(tiny_llama, speculative_config=fixed, **options)
+    graphs = _with_eager_graphs(llm, capture_sizes(1))
+    assert graphs.sizes == [1] and graphs.verify.sizes == (1, 2, 4, 5)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    verified = {size for size, _, history in graphs.replays if history is not None}
+    assert 5 in verified, graphs.replays
+    assert_idle_and_balanced(llm.engine)

@@ -276,7 +276,7 @@ def test_kernels_compile_for_sm90() -> None:
     """Triton's real compiler (not the interpreter) builds every kernel for an H200: bf16 and
     fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
     the fused norms, rotary, SiLU and FP8 row rounding of ops/triton_elementwise.py in every
-    case's dtype."""
+    case's dtype; all but the SiLU with programmatic dependent launch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -305,5 +305,8 @@ def test_kernels_compile_for_sm90() -> None:
         if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel", "_quantize_rows_fp8_kernel"):
             assert not r["fma"], r  # PyTorch's two roundings, not a contracted a*b + c
         assert r["e4m3"] == (r["kernel"] == "_quantize_rows_fp8_kernel"), r
+        # launched dependent: waits for the kernel before it, lets the next launch at its end
+        dependent = r["kernel"] != "_silu_and_mul_kernel"
+        assert r["pdl"] == r["lets_next_launch"] == dependent, r
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel") and r["case"][:4] != "fp32":
             assert r["mma"], r  # the dots run on tensor cores

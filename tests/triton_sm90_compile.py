@@ -5,7 +5,8 @@ tests use, is process-wide in Triton). Triton asks its driver only for the targe
 the stream before compiling; a stand-in answers for an H200, and every launch is turned into
 `warmup` (compile, do not run). The wrappers of `tandem.ops.triton_attention` and
 `triton_elementwise` are called as the engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
-line per compiled kernel: name, dtype case, shared memory, whether its PTX uses tensor cores.
+line per compiled kernel: name, dtype case, shared memory, whether its PTX uses tensor cores,
+and whether it waits for the previous kernel (programmatic dependent launch, as on an H200).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ CASES = {
 }
 
 
+def h200_launch(device: torch.device) -> dict:
+    """`triton_launch.pdl_options` as it answers on an H200 (these tensors are on the CPU)."""
+    return {"PDL": True, "launch_pdl": True}
+
+
 class CompileOnlyDriver:
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
@@ -46,6 +52,7 @@ class CompileOnlyDriver:
 
 def main(names: list[str]) -> None:
     driver.set_active(CompileOnlyDriver())
+    ta.pdl_options = te.pdl_options = h200_launch
     built = []
     kernels = (ta._decode_kernel, ta._merge_splits_kernel, ta._prefill_kernel,
                te._rms_norm_kernel, te._rotary_kernel, te._silu_and_mul_kernel,
@@ -96,6 +103,8 @@ def main(names: list[str]) -> None:
                 "mma": "mma" in k.asm["ptx"],
                 "fma": "fma.rn.f32" in k.asm["ptx"],  # a contracted a*b + c (or libdevice's)
                 "e4m3": "e4m3" in k.asm["ptx"],  # a conversion to FP8
+                "pdl": k.metadata.launch_pdl and "griddepcontrol.wait" in k.asm["ptx"],
+                "lets_next_launch": "griddepcontrol.launch_dependents" in k.asm["ptx"],
             }
             print(json.dumps(record), flush=True)
 

@@ -16,7 +16,7 @@ JSON schema (`--json-fractions`): throughput, device idle, the bitmask's host ti
 device's wait for it, and the plain requests' ITL beside those of the unconstrained run.
 `--profile` adds what a decode step must read (weights and KV) and the share of the device's
 bandwidth its steps reached (`roofline.py`), and on CUDA the kernel-level idle figure of a window
-of each run (`kernel_profile.py`).
+of each run and the kernels the device idles before (`kernel_profile.py`).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="report the bytes a decode step must read (weights + KV) and the share "
                    "of the device's bandwidth the decode steps reached; on CUDA also time the "
                    f"device's kernels (torch.profiler) over {PROFILE_STEPS} steps in the middle "
-                   "of each run: their busy time over wall time, and kernels per step")  # fmt: skip
+                   "of each run: their busy time over wall time, kernels per step, and the "
+                   "kernels the device idles before")  # fmt: skip
 
 
 def describe_model(engine: Engine) -> str:
@@ -178,6 +179,21 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
         "profiler pause (ms, in wall)",
         *(cell(w, lambda w: f"{w.pause_s * 1e3:.0f}") for w in windows),
     )
+
+
+def kernel_share_table(name: str, window: KernelWindow, top: int = 12) -> Table:
+    """--profile: the kernels that end the most idle in one run's window, per step."""
+    steps = max(1e-9, window.measured_steps)
+    idle = max(window.wall_s - window.busy_s, 1e-12)
+    table = Table(title=f"{name}: the kernels the device idles before (per step)")
+    for column in ("kernel", "launches", "busy (us)", "idle before (us)", "of the idle %"):
+        table.add_column(column, justify="left" if column == "kernel" else "right")
+    for share in window.shares[:top]:
+        table.add_row(
+            share.name, f"{share.count / steps:.1f}", f"{share.busy_s * 1e6 / steps:.1f}",
+            f"{share.idle_before_s * 1e6 / steps:.2f}", f"{100 * share.idle_before_s / idle:.1f}",
+        )  # fmt: skip
+    return table
 
 
 def add_roofline_rows(
@@ -695,6 +711,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         )
     table.add_row("outputs identical (all runs)", *identical)
     Console().print(table)
+    if window is not None:
+        for name in names:
+            kernels = results[name].kernels
+            if kernels is not None and kernels.shares:
+                Console(width=140).print(kernel_share_table(name, kernels))  # names unwrapped
     Console().print(f"execution: {engine.execution.describe()}")
     Console().print(describe_model(engine))
     if speculative is not None:

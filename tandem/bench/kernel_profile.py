@@ -6,18 +6,38 @@ launches them, the device idles there too. Here the kernels themselves are timed
 torch.profiler's CUDA activity (CUPTI; no CPU op tracing, which would slow the very host being
 measured), over a bounded window of steps, and the busy time is the union of their intervals
 (kernels on concurrent streams are not counted twice). Copies and memsets are not kernels: a copy
-engine at work while no kernel runs leaves the compute units idle.
+engine at work while no kernel runs leaves the compute units idle. Each kernel's name is kept:
+the window's idle is also told by the kernel that ends each gap (`KernelShare`), which shows the
+boundaries that cost most.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Of the window's kernel span, the first and last EDGE_FRACTION are left out: they hold the
 # profiler's start and its stop (which waits for the device), not the loop's steady state.
 EDGE_FRACTION = 0.1
+NAME_CHARS = 80  # a kernel's name as shown: templated C++ names run to thousands
+
+
+@dataclass
+class KernelEvent:
+    name: str
+    start: float  # seconds
+    end: float
+
+
+@dataclass
+class KernelShare:
+    """One kernel's part of a window: its launches, their time, and the idle just before them."""
+
+    name: str
+    count: int
+    busy_s: float
+    idle_before_s: float  # between the end of the kernels before and each of its starts
 
 
 @dataclass
@@ -29,10 +49,17 @@ class KernelWindow:
     busy_s: float  # union of kernel intervals within the measured span
     wall_s: float  # the measured span
     pause_s: float  # host time spent starting and stopping the profiler (in the run's wall)
+    span_s: float = 0.0  # the kernels' whole span, of which wall_s is the middle
+    shares: list[KernelShare] = field(default_factory=list)  # most idle before them first
 
     @property
     def idle_pct(self) -> float:
         return 100 * (1 - self.busy_s / self.wall_s) if self.wall_s > 0 else 0.0
+
+    @property
+    def measured_steps(self) -> float:
+        """The steps the measured middle of the span holds, for figures per step."""
+        return self.steps * self.wall_s / self.span_s if self.span_s > 0 else float(self.steps)
 
 
 def union_busy(
@@ -62,15 +89,64 @@ def union_busy(
     return busy, max(0.0, hi - lo)
 
 
+def measure_events(events: list[KernelEvent], steps: int, pause_s: float) -> KernelWindow:
+    """`measure`, with each kernel name's share of the measured span."""
+    intervals = [(e.start, e.end) for e in events]
+    window = measure(intervals, steps, pause_s)
+    if events:
+        window.shares = idle_by_kernel(events, window_span(intervals))
+    return window
+
+
+def window_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """The kernels' span less its edges (EDGE_FRACTION at each end)."""
+    first = min(a for a, _ in intervals)
+    last = max(b for _, b in intervals)
+    edge = (last - first) * EDGE_FRACTION
+    return first + edge, last - edge
+
+
 def measure(intervals: list[tuple[float, float]], steps: int, pause_s: float) -> KernelWindow:
     """The busy fraction over the window's kernel span, less its edges (EDGE_FRACTION)."""
     if not intervals:
         return KernelWindow(steps, 0, 0.0, 0.0, pause_s)
-    first = min(a for a, _ in intervals)
-    last = max(b for _, b in intervals)
-    edge = (last - first) * EDGE_FRACTION
-    busy, wall = union_busy(intervals, (first + edge, last - edge))
-    return KernelWindow(steps, len(intervals), busy, wall, pause_s)
+    lo, hi = window_span(intervals)
+    busy, wall = union_busy(intervals, (lo, hi))
+    span = max(b for _, b in intervals) - min(a for a, _ in intervals)
+    return KernelWindow(steps, len(intervals), busy, wall, pause_s, span)
+
+
+def idle_by_kernel(events: list[KernelEvent], window: tuple[float, float]) -> list[KernelShare]:
+    """Per kernel name, within `window`: launches, busy time, and the idle that ends at its
+    starts (from the latest end of the kernels started before it). The idle adds up to the
+    window's, less a gap that the window's end cuts; most idle first."""
+    lo, hi = window
+    shares: dict[str, KernelShare] = {}
+    reach = lo  # the latest end so far, from the window's start
+    for event in sorted(events, key=lambda e: e.start):
+        start, end = max(event.start, lo), min(event.end, hi)
+        if end <= start:
+            reach = max(reach, min(event.end, hi))
+            continue
+        share = shares.setdefault(event.name, KernelShare(event.name, 0, 0.0, 0.0))
+        share.count += 1
+        share.busy_s += end - start
+        share.idle_before_s += max(0.0, start - reach)
+        reach = max(reach, end)
+    return sorted(shares.values(), key=lambda s: (-s.idle_before_s, s.name))
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its return type and arguments, cut to NAME_CHARS."""
+    name = name.removeprefix("void ")
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # the argument list: the first "(" outside template brackets
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth <= 0:
+            cut = i
+            break
+    name = name[:cut]
+    return name if len(name) <= NAME_CHARS else name[: NAME_CHARS - 3] + "..."
 
 
 class KernelProfiler:
@@ -101,15 +177,15 @@ class KernelProfiler:
         self._profile.stop()  # waits for the device, collects the trace
         self._pause_s += time.perf_counter() - t0
         self.running = False
-        return measure(kernel_intervals(self._profile), steps, self._pause_s)
+        return measure_events(kernel_events(self._profile), steps, self._pause_s)
 
 
-def kernel_intervals(profile) -> list[tuple[float, float]]:
-    """(start, end) in seconds of every CUDA kernel a stopped torch.profiler recorded: not the
-    copies and memsets, nor the GPU-side spans of annotations (they cover the gaps)."""
+def kernel_events(profile) -> list[KernelEvent]:
+    """Every CUDA kernel a stopped torch.profiler recorded, named: not the copies and memsets,
+    nor the GPU-side spans of annotations (they cover the gaps)."""
     from torch.autograd import DeviceType
 
-    intervals = []
+    events = []
     for event in profile.profiler.kineto_results.events():
         if event.device_type() != DeviceType.CUDA:
             continue
@@ -122,5 +198,5 @@ def kernel_intervals(profile) -> list[tuple[float, float]]:
             start, duration = event.start_ns() * 1e-9, event.duration_ns() * 1e-9
         else:  # older torch
             start, duration = event.start_us() * 1e-6, event.duration_us() * 1e-6
-        intervals.append((start, start + duration))
-    return intervals
+        events.append(KernelEvent(short_name(event.name()), start, start + duration))
+    return events

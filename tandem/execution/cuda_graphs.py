@@ -17,8 +17,9 @@ The variant a step uses gives the same tokens as the eager sampler: a row that d
 filter is left exactly as it is (see `sampling._top_k_top_p`).
 
 Under ngram speculation (the method chosen at start-up) verification steps replay graphs too:
-the same sizes and variants, once per band of history the drafts are searched in (a band fixes
-the search's shape), each placing the verified tokens by the device's lengths, drafting,
+the same variants at sizes of their own, counted in tokens (a request verifies its drafts and
+one token more) up to `VERIFY_MAX_TOKENS`, once per band of history the drafts are searched in
+(a band fixes the search's shape), each placing the verified tokens by the device's lengths, drafting,
 sampling and counting what is kept as the eager step does (`drafting`, `sampler.verify`). A
 step without drafts in flight writes its rows' lengths in its graph. A draft model's steps run
 eagerly (its passes are as many as the step's most drafts, chosen on the host), and so do
@@ -29,7 +30,7 @@ fails to capture (with a warning: the engine still starts).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,18 +64,22 @@ GraphKey = tuple[int, str, int | None]  # padded size, sampler variant, history 
 
 @dataclass(frozen=True)
 class VerifyShape:
-    """What a captured verification fixes on the host's side: the ngram sizes, room for the
-    most drafts any request may have, and the bands of history (each an upper bound of the
-    verifying requests' lengths) there are graphs for."""
+    """What a captured verification fixes on the host's side: the ngram sizes, the padded
+    token counts and the bands of history (each an upper bound of the verifying requests'
+    lengths) there are graphs for, and room for the most drafts any request may have."""
 
     lookup: tuple[int, int]
     histories: tuple[int, ...]
+    sizes: tuple[int, ...]
     max_drafts: int = MAX_SPECULATIVE_TOKENS
 
 
-def verify_shape(spec: SpeculativeConfig | None, max_model_len: int) -> VerifyShape | None:
+def verify_shape(
+    spec: SpeculativeConfig | None, max_model_len: int, max_num_seqs: int
+) -> VerifyShape | None:
     """The verification graphs to capture: ngram's only (a draft model drafts in host-counted
-    passes); bands of 1024, 4096, ... tokens up to the context limit or `LONGEST_HISTORY`."""
+    passes); bands of 1024, 4096, ... tokens up to the context limit or `LONGEST_HISTORY`; sizes
+    up to every request verifying its full drafts, or `VERIFY_MAX_TOKENS`."""
     if spec is None or spec.method != "ngram":
         return None
     longest = min(max_model_len, LONGEST_HISTORY)
@@ -83,13 +88,21 @@ def verify_shape(spec: SpeculativeConfig | None, max_model_len: int) -> VerifySh
         bands.append(history)
         history *= 4
     bands.append(longest)
-    return VerifyShape((spec.prompt_lookup_max, spec.prompt_lookup_min), tuple(bands))
+    tokens = min(max_num_seqs * (1 + spec.num_speculative_tokens), VERIFY_MAX_TOKENS)
+    return VerifyShape(
+        (spec.prompt_lookup_max, spec.prompt_lookup_min), tuple(bands), tuple(capture_sizes(tokens))
+    )
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to the most requests a step can hold (at most 256)."""
     cap = min(max_num_seqs, MAX_CAPTURE_BATCH)
     return sorted({s for s in (1, 2, 4, 8) if s < cap} | set(range(16, cap, 16)) | {cap})
+
+
+def smallest_holding(sizes: Iterable[int], rows: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds `rows` (None: none does)."""
+    return next((s for s in sizes if s >= rows), None)
 
 
 def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) -> list[int]:
@@ -207,7 +220,7 @@ class DecodeGraphs:
         # Padded entries that index the step's own arrays point one past its padded size.
         self.past_end = ("token_item", "token_batch", "sample_rows", "draft_batch", "draft_item")
         self.pad_block = pad_block
-        largest = max(sizes)
+        largest = max(sizes + list(verify.sizes if verify else ()))
         self.int_buffer = torch.zeros(self._num_ints(largest), dtype=torch.int64, device=device)
         floats = len(_FLOATS) * (largest + 1)
         self.float_buffer = torch.zeros(floats, dtype=torch.float32, device=device)
@@ -230,25 +243,21 @@ class DecodeGraphs:
             verify=dict(zip(_VERIFY_INTS, parts[2].split(n), strict=True)),
         )
 
-    def size_for(self, batch: int) -> int | None:
-        return next((s for s in self.sizes if s >= batch), None)
-
     def key_for(self, x: StepInputs) -> GraphKey | None:
         """The graph that runs step `x` as the eager path would; None: it runs eagerly."""
         mode = graph_mode(x)
-        size = self.size_for(x.num_tokens) if mode else None
-        if size is None:
+        if mode is None:
             return None
         v = x.sampler.verify
         if v is None:
-            return size, mode, None
+            size = smallest_holding(self.sizes, x.num_tokens)
+            return None if size is None else (size, mode, None)
         shape = self.verify
         if shape is None or v.lookup != shape.lookup or v.max_drafts > shape.max_drafts:
             return None
-        if size > VERIFY_MAX_TOKENS:
-            return None
+        size = smallest_holding(shape.sizes, x.num_tokens)
         history = next((h for h in shape.histories if h >= v.history_len), None)
-        return None if history is None else (size, mode, history)
+        return None if size is None or history is None else (size, mode, history)
 
     def _pad_value(self, name: str, size: int) -> int | float:
         return size if name in self.past_end else self.pad[name]
@@ -294,19 +303,17 @@ class DecodeGraphs:
         return ints, floats.reshape(-1)
 
     def capture_keys(self) -> list[GraphKey]:
-        """Every graph to capture: the decode steps', then the verifications', each largest
-        size first (its allocations seed the shared pool)."""
-        bands = self.verify.histories if self.verify else ()
-        sizes = sorted(self.sizes, reverse=True)
-        decodes = [(size, mode, None) for size in sizes for mode in MODES]
+        """Every graph to capture: the decode steps' and the verifications', largest size first
+        (its allocations seed the shared pool), a decode before a verification of its size."""
+        shape = self.verify
+        decodes = [(size, mode, None) for size in self.sizes for mode in MODES]
         verifications = [
             (size, mode, history)
-            for size in sizes
-            if size <= VERIFY_MAX_TOKENS
-            for history in bands
+            for size in (shape.sizes if shape else ())
+            for history in shape.histories
             for mode in MODES
         ]
-        return decodes + verifications
+        return sorted(decodes + verifications, key=lambda k: (-k[0], k[2] is not None))
 
     def capture(self, body: Callable[[GraphInputs, str, int | None], torch.Tensor]) -> None:
         """Capture every graph of `capture_keys()`.

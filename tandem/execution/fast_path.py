@@ -33,6 +33,7 @@ class ExecutionPlan:
     backend: str | None = None  # their collectives: gloo or nccl
     cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
     cuda_graph_histories: tuple[int, ...] = ()  # ... and ngram verifications' history bands
+    cuda_graph_verify_tokens: int = 0  # ... and the most tokens a verification graph holds
     weight_formats: dict[str, int] = field(default_factory=dict)  # linear layers by format
     weight_bytes: int | None = None  # weights one forward reads (LlamaModel.weight_bytes)
 
@@ -68,7 +69,10 @@ class ExecutionPlan:
             )
             if self.cuda_graph_histories:
                 bands = ", ".join(str(h) for h in self.cuda_graph_histories)
-                text += f" and ngram verifications (histories up to {bands} tokens)"
+                text += (
+                    f" and ngram verifications of up to {self.cuda_graph_verify_tokens} tokens "
+                    f"(histories up to {bands} tokens)"
+                )
         if self.weight_formats:
             text += "; " + self.describe_weights()
         k = self.kernels

@@ -150,7 +150,11 @@ def build_runner(
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
     sizes = sizes if groups.num_groups == 1 and model.spec.moe is None else None
     caches = cache_of(model, groups)
-    verify = verify_shape(config.speculative_config, max_model_len) if sizes else None
+    verify = (
+        verify_shape(config.speculative_config, max_model_len, config.max_num_seqs)
+        if sizes
+        else None
+    )
     runner = ModelRunner(
         model, caches, groups, table_rows, max_model_len, config.block_size, device, sizes, verify
     )
@@ -278,6 +282,12 @@ class ModelRunner:
         """The history bands of the captured ngram verifications (none: they run eagerly)."""
         verify = self.graphs.verify if self.graphs is not None else None
         return verify.histories if verify is not None else ()
+
+    @property
+    def graph_verify_tokens(self) -> int:
+        """The most tokens a captured ngram verification holds (0: they run eagerly)."""
+        verify = self.graphs.verify if self.graphs is not None else None
+        return max(verify.sizes) if verify is not None else 0
 
     def check_health(self) -> None:
         """In-process execution has no separate worker to lose (see MultiprocExecutor)."""

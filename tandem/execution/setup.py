@@ -47,6 +47,7 @@ class LoadedExecution:
         )
         plan.cuda_graph_sizes = runner.graph_sizes
         plan.cuda_graph_histories = runner.graph_histories
+        plan.cuda_graph_verify_tokens = runner.graph_verify_tokens
         if device.type == "cpu" and (config.cpu_threads is not None or plan.kernels):
             batch = min(config.max_num_seqs, 32)
             apply_cpu_threads(runner, model, plan, config.cpu_threads, batch)

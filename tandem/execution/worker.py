@@ -95,6 +95,7 @@ class _Worker:
         runner = build_runner(model, config, device, num_blocks, table_rows, max_model_len)
         plan.cuda_graph_sizes = runner.graph_sizes  # every rank captures alike
         plan.cuda_graph_histories = runner.graph_histories
+        plan.cuda_graph_verify_tokens = runner.graph_verify_tokens
         plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
         self.outputs.send(("ready", a.rank, plan))
         try:

@@ -33,6 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.ops.triton_launch import (
+    let_next_kernel_launch,
+    pdl_options,
+    wait_for_previous_kernel,
+)
+
 if TYPE_CHECKING:
     from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
@@ -146,7 +152,9 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -219,6 +227,7 @@ def _decode_kernel(
             acc,
             mask=mask_g[:, None] & mask_d[None, :],
         )
+    let_next_kernel_launch(PDL)
 
 
 @triton.jit
@@ -234,8 +243,10 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[req, head] from the splits' partial (acc, max, sum): rescale each to the common max."""
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -258,6 +269,7 @@ def _merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=mask_d,
     )
+    let_next_kernel_launch(PDL)
 
 
 @triton.jit(do_not_specialize=["token_start", "num_tokens", "ctx", "row"])
@@ -292,7 +304,9 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Rows are (token, head of the group) pairs, token-major: the group shares each K/V tile.
@@ -353,6 +367,7 @@ def _prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=valid[:, None] & mask_d[None, :],
     )
+    let_next_kernel_launch(PDL)
 
 
 # ---------------------------------------------------------------------------- host side
@@ -457,6 +472,7 @@ def decode_attention(
         PRECISION=_precision(q.dtype),
         BF16_AS_FP32=_INTERPRETED and q.dtype == torch.bfloat16,
         **_LAUNCH,
+        **pdl_options(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(r, num_heads)](
@@ -472,6 +488,7 @@ def decode_attention(
             BLOCK_D=block_d,
             HEAD_DIM=dim,
             **_LAUNCH,
+            **pdl_options(q.device),
         )
     return out
 
@@ -521,6 +538,7 @@ def prefill_attention(
         PRECISION=_precision(q.dtype),
         BF16_AS_FP32=_INTERPRETED and q.dtype == torch.bfloat16,
         **_LAUNCH,
+        **pdl_options(q.device),
     )
     return out
 

@@ -16,8 +16,6 @@ adds in another order. The CPU suite runs them under Triton's interpreter agains
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +23,14 @@ from triton.language.extra import libdevice
 
 from tandem.ops.attention import paged_attention  # noqa: F401 - the Triton kernels on CUDA
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from tandem.ops.triton_launch import (
+    INTERPRETED,
+    let_next_kernel_launch,
+    pdl_options,
+    wait_for_previous_kernel,
+)
 
 _EXACT = {"enable_fp_fusion": False}  # a*b + c stays two roundings, as in PyTorch
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -44,7 +47,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -59,6 +64,7 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    let_next_kernel_launch(PDL)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,6 +94,7 @@ def _launch_norm(x, residual, weight, out, eps) -> None:
         x, residual if has_residual else x, weight, out, x.stride(0),
         residual.stride(0) if has_residual else 0, out.stride(0), n_cols, 1.0 / n_cols, eps,
         HAS_RESIDUAL=has_residual, BLOCK=triton.next_power_of_2(n_cols), **_EXACT,
+        **pdl_options(x.device),
     )  # fmt: skip
 
 
@@ -124,8 +131,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_slot, stride_cache_h, n_q_heads, n_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -151,6 +159,7 @@ def _rotary_kernel(
         v_first = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
         tl.store(v_cache_ptr + cached, tl.load(v_first, mask=mask), mask=mask)
         tl.store(v_cache_ptr + cached + HALF, tl.load(v_first + HALF, mask=mask), mask=mask)
+    let_next_kernel_launch(PDL)
 
 
 def rotary(
@@ -198,7 +207,7 @@ def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> Non
         k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0, q.shape[1],
         k.shape[1], HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        WRITE_CACHE=write, **_EXACT,
+        WRITE_CACHE=write, **_EXACT, **pdl_options(q.device),
     )  # fmt: skip
 
 
@@ -219,14 +228,16 @@ def _silu_and_mul_kernel(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`elementwise.silu_and_mul` ([T, 2I] -> [T, I]) in one kernel."""
+    """`elementwise.silu_and_mul` ([T, 2I] -> [T, I]) in one kernel, launched in stream order:
+    launched dependent on the gate/up GEMM before it, the device idled three times longer
+    between the two (H200, docs/performance.md)."""
     tokens, width = x.shape
     out = torch.empty((tokens, width // 2), dtype=x.dtype, device=x.device)
     if tokens:
         block = min(1024, triton.next_power_of_2(width // 2))
         grid = (tokens, triton.cdiv(width // 2, block))
         _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), width // 2, BLOCK=block,
-                                   LIBDEVICE=not _INTERPRETED, **_EXACT)  # fmt: skip
+                                   LIBDEVICE=not INTERPRETED, **_EXACT)  # fmt: skip
     return out
 
 
@@ -250,8 +261,9 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_rows_fp8_kernel(
     x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, n_cols, fp8_max, min_scale,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -260,6 +272,7 @@ def _quantize_rows_fp8_kernel(
     codes = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
     tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
     tl.store(scales_ptr + row, scale)
+    let_next_kernel_launch(PDL)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +284,6 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         _quantize_rows_fp8_kernel[(rows,)](
             x, codes, scales, x.stride(0), codes.stride(0), cols, FP8_MAX, MIN_SCALE,
-            BLOCK=triton.next_power_of_2(cols), **_EXACT,
+            BLOCK=triton.next_power_of_2(cols), **_EXACT, **pdl_options(x.device),
         )  # fmt: skip
     return codes, scales
