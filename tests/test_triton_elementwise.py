@@ -193,3 +193,32 @@ def test_fp8_model_with_fused_triton_ops_matches_portable(tiny_checkpoints, arch
     portable, fused = logits[elementwise], logits[triton_elementwise]
     assert torch.equal(fused.argmax(-1), portable.argmax(-1))
     assert (fused - portable).abs().max().item() < 1e-4
+
+
+def test_kernels_launch_dependent_on_hopper_and_later_only(monkeypatch):
+    """PDL on NVIDIA GPUs of compute capability 9.0 and up, unless TANDEM_PDL=0; stream order
+    on older GPUs, ROCm, the CPU and Triton's interpreter."""
+    from tandem.ops import triton_launch
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability["value"])
+    monkeypatch.setattr(torch.version, "hip", None)
+
+    def options() -> dict:
+        triton_launch._cuda_options.cache_clear()
+        return triton_launch._cuda_options(0)
+
+    try:
+        assert options() == {"PDL": True, "launch_pdl": True}
+        capability["value"] = (8, 9)
+        assert options() == {"PDL": False}
+        capability["value"] = (10, 0)
+        assert options() == {"PDL": True, "launch_pdl": True}
+        monkeypatch.setenv("TANDEM_PDL", "0")
+        assert options() == {"PDL": False}
+        monkeypatch.delenv("TANDEM_PDL")
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert options() == {"PDL": False}
+    finally:
+        triton_launch._cuda_options.cache_clear()
+    assert triton_launch.pdl_options(torch.device("cpu")) == {"PDL": False}

@@ -49,6 +49,8 @@ def pdl_options(device: torch.device) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _cuda_options(index: int) -> dict:
-    if os.environ.get("TANDEM_PDL", "1") == "0" or torch.cuda.get_device_capability(index)[0] < 9:
+    if os.environ.get("TANDEM_PDL", "1") == "0" or torch.version.hip is not None:
+        return _PLAIN  # switched off, or a ROCm GPU (its capability numbers are not NVIDIA's)
+    if torch.cuda.get_device_capability(index)[0] < 9:
         return _PLAIN
     return {"PDL": True, "launch_pdl": True}
