@@ -356,11 +356,14 @@ def speculative_speed(output_len: int) -> dict[str, float]:
             run_workload(engine, work, 0.0, None, "warmup")
             engine.configure(speculative_config=spec)  # the draft policy learns afresh
             before = engine.stats().speculative
+            replayed_before = verification_replays(engine)
             run = run_workload(engine, work, 0.0, None, f"{name}-{batch}")
             after = engine.stats().speculative
             drafted = after.drafted_tokens - before.drafted_tokens
             accepted = after.accepted_tokens - before.accepted_tokens
             step_ms = 1e3 * run.summary.wall_s / max(1, len(run.records))
+            verifications = sum(1 for r in run.records if r.drafted)
+            replayed = verification_replays(engine) - replayed_before
             rates[f"{name}, batch {batch}"] = run.summary.tokens_per_s
             RESULTS["runs"].append({
                 "name": f"speculative {name}, batch {batch}", "requests": batch,
@@ -368,10 +371,12 @@ def speculative_speed(output_len: int) -> dict[str, float]:
                 "wall_s": run.summary.wall_s, "steps": len(run.records), "step_ms": step_ms,
                 "drafted": drafted, "accepted": accepted,
                 "step_idle_pct": 100 * run.summary.device_idle_fraction,
+                "verifications": verifications, "verifications_replayed": replayed,
             })  # fmt: skip
             record("speculative", f"8B dummy, batch {batch}, drafts {name}",
                    f"{run.summary.tokens_per_s:.0f} tok/s, {step_ms:.2f} ms a step; "
-                   f"{accepted}/{drafted} drafts accepted; step-level idle "
+                   f"{accepted}/{drafted} drafts accepted; {replayed} of {verifications} "
+                   "verifications through their graphs; step-level idle "
                    f"{100 * run.summary.device_idle_fraction:.2f}%")  # fmt: skip
         off = rates[f"off, batch {batch}"]
         record("speculative", f"batch {batch} vs drafts off",
@@ -379,6 +384,12 @@ def speculative_speed(output_len: int) -> dict[str, float]:
                          for name in variants if name != "off"))  # fmt: skip
     engine.close()
     return rates
+
+
+def verification_replays(engine) -> int:
+    """How many ngram verifications the engine's runner has replayed from graphs so far."""
+    graphs = getattr(engine.runner, "graphs", None)
+    return sum(n for (_, _, history), n in graphs.replays.items() if history) if graphs else 0
 
 
 def served_split(output_len: int, tmp: Path) -> dict[str, float]:

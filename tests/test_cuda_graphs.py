@@ -39,7 +39,6 @@ class EagerGraphs(DecodeGraphs):
     def __init__(self, body, *args):
         super().__init__(*args)
         self.body = body
-        self.replays: dict[tuple[int, str, int | None], int] = {}
 
     def replay(self, key, ints, floats, x):
         size, mode, history = key

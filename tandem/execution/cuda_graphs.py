@@ -225,6 +225,7 @@ class DecodeGraphs:
         floats = len(_FLOATS) * (largest + 1)
         self.float_buffer = torch.zeros(floats, dtype=torch.float32, device=device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays: dict[GraphKey, int] = {}  # replays by graph, for benchmarks' reports
 
     def _num_ints(self, size: int) -> int:
         return (len(_INTS) + len(_VERIFY_INTS) + self.width) * (size + 1)
@@ -382,6 +383,7 @@ class DecodeGraphs:
         self.float_buffer[: floats.numel()].copy_(floats)
         graph, out = self.graphs[key]
         graph.replay()
+        self.replays[key] = self.replays.get(key, 0) + 1
         return self.output(out, size, x)
 
     @staticmethod
