@@ -109,6 +109,7 @@ def versions() -> dict[str, str | None]:
 def run_figures(name: str, engine, run, kernels, bandwidth: tuple[float, float | None]) -> dict:
     """One run's figures for the table and the JSON: throughput, idle at both levels, kernels
     per step, and the decode steps' bytes and share of bandwidth."""
+    from tandem.bench.kernel_profile import shares_per_step
     from tandem.bench.roofline import decode_roofline
 
     summary = run.summary
@@ -132,22 +133,10 @@ def run_figures(name: str, engine, run, kernels, bandwidth: tuple[float, float |
         "fraction_of_streaming": roofline.fraction_of(bandwidth[0]) if roofline else None,
         "nominal_gbs": bandwidth[1] / 1e9 if bandwidth[1] else None,
         "fraction_of_nominal": roofline.fraction_of(bandwidth[1]) if roofline else None,
-        "kernels_by_idle_before": kernel_shares(kernels),
+        "kernels_by_idle_before": shares_per_step(kernels, 16) if kernels else [],
     }
     RESULTS["runs"].append(figures)
     return figures
-
-
-def kernel_shares(kernels, top: int = 16) -> list[dict]:
-    """The kernels that end the most idle in a profiled window, per step (`KernelShare`)."""
-    if not kernels or not kernels.steps:
-        return []
-    steps = kernels.measured_steps
-    return [
-        {"kernel": s.name, "launches": s.count / steps, "busy_us": s.busy_s * 1e6 / steps,
-         "idle_before_us": s.idle_before_s * 1e6 / steps}
-        for s in kernels.shares[:top]
-    ]  # fmt: skip
 
 
 def describe_figures(f: dict) -> str:

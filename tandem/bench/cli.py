@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
+from tandem.bench.kernel_profile import KernelProfiler, KernelWindow, shares_per_step
 from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
 from tandem.bench.run import Run, run_workload
@@ -183,15 +183,14 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
 
 def kernel_share_table(name: str, window: KernelWindow, top: int = 12) -> Table:
     """--profile: the kernels that end the most idle in one run's window, per step."""
-    steps = max(1e-9, window.measured_steps)
-    idle = max(window.wall_s - window.busy_s, 1e-12)
+    idle_us = max(window.wall_s - window.busy_s, 1e-12) * 1e6 / max(window.measured_steps, 1e-9)
     table = Table(title=f"{name}: the kernels the device idles before (per step)")
     for column in ("kernel", "launches", "busy (us)", "idle before (us)", "of the idle %"):
         table.add_column(column, justify="left" if column == "kernel" else "right")
-    for share in window.shares[:top]:
+    for share in shares_per_step(window, top):
         table.add_row(
-            share.name, f"{share.count / steps:.1f}", f"{share.busy_s * 1e6 / steps:.1f}",
-            f"{share.idle_before_s * 1e6 / steps:.2f}", f"{100 * share.idle_before_s / idle:.1f}",
+            share["kernel"], f"{share['launches']:.1f}", f"{share['busy_us']:.1f}",
+            f"{share['idle_before_us']:.2f}", f"{100 * share['idle_before_us'] / idle_us:.1f}",
         )  # fmt: skip
     return table
 

@@ -136,6 +136,19 @@ def idle_by_kernel(events: list[KernelEvent], window: tuple[float, float]) -> li
     return sorted(shares.values(), key=lambda s: (-s.idle_before_s, s.name))
 
 
+def shares_per_step(window: KernelWindow, top: int) -> list[dict]:
+    """The `top` kernels that end the most idle, each figure per measured step: launches,
+    busy_us, idle_before_us (what the report prints and a device run's JSON keeps)."""
+    steps = window.measured_steps
+    if steps <= 0:
+        return []
+    return [
+        {"kernel": s.name, "launches": s.count / steps, "busy_us": s.busy_s * 1e6 / steps,
+         "idle_before_us": s.idle_before_s * 1e6 / steps}
+        for s in window.shares[:top]
+    ]  # fmt: skip
+
+
 def short_name(name: str) -> str:
     """A kernel's name without its return type and arguments, cut to NAME_CHARS."""
     name = name.removeprefix("void ")

@@ -280,14 +280,18 @@ class ModelRunner:
     @property
     def graph_histories(self) -> tuple[int, ...]:
         """The history bands of the captured ngram verifications (none: they run eagerly)."""
-        verify = self.graphs.verify if self.graphs is not None else None
+        verify = self._graph_verify
         return verify.histories if verify is not None else ()
 
     @property
     def graph_verify_tokens(self) -> int:
         """The most tokens a captured ngram verification holds (0: they run eagerly)."""
-        verify = self.graphs.verify if self.graphs is not None else None
+        verify = self._graph_verify
         return max(verify.sizes) if verify is not None else 0
+
+    @property
+    def _graph_verify(self) -> VerifyShape | None:
+        return self.graphs.verify if self.graphs is not None else None
 
     def check_health(self) -> None:
         """In-process execution has no separate worker to lose (see MultiprocExecutor)."""
