@@ -312,12 +312,11 @@ def check_speculative(path: Path) -> None:
 
 
 def speculative_speed(output_len: int) -> dict[str, float]:
-    """One and four requests on the 8B-shaped dummy model (bf16, async): tokens/s without drafts,
-    with adaptive ngram drafts, and with 4 drafts at every step. Random weights accept almost no
-    draft, so the fixed run prices a verification step against a decode step (what a real
-    model's accepted drafts must beat)."""
+    """One and four requests on the 8B-shaped dummy model (bf16), each loop: tokens/s without
+    drafts, with adaptive ngram drafts, and with 4 drafts at every step. Random weights accept
+    almost no draft, so the fixed run prices a verification step against a decode step (what a
+    real model's accepted drafts must beat)."""
     from tandem import Engine, EngineConfig
-    from tandem.bench import run_workload
     from tandem.bench.workloads import Workload, repeated_span_ids
 
     max_model_len = 1024 + output_len
@@ -339,46 +338,67 @@ def speculative_speed(output_len: int) -> dict[str, float]:
     rates = {}
     for batch in (1, 4):
         work = Workload(prompts[:batch], [output_len] * batch, [0.0] * batch)
-        for name, spec in variants.items():
-            engine.configure(async_scheduling=True, speculative_config=spec)
-            # The same workload first: a step of a new row count compiles Triton kernels once.
-            run_workload(engine, work, 0.0, None, "warmup")
-            engine.configure(speculative_config=spec)  # the draft policy learns afresh
-            before = engine.stats().speculative
-            replayed_before = verification_replays(engine)
-            run = run_workload(engine, work, 0.0, None, f"{name}-{batch}")
-            after = engine.stats().speculative
-            drafted = after.drafted_tokens - before.drafted_tokens
-            accepted = after.accepted_tokens - before.accepted_tokens
-            step_ms = 1e3 * run.summary.wall_s / max(1, len(run.records))
-            verifications = sum(1 for r in run.records if r.drafted)
-            replayed = verification_replays(engine) - replayed_before
-            rates[f"{name}, batch {batch}"] = run.summary.tokens_per_s
-            RESULTS["runs"].append({
-                "name": f"speculative {name}, batch {batch}", "requests": batch,
-                "output_len": output_len, "tokens_per_s": run.summary.tokens_per_s,
-                "wall_s": run.summary.wall_s, "steps": len(run.records), "step_ms": step_ms,
-                "drafted": drafted, "accepted": accepted,
-                "step_idle_pct": 100 * run.summary.device_idle_fraction,
-                "verifications": verifications, "verifications_replayed": replayed,
-            })  # fmt: skip
-            record("speculative", f"8B dummy, batch {batch}, drafts {name}",
-                   f"{run.summary.tokens_per_s:.0f} tok/s, {step_ms:.2f} ms a step; "
-                   f"{accepted}/{drafted} drafts accepted; {replayed} of {verifications} "
-                   "verifications through their graphs; step-level idle "
-                   f"{100 * run.summary.device_idle_fraction:.2f}%")  # fmt: skip
-        off = rates[f"off, batch {batch}"]
-        record("speculative", f"batch {batch} vs drafts off",
-               ", ".join(f"{name} {rates[f'{name}, batch {batch}'] / off:.2f}x"
-                         for name in variants if name != "off"))  # fmt: skip
+        for mode in ("async", "sync"):
+            for name, spec in variants.items():
+                engine.configure(async_scheduling=mode == "async", speculative_config=spec)
+                rates[f"{name}, {mode}, batch {batch}"] = speculative_run(
+                    engine, work, spec, f"{name}, {mode}", output_len
+                )
+            off = rates[f"off, {mode}, batch {batch}"]
+            record("speculative", f"batch {batch}, {mode}: vs drafts off",
+                   ", ".join(f"{name} {rates[f'{name}, {mode}, batch {batch}'] / off:.2f}x"
+                             for name in variants if name != "off"))  # fmt: skip
+        ratios = {name: rates[f"{name}, async, batch {batch}"] / rates[f"{name}, sync, batch {batch}"]
+                  for name in variants}  # fmt: skip
+        record(
+            "speculative",
+            f"batch {batch}: async vs sync",
+            ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()),
+        )
     engine.close()
     return rates
 
 
-def verification_replays(engine) -> int:
-    """How many ngram verifications the engine's runner has replayed from graphs so far."""
-    graphs = getattr(engine.runner, "graphs", None)
-    return sum(n for (_, _, history), n in graphs.replays.items() if history) if graphs else 0
+def speculative_run(engine, work, spec: dict | None, name: str, output_len: int) -> float:
+    """One configured run after a warm-up on the same workload (a step of a new row count
+    compiles Triton kernels once); its figures recorded, its tokens/s returned."""
+    from tandem.bench import run_workload
+
+    batch = len(work.prompts)
+    run_workload(engine, work, 0.0, None, "warmup")
+    engine.configure(speculative_config=spec)  # the draft policy learns afresh
+    before = engine.stats().speculative
+    replayed_before, eager_before = verification_steps(engine)
+    run = run_workload(engine, work, 0.0, None, f"{name}-{batch}")
+    after = engine.stats().speculative
+    drafted = after.drafted_tokens - before.drafted_tokens
+    accepted = after.accepted_tokens - before.accepted_tokens
+    step_ms = 1e3 * run.summary.wall_s / max(1, len(run.records))
+    replayed, eager = verification_steps(engine)
+    replayed, eager = replayed - replayed_before, eager - eager_before
+    RESULTS["runs"].append({
+        "name": f"speculative {name}, batch {batch}", "requests": batch,
+        "output_len": output_len, "tokens_per_s": run.summary.tokens_per_s,
+        "wall_s": run.summary.wall_s, "steps": len(run.records), "step_ms": step_ms,
+        "drafted": drafted, "accepted": accepted,
+        "step_idle_pct": 100 * run.summary.device_idle_fraction,
+        "verifications": replayed + eager, "verifications_replayed": replayed,
+    })  # fmt: skip
+    record("speculative", f"8B dummy, batch {batch}, drafts {name}",
+           f"{run.summary.tokens_per_s:.0f} tok/s, {step_ms:.2f} ms a step; "
+           f"{accepted}/{drafted} drafts accepted; {replayed} of {replayed + eager} "
+           "verification steps through their graphs; step-level idle "
+           f"{100 * run.summary.device_idle_fraction:.2f}%")  # fmt: skip
+    return run.summary.tokens_per_s
+
+
+def verification_steps(engine) -> tuple[int, int]:
+    """The engine's verification steps so far: (replayed from graphs, run eagerly). A step that
+    verified no draft (its ngram found no match, or its request had just finished) counts too."""
+    runner = engine.runner
+    graphs = getattr(runner, "graphs", None)
+    replayed = sum(n for (_, _, history), n in graphs.replays.items() if history) if graphs else 0
+    return replayed, runner.eager_verifications
 
 
 def served_split(output_len: int, tmp: Path) -> dict[str, float]:

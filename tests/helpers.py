@@ -53,8 +53,9 @@ def prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) ->
     spec = model.spec
     n = len(prompt)
     num_blocks = -(-n // block_size)
+    dtype = model.embed.weight.dtype  # the cache holds the model's dtype
     caches = [
-        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
         for _ in range(spec.num_layers)
     ]
     tables = torch.arange(num_blocks).view(1, -1)

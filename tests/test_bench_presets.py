@@ -8,6 +8,7 @@ import argparse
 
 import pytest
 
+from tandem.bench.cli import kernel_trace_path
 from tandem.bench.kernel_profile import (
     EDGE_FRACTION,
     NAME_CHARS,
@@ -104,6 +105,17 @@ def test_profile_with_tensor_parallelism_is_refused_with_a_clear_message(tiny_ll
     err = capsys.readouterr().err
     assert "tandem bench: error: --profile times one device" in err
     assert "Traceback" not in err
+
+
+def test_kernel_trace_needs_profile_and_names_a_file_per_run(tiny_llama, capsys, tmp_path):
+    assert main(["bench", "--model", str(tiny_llama), "--kernel-trace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--kernel-trace writes the window --profile times: add --profile" in err
+    assert "Traceback" not in err
+    path = kernel_trace_path(str(tmp_path / "traces"), "async #2")
+    assert path == str(tmp_path / "traces" / "async-2.json.gz")
+    assert (tmp_path / "traces").is_dir()  # made for the profiler's export
+    assert kernel_trace_path(None, "async") is None
 
 
 def test_help_names_the_preset_and_profile(capsys):

@@ -18,6 +18,7 @@ import torch
 from tandem import SamplingParams
 from tandem.config import SpeculativeConfig
 from tandem.execution.cuda_graphs import (
+    _FLOATS,
     _INTS,
     _VERIFY_INTS,
     MODES,
@@ -25,6 +26,7 @@ from tandem.execution.cuda_graphs import (
     capture_sizes,
     graph_mode,
     graph_sizes,
+    table_width,
     verify_shape,
 )
 from tandem.execution.fast_path import ExecutionPlan
@@ -40,10 +42,9 @@ class EagerGraphs(DecodeGraphs):
         super().__init__(*args)
         self.body = body
 
-    def replay(self, key, ints, floats, x):
+    def replay(self, key, words, x):
         size, mode, history = key
-        self.int_buffer[: self._num_ints(size)].copy_(ints[: self._num_ints(size)])
-        self.float_buffer[: floats.numel()].copy_(floats)
+        self.load(size, words, table_width(x))
         self.replays[key] = self.replays.get(key, 0) + 1
         with torch.inference_mode():
             return self.output(self.body(self.views(size), mode, history), size, x)
@@ -61,6 +62,20 @@ def _with_eager_graphs(llm, sizes: list[int]) -> EagerGraphs:
         _token_sink(llm), len(runner.lengths) - 1, runner.device, verify,
     )  # fmt: skip
     return runner.graphs
+
+
+def _record_eager_verifications(graphs: DecodeGraphs) -> list:
+    """The verification steps `graphs` leaves to the eager path, as they are looked up."""
+    eager, key_for = [], graphs.key_for
+
+    def recording(x):
+        key = key_for(x)
+        if key is None and x.sampler.verify is not None:
+            eager.append(x)
+        return key
+
+    graphs.key_for = recording
+    return eager
 
 
 def _token_sink(llm) -> int:
@@ -149,17 +164,21 @@ def test_all_greedy_steps_use_the_greedy_variant(tiny_llama):
 
 
 def test_padded_layout(tiny_llama):
+    """A step packed for a graph of 4 rows: each array padded, the floats' words after the
+    ints', the block tables only as wide as the step needs, then the sync loop's known tokens;
+    loaded, the static table's later columns keep what a wider step wrote there."""
     llm = make_llm(tiny_llama, num_kv_blocks=32, async_scheduling=False)
     engine = llm.engine
     graphs = _with_eager_graphs(llm, [4])
     captured = []
     real_pack = graphs.pack
     graphs.pack = lambda x, size: captured.append((x, real_pack(x, size))) or captured[-1][1]
+    graphs.block_tables[:, 1:] = 17  # what an earlier, wider step wrote
     llm.generate([[5, 6, 7], [8, 9]], greedy(3))
-    x, (ints, floats) = captured[0]
-    n, width = x.num_tokens, graphs.width
+    x, words = captured[0]
+    n, ints = x.num_tokens, len(_INTS) + len(_VERIFY_INTS)
     cap = 5  # every array holds the padded size's 4 rows and one past them
-    fields = ints[: len(_INTS) * cap].reshape(len(_INTS), cap)  # _INTS order
+    fields = words[: len(_INTS) * cap].reshape(len(_INTS), cap)  # _INTS order
     assert n == 2 and np.array_equal(fields[0, :n], x.token_index)
     sink = _token_sink(llm)
     assert (fields[0, n:] == sink).all() and (fields[4, n:] == sink).all()  # read, write: sink
@@ -169,19 +188,26 @@ def test_padded_layout(tiny_llama):
         len(x.length_rows) == 0
         and (fields[_INTS.index("length_rows")] == len(engine.runner.lengths) - 1).all()
     )  # no speculation: every row writes the spare length
-    tables = ints[len(_INTS) * cap : (len(_INTS) + width) * cap].reshape(cap, width)
-    verify = ints[(len(_INTS) + width) * cap : (len(_INTS) + width + len(_VERIFY_INTS)) * cap]
+    verify = words[len(_INTS) * cap : ints * cap]
     verify = dict(zip(_VERIFY_INTS, verify.reshape(-1, cap), strict=True))
     assert (verify["table_rows"] == len(engine.runner.lengths) - 1).all()  # no verification
     assert (verify["token_batch"] == 4).all() and (verify["draft_item"] == 4).all()  # past end
-    # Then the sync loop's host-known last samples, written into the table before the replay.
-    tail = ints[(len(_INTS) + width + len(_VERIFY_INTS)) * cap :]
-    assert len(x.known_index) == n and np.array_equal(tail, np.r_[x.known_index, x.known_tokens])
-    assert np.array_equal(tables[:n, : x.block_tables.shape[1]], x.block_tables)
-    assert (tables[n:] == graphs.pad_block).all()
+    float_words = -(-len(_FLOATS) * cap // 2)
+    floats = words[ints * cap : ints * cap + float_words].view(np.float32)
     temperature, top_p = floats[:cap], floats[cap : 2 * cap]
     assert (temperature[n:] == 0).all() and (top_p[n:] == 1).all()
+    width = x.block_tables.shape[1]
+    assert width == 1 < graphs.width  # 3 tokens: one block, of a table as wide as 4
+    start = ints * cap + float_words
+    tables = words[start : start + cap * width].reshape(cap, width)
+    assert np.array_equal(tables[:n], x.block_tables) and (tables[n:] == graphs.pad_block).all()
+    # Then the sync loop's host-known last samples, written into the table before the replay.
+    tail = words[start + cap * width :]
+    assert len(x.known_index) == n and np.array_equal(tail, np.r_[x.known_index, x.known_tokens])
     assert graph_mode(x) == "greedy"
+    graphs.load(4, torch.from_numpy(words), width)
+    assert torch.equal(graphs.block_tables[:cap, :width], torch.from_numpy(tables))
+    assert (graphs.block_tables[:, 1:] == 17).all()  # unsent columns: unread, left alone
 
 
 def test_cuda_check_script_runs_on_a_cpu(tmp_path):
@@ -211,7 +237,7 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     decode = [f"blog {m}, graphs {g}" for g in ("on", "off") for m in ("sync", "async")] + [
         "fp8 check: bf16", "fp8 check: fp8"
     ]  # fmt: skip
-    speculative = [f"speculative {d}, batch {b}" for b in (1, 4)
+    speculative = [f"speculative {d}, {m}, batch {b}" for b in (1, 4) for m in ("async", "sync")
                    for d in ("off", "ngram", "ngram, 4 every step")]  # fmt: skip
     assert names == decode + speculative + ["serve async", "serve sync"]
     runs = {r["name"]: r for r in results["runs"]}
@@ -221,7 +247,9 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
         assert runs[name]["weight_bytes"] > 0
         assert runs[name]["fraction_of_streaming"] > 0 and runs[name]["nominal_gbs"] is None
     assert runs["fp8 check: fp8"]["weight_bytes"] < runs["fp8 check: bf16"]["weight_bytes"]
-    assert runs["speculative ngram, 4 every step, batch 1"]["drafted"] > 0
+    for mode in ("async", "sync"):
+        run = runs[f"speculative ngram, 4 every step, {mode}, batch 1"]
+        assert run["drafted"] > 0 and run["verifications"] > 0
     for mode in ("async", "sync"):
         assert runs[f"serve {mode}"]["errors"] == 0 and runs[f"serve {mode}"]["steps"] > 0
     assert 0 <= results["fp8"]["greedy_same_token_share"] <= 1
@@ -301,19 +329,23 @@ def test_speculation_through_graphs(tiny_llama):
         llm = make_llm(tiny_llama, async_scheduling=async_scheduling, speculative_config=ngram,
                        **options)  # fmt: skip
         graphs = _with_eager_graphs(llm, [1, 2, 4, 8, 16, 32])
+        eager = _record_eager_verifications(graphs)
         assert graphs.verify.histories == (1024, llm.engine.max_model_len)
         assert [o.token_ids for o in llm.generate(prompts, params)] == reference
         stats = llm.engine.stats().speculative
         assert 0 < stats.accepted_tokens < stats.drafted_tokens
         bands = {history for _, _, history in graphs.replays}
         assert None in bands and bands >= set(graphs.verify.histories), bands
+        # Only verifications that share their step with a prompt's chunk run eagerly.
+        assert all(x.prefills for x in eager)
+        assert llm.engine.runner.eager_verifications == len(eager)
         assert_idle_and_balanced(llm.engine)
     draft = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}
     llm = make_llm(tiny_llama, speculative_config=draft, **options)
     graphs = _with_eager_graphs(llm, [1, 2, 4, 8])
     assert graphs.verify is None
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
-    assert not graphs.replays
+    assert not graphs.replays and llm.engine.runner.eager_verifications > 0
 
 
 def test_one_request_verifies_its_drafts_through_a_graph(tiny_llama):
@@ -332,4 +364,5 @@ def test_one_request_verifies_its_drafts_through_a_graph(tiny_llama):
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     verified = {size for size, _, history in graphs.replays if history is not None}
     assert 5 in verified, graphs.replays
+    assert llm.engine.runner.eager_verifications == 0
     assert_idle_and_balanced(llm.engine)

@@ -276,7 +276,8 @@ def test_kernels_compile_for_sm90() -> None:
     """Triton's real compiler (not the interpreter) builds every kernel for an H200: bf16 and
     fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
     the fused norms, rotary, SiLU and FP8 row rounding of ops/triton_elementwise.py in every
-    case's dtype; all but the SiLU with programmatic dependent launch."""
+    case's dtype, and the few-rows GEMM of ops/triton_gemm.py in bf16 and fp16 on tensor cores;
+    all but the SiLU with programmatic dependent launch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -288,7 +289,9 @@ def test_kernels_compile_for_sm90() -> None:
     kernels = {(r["case"], r["kernel"]) for r in records}
     elementwise = {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
                    "_quantize_rows_fp8_kernel"}  # fmt: skip
-    assert kernels - {(r["case"], name) for r in records for name in elementwise} == {
+    gemm = {(case, "_few_rows_gemm_kernel") for case in CASE_NAMES if case[:4] != "fp32"}
+    assert gemm <= kernels
+    assert kernels - gemm - {(r["case"], name) for r in records for name in elementwise} == {
         ("llama8b-bf16", "_decode_kernel"),
         ("llama8b-bf16", "_merge_splits_kernel"),
         ("llama8b-bf16", "_prefill_kernel"),
@@ -308,5 +311,7 @@ def test_kernels_compile_for_sm90() -> None:
         # launched dependent: waits for the kernel before it, lets the next launch at its end
         dependent = r["kernel"] != "_silu_and_mul_kernel"
         assert r["pdl"] == r["lets_next_launch"] == dependent, r
-        if r["kernel"] in ("_decode_kernel", "_prefill_kernel") and r["case"][:4] != "fp32":
+        if r["kernel"] in ("_decode_kernel", "_prefill_kernel", "_few_rows_gemm_kernel") and (
+            r["case"][:4] != "fp32"
+        ):
             assert r["mma"], r  # the dots run on tensor cores

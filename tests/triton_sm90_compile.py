@@ -4,7 +4,7 @@ Run by tests/test_triton_attention.py in a fresh process (the interpreter, which
 tests use, is process-wide in Triton). Triton asks its driver only for the target, the device and
 the stream before compiling; a stand-in answers for an H200, and every launch is turned into
 `warmup` (compile, do not run). The wrappers of `tandem.ops.triton_attention` and
-`triton_elementwise` are called as the engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
+`triton_elementwise` (and `triton_gemm`) are called as the engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
 line per compiled kernel: name, dtype case, shared memory, whether its PTX uses tensor cores,
 and whether it waits for the previous kernel (programmatic dependent launch, as on an H200).
 """
@@ -23,6 +23,7 @@ from triton.runtime.driver import driver  # noqa: E402
 
 from tandem.ops import triton_attention as ta  # noqa: E402
 from tandem.ops import triton_elementwise as te  # noqa: E402
+from tandem.ops import triton_gemm as tg  # noqa: E402
 from tandem.ops.attention_metadata import PrefillSegment  # noqa: E402
 
 CASES = {
@@ -52,11 +53,11 @@ class CompileOnlyDriver:
 
 def main(names: list[str]) -> None:
     driver.set_active(CompileOnlyDriver())
-    ta.pdl_options = te.pdl_options = h200_launch
+    ta.pdl_options = te.pdl_options = tg.pdl_options = h200_launch
     built = []
     kernels = (ta._decode_kernel, ta._merge_splits_kernel, ta._prefill_kernel,
                te._rms_norm_kernel, te._rotary_kernel, te._silu_and_mul_kernel,
-               te._quantize_rows_fp8_kernel)  # fmt: skip
+               te._quantize_rows_fp8_kernel, tg._few_rows_gemm_kernel)  # fmt: skip
     for kernel in kernels:
 
         def compile_only(*args, grid, warmup, _run=kernel.run, **kwargs):
@@ -93,6 +94,10 @@ def main(names: list[str]) -> None:
                             table, table, k_cache, v_cache, context[:r])  # fmt: skip
         te.silu_and_mul(torch.zeros(r, 2 * 4 * hidden, dtype=dtype))
         te.quantize_rows_fp8(x)
+        if dtype in tg.DTYPES:  # a decode step's GEMM at its rows, with a bias
+            tg.few_rows_linear(
+                x, torch.zeros(512, hidden, dtype=dtype), torch.zeros(512, dtype=dtype)
+            )
         for k in built:
             record = {
                 "case": name,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
@@ -138,6 +140,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"device's kernels (torch.profiler) over {PROFILE_STEPS} steps in the middle "
                    "of each run: their busy time over wall time, kernels per step, and the "
                    "kernels the device idles before")  # fmt: skip
+    g.add_argument("--kernel-trace", metavar="DIR",
+                   help="with --profile on CUDA: write each run's profiled window (kernels, "
+                   "copies and memsets on every stream) to DIR as a gzipped Chrome trace")  # fmt: skip
 
 
 def describe_model(engine: Engine) -> str:
@@ -433,10 +438,19 @@ def run_columns(
                     engine, workload.warmup(), args.temperature, None, f"warmup-{column.mode}"
                 )
                 name = column.name if args.repeats == 1 else f"{column.name} #{repeat + 1}"
+                trace = kernel_trace_path(args.kernel_trace, name) if window else None
                 runs[column.name].append(
-                    run_workload(engine, workload, args.temperature, progress, name, window)
+                    run_workload(engine, workload, args.temperature, progress, name, window, trace)
                 )
     return runs
+
+
+def kernel_trace_path(folder: str | None, run_name: str) -> str | None:
+    """Where a run's kernel trace goes: `folder`/<the run's name, as a file name>.json.gz."""
+    if folder is None:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, re.sub(r"[^\w.-]+", "-", run_name).strip("-") + ".json.gz")
 
 
 def identical_cells(columns: list[Column], runs: dict[str, list[Run]]) -> list[str]:
@@ -583,6 +597,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"--modes takes sync and/or async, got {args.modes!r}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.kernel_trace and not args.profile:
+        raise ValueError("--kernel-trace writes the window --profile times: add --profile")
     if args.profile and config.tensor_parallel_size > 1:
         raise ValueError("--profile times one device: use it with --tensor-parallel-size 1")
     if args.workload == JSON_PRESET:

@@ -192,6 +192,11 @@ class KernelProfiler:
         self.running = False
         return measure_events(kernel_events(self._profile), steps, self._pause_s)
 
+    def export(self, path: str) -> None:
+        """The stopped window's every activity (kernels, copies, memsets, on each stream) as a
+        Chrome trace, gzipped if `path` ends in .gz; slow, so called after the timed run."""
+        self._profile.export_chrome_trace(path)
+
 
 def kernel_events(profile) -> list[KernelEvent]:
     """Every CUDA kernel a stopped torch.profiler recorded, named: not the copies and memsets,

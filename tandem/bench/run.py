@@ -42,9 +42,11 @@ def run_workload(
     progress: Progress | None,
     label: str,
     profile: tuple[int, int] | None = None,
+    kernel_trace: str | None = None,
 ) -> Run:
     """Feed the workload by its arrival times, from a cold prefix cache. `profile`: steps
-    [first, stop) whose kernels are timed (CUDA)."""
+    [first, stop) whose kernels are timed (CUDA); `kernel_trace`: where their Chrome trace
+    goes, if anywhere."""
     mark = engine.history.mark()
     engine.reset_prefix_cache()
     before = engine.stats().prefix_cache
@@ -90,6 +92,8 @@ def run_workload(
             kernels = profiler.stop(steps - profile[0])
     if profiler is not None and profiler.running:  # the run ended inside the window
         kernels = profiler.stop(steps - profile[0])
+    if kernels is not None and kernel_trace is not None:
+        profiler.export(kernel_trace)
     after = engine.stats().prefix_cache
     saved = after.hit_tokens - before.hit_tokens
     return Run(

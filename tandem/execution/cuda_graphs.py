@@ -10,7 +10,11 @@ variants (all greedy; sampling; sampling with top-k / top-p), into one memory po
 replayed when it is decode-only, plain (no penalties, no logprobs) and fits the largest size;
 anything else runs eagerly. Its inputs are packed on the host in the graph's fixed layout,
 uploaded in one copy, and copied on the compute stream into the static buffers the graph reads,
-so a replay never races the previous one. Every array of that layout has one entry past the
+so a replay never races the previous one. The block tables go as wide as the step's longest
+request needs, not as the context limit: a step writes those columns of the static table and
+the kernels read no further (a request's later columns keep what an earlier step wrote there,
+unread). So the copy stays small however long the context limit (at 128K tokens a full table
+of 32 rows is 2 MB a step). Every array of that layout has one entry past the
 padded size, and padded entries point there or at spare places: the spare cache block for K/V,
 the token table's spare row and the lengths' spare entry. So padded rows touch nothing real.
 The variant a step uses gives the same tokens as the eager sampler: a row that does not use a
@@ -112,6 +116,12 @@ def graph_sizes(device: torch.device, enforce_eager: bool, max_num_seqs: int) ->
     if device.type != "cuda" or enforce_eager or triton_kernels() is None:
         return []
     return capture_sizes(max_num_seqs)
+
+
+def table_width(x: StepInputs) -> int:
+    """The block-table columns a step sends to its graph: its longest request's (at least one:
+    a padded row reads its first)."""
+    return max(x.block_tables.shape[1], 1)
 
 
 def graph_mode(x: StepInputs) -> str | None:
@@ -222,27 +232,35 @@ class DecodeGraphs:
         self.past_end = ("token_item", "token_batch", "sample_rows", "draft_batch", "draft_item")
         self.pad_block = pad_block
         largest = max(sizes + list(verify.sizes if verify else ()))
-        self.int_buffer = torch.zeros(self._num_ints(largest), dtype=torch.int64, device=device)
-        floats = len(_FLOATS) * (largest + 1)
-        self.float_buffer = torch.zeros(floats, dtype=torch.float32, device=device)
+        # Every array but the block tables, the floats' words after the ints'.
+        self.buffer = torch.zeros(self._num_words(largest), dtype=torch.int64, device=device)
+        self.block_tables = torch.full(
+            (largest + 1, width), pad_block, dtype=torch.int64, device=device
+        )
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays: dict[GraphKey, int] = {}  # replays by graph, for benchmarks' reports
 
-    def _num_ints(self, size: int) -> int:
-        return (len(_INTS) + len(_VERIFY_INTS) + self.width) * (size + 1)
+    @staticmethod
+    def _float_words(size: int) -> int:
+        """The int64 words the float32 arrays of `size` take (two floats to a word)."""
+        return -(-len(_FLOATS) * (size + 1) // 2)
+
+    def _num_words(self, size: int) -> int:
+        """The static buffer's words in the layout of `size`: the ints, then the floats."""
+        return (len(_INTS) + len(_VERIFY_INTS)) * (size + 1) + self._float_words(size)
 
     def views(self, size: int) -> GraphInputs:
         n = size + 1
-        parts = self.int_buffer[: self._num_ints(size)].split(
-            [len(_INTS) * n, n * self.width, len(_VERIFY_INTS) * n]
+        ints, verify, floats = self.buffer[: self._num_words(size)].split(
+            [len(_INTS) * n, len(_VERIFY_INTS) * n, self._float_words(size)]
         )
-        floats = self.float_buffer[: len(_FLOATS) * n].split(n)
+        floats = floats.view(torch.float32)[: len(_FLOATS) * n].split(n)
         return GraphInputs(
             size=size,
-            ints=dict(zip(_INTS, parts[0].split(n), strict=True)),
+            ints=dict(zip(_INTS, ints.split(n), strict=True)),
             floats=dict(zip(_FLOATS, floats, strict=True)),
-            block_tables=parts[1].view(n, self.width),
-            verify=dict(zip(_VERIFY_INTS, parts[2].split(n), strict=True)),
+            block_tables=self.block_tables[:n],
+            verify=dict(zip(_VERIFY_INTS, verify.split(n), strict=True)),
         )
 
     def key_for(self, x: StepInputs) -> GraphKey | None:
@@ -264,10 +282,11 @@ class DecodeGraphs:
     def _pad_value(self, name: str, size: int) -> int | float:
         return size if name in self.past_end else self.pad[name]
 
-    def pack(self, x: StepInputs, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The step's arrays padded to `size` rows (and the one past), in the static buffers'
-        layout, followed by its host-known tokens (index, then value: the sync loop's last
-        samples), which the runner writes into the token table before the replay."""
+    def pack(self, x: StepInputs, size: int) -> np.ndarray:
+        """The step's arrays padded to `size` rows (and the one past), in the static buffer's
+        layout, then its block tables (`size + 1` rows of `table_width(x)` columns), then its
+        host-known tokens (index, then value: the sync loop's last samples), which the runner
+        writes into the token table before the replay."""
         rows = x.sampler.sampling  # the sampling settings; the rest are the step's own arrays
         v = x.sampler.verify
         arrays = {name: getattr(rows if hasattr(rows, name) else x, name) for name in _INTS}
@@ -279,30 +298,30 @@ class DecodeGraphs:
 
     def _layout(
         self, size: int, arrays: dict[str, np.ndarray], tables_in: np.ndarray, tail: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """`arrays` (any left out: none) and the block tables in the layout of `size`, each
-        array padded; `tail` after the ints."""
+    ) -> np.ndarray:
+        """`arrays` (any left out: none) in the layout of `size`, each padded, then the block
+        tables (`tables_in`'s columns, at least one), then `tail`."""
         cap, none = size + 1, np.zeros(0, np.int64)
-        ints = np.empty(self._num_ints(size) + len(tail), dtype=np.int64)
-        ints[self._num_ints(size) :] = tail
-        per_row = ints[: self._num_ints(size)].reshape(-1, cap)  # one array per row of it
-        names = (*_INTS, *[None] * self.width, *_VERIFY_INTS)  # None: the block tables
-        for name, part in zip(names, per_row, strict=True):
-            if name is None:
-                continue
+        words, width = self._num_words(size), max(tables_in.shape[1], 1)
+        out = np.empty(words + cap * width + len(tail), dtype=np.int64)
+        per_row = out[: (len(_INTS) + len(_VERIFY_INTS)) * cap].reshape(-1, cap)
+        for name, part in zip((*_INTS, *_VERIFY_INTS), per_row, strict=True):
             # The step's rows, or fewer: plain rows' lengths, a verification's parts.
             values = arrays.get(name, none)
             part[: len(values)] = values
             part[len(values) :] = self._pad_value(name, size)
-        tables = per_row[len(_INTS) : len(_INTS) + self.width].reshape(cap, self.width)
-        tables[:] = self.pad_block
-        tables[: len(tables_in), : tables_in.shape[1]] = tables_in
-        floats = np.empty(len(_FLOATS) * cap, dtype=np.float32).reshape(-1, cap)
+        float_words = out[words - self._float_words(size) : words]
+        float_words[-1] = 0  # an odd count leaves half a word spare
+        floats = float_words.view(np.float32)[: len(_FLOATS) * cap].reshape(-1, cap)
         for name, part in zip(_FLOATS, floats, strict=True):
             values = arrays.get(name, none)
             part[: len(values)] = values
             part[len(values) :] = self.pad[name]
-        return ints, floats.reshape(-1)
+        tables = out[words : words + cap * width].reshape(cap, width)
+        tables[:] = self.pad_block
+        tables[: len(tables_in), : tables_in.shape[1]] = tables_in
+        out[words + cap * width :] = tail
+        return out
 
     def capture_keys(self) -> list[GraphKey]:
         """Every graph to capture: the decode steps' and the verifications', largest size first
@@ -355,33 +374,31 @@ class DecodeGraphs:
         return graph, out
 
     def padded(self, size: int) -> GraphInputs:
-        """The static buffers filled as for a step with no rows at all (what capture runs)."""
-        ints, floats = self._padding(size)
-        self.int_buffer[: len(ints)].copy_(torch.from_numpy(ints))
-        self.float_buffer[: len(floats)].copy_(torch.from_numpy(floats))
+        """The static buffers filled as for a step with no rows at all (what capture runs),
+        every block table column too."""
+        tables, tail = np.zeros((0, self.width), np.int64), np.zeros(0, np.int64)
+        self.load(size, torch.from_numpy(self._layout(size, {}, tables, tail)), self.width)
         return self.views(size)
 
-    def _padding(self, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every entry padded."""
-        return self._layout(size, {}, np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
-
-    def known_tokens(self, ints: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (token-table index, token) pairs packed after the static layout."""
-        index, tokens = ints[self._num_ints(size) :].chunk(2)
+    def known_tokens(
+        self, words: torch.Tensor, size: int, x: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (token-table index, token) pairs packed after the block tables."""
+        index, tokens = words[self._num_words(size) + (size + 1) * table_width(x) :].chunk(2)
         return index, tokens
 
-    def replay(
-        self,
-        key: GraphKey,
-        ints: torch.Tensor,
-        floats: torch.Tensor,
-        x: StepInputs,
-    ) -> torch.Tensor:
+    def load(self, size: int, words: torch.Tensor, width: int) -> None:
+        """A packed step (on the device) into the static buffers: the arrays in one copy, the
+        block tables' first `width` columns in another."""
+        n, cap = self._num_words(size), size + 1
+        self.buffer[:n].copy_(words[:n])
+        self.block_tables[:cap, :width].copy_(words[n : n + cap * width].view(cap, width))
+
+    def replay(self, key: GraphKey, words: torch.Tensor, x: StepInputs) -> torch.Tensor:
         """On the compute stream: inputs into the static buffers, replay; the real rows' ids
         (a verification: then the kept counts of its requests, as the eager step sends)."""
         size = key[0]
-        self.int_buffer[: self._num_ints(size)].copy_(ints[: self._num_ints(size)])
-        self.float_buffer[: floats.numel()].copy_(floats)
+        self.load(size, words, table_width(x))
         graph, out = self.graphs[key]
         graph.replay()
         self.replays[key] = self.replays.get(key, 0) + 1

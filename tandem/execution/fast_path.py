@@ -4,13 +4,15 @@ The choice is automatic. On a CPU in float32 the fast path runs the fused kernel
 cached on disk; the build time is reported), and packs every GEMM weight for their GEMM (for
 MKL's where the kernels cannot be built). On CUDA
 the norms, the rotary embedding and SiLU run as fused Triton kernels
-(`ops/triton_elementwise.py`). Where a piece is unavailable (no MKL, no compiler, no triton,
+(`ops/triton_elementwise.py`), and with `TANDEM_TRITON_GEMM=1` the GEMMs of decode steps as well
+(`ops/triton_gemm.py`, opt-in until measured on a GPU). Where a piece is unavailable (no MKL, no compiler, no triton,
 another dtype or device) that piece falls back to portable PyTorch. `enforce_eager=True` keeps
 the portable path everywhere, whose arithmetic is Hugging Face's own.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -36,6 +38,7 @@ class ExecutionPlan:
     cuda_graph_verify_tokens: int = 0  # ... and the most tokens a verification graph holds
     weight_formats: dict[str, int] = field(default_factory=dict)  # linear layers by format
     weight_bytes: int | None = None  # weights one forward reads (LlamaModel.weight_bytes)
+    few_rows_gemm: int = 0  # CUDA: rows up to which the Triton GEMM runs (triton_gemm.py); 0: off
 
     def describe_weights(self) -> str:
         """e.g. "linear layers: 120 Q4_1, 1 Q8_0" (quantized formats run by the CPU kernels)."""
@@ -45,6 +48,8 @@ class ExecutionPlan:
     def describe(self) -> str:
         own = self.kernels is not None and self.kernels.available
         gemm = "default GEMMs"
+        if self.few_rows_gemm:
+            gemm = f"Triton GEMMs up to {self.few_rows_gemm} rows, default GEMMs above"
         if self.packed_gemm:
             gemm = "own GEMMs over packed panels" if own else "MKL pre-packed GEMMs"
         text = f"{self.ops} ops, {gemm}"
@@ -99,7 +104,13 @@ def _choose(
     if not enforce_eager and device.type == "cuda" and (fused := _triton_elementwise()):
         model.ops = fused
         model.use_fp8_row_quantizer(fused.quantize_rows_fp8)
-        return ExecutionPlan("fused-triton", False, None)
+        plan = ExecutionPlan("fused-triton", False, None)
+        if os.environ.get("TANDEM_TRITON_GEMM") == "1":  # opt-in until measured: triton_gemm.py
+            from tandem.ops import triton_gemm
+
+            if model.use_few_rows_gemm(triton_gemm.GEMM):
+                plan.few_rows_gemm = triton_gemm.MAX_ROWS
+        return plan
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:
         return ExecutionPlan("portable", False, None)
     build = cpu_kernels.load()

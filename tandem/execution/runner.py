@@ -219,6 +219,7 @@ class ModelRunner:
                 torch.empty(table_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)
             ]
             self._out_next = 0
+        self.eager_verifications = 0  # verification steps run without a graph, for reports
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
             spare = kv_caches[0].shape[1] - SPARE_KV_BLOCKS
@@ -332,6 +333,7 @@ class ModelRunner:
             self.lengths.index_copy_(0, t.length_rows, t.lengths)
         v = t.sampler.verify
         if v is not None:
+            self.eager_verifications += 1
             self._prepare_verification(t, v)
         input_ids = table[t.token_index]
         if pending is not None and x.sampler.drafts_to_host:
@@ -466,14 +468,12 @@ class ModelRunner:
         if key is None:
             return None
         size = key[0]
-        ints, floats = self.graphs.pack(x, size)
-        if self._cuda:
-            uploaded = self._int_staging.upload(ints), self._float_staging.upload(floats)
-        else:  # the graph logic run eagerly on a CPU (tests/test_cuda_graphs.py)
-            uploaded = torch.from_numpy(ints), torch.from_numpy(floats)
+        words = self.graphs.pack(x, size)
+        # On a CPU the graph logic runs eagerly (tests/test_cuda_graphs.py).
+        uploaded = self._int_staging.upload(words) if self._cuda else torch.from_numpy(words)
         if len(x.known_index):
-            self.token_table.index_copy_(0, *self.graphs.known_tokens(uploaded[0], size))
-        return self.graphs.replay(key, *uploaded, x)
+            self.token_table.index_copy_(0, *self.graphs.known_tokens(uploaded, size, x))
+        return self.graphs.replay(key, uploaded, x)
 
     def _graph_step(self, inputs: GraphInputs, mode: str, history: int | None) -> torch.Tensor:
         """What a captured step does, from the static buffers: the eager path's decode at a

@@ -27,6 +27,7 @@ from tandem.ops import elementwise
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.fp8 import Fp8Weight, RowQuantizer, can_quantize_fp8, quantize_fp8
 from tandem.ops.linear import (
+    FewRowsGemm,
     Linear,
     can_pack_panels,
     can_prepack,
@@ -371,6 +372,14 @@ class LlamaModel(nn.Module):
         if tied and can_quantize(rows, hidden) and _fits(self._place(embed)):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.drop_dense_weight()
+
+    def use_few_rows_gemm(self, gemm: FewRowsGemm) -> int:
+        """`gemm` for the products of few rows it takes, in every float linear layer (not the
+        quantized ones, nor tied logits, which multiply by the embedding); how many took it."""
+        layers = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
+        for module in layers:
+            module.few_rows_gemm = gemm
+        return len(layers)
 
     def use_fp8_row_quantizer(self, quantize_rows: RowQuantizer) -> None:
         """How every FP8 layer rounds its input rows (the fused ops' one kernel on CUDA)."""

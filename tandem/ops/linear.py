@@ -16,6 +16,8 @@ A model's panels lie back to back in one buffer (`panel_arena`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +152,14 @@ def linear(
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
+@dataclass(frozen=True)
+class FewRowsGemm:
+    """Another GEMM for the products it `handles` (a decode step's few rows)."""
+
+    handles: Callable[[torch.Tensor, torch.Tensor], bool]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 class Linear(nn.Module):
     """nn.Linear's parameters (so checkpoints load unchanged), plus an optional packed weight, or
     a quantized weight in place of the float one."""
@@ -161,6 +171,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | Fp8Weight | None = None
+        # A GEMM for inputs of few rows (`LlamaModel.use_few_rows_gemm`), and which it takes.
+        self.few_rows_gemm: FewRowsGemm | None = None
 
     def drop_dense_weight(self) -> None:
         """Keep no float weight (it is to be loaded quantized): an empty parameter in its place."""
@@ -236,4 +248,7 @@ class Linear(nn.Module):
         return [self.weight, packed, or_empty(None), or_empty(None), bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few = self.few_rows_gemm
+        if few is not None and few.handles(x, self.weight):
+            return few.run(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.quantized)

@@ -1,0 +1,140 @@
+"""GEMMs of few rows (decode steps) as a Triton kernel launched dependent on the kernel before.
+
+Why: a decode step at batch 32 on an H200 replays 128 cuBLAS GEMMs, which are launched in
+stream order: the device idles about half a microsecond before each (1.1% of the step), and
+cuBLAS splits two of a layer's four GEMMs over K and adds the parts in a second kernel (64 more
+launches, 2.4% of the step's busy time; docs/performance.md, H200). At a few rows a GEMM only
+streams its weight: each program here reads `BLOCK_N` weight rows whole, for every row of x at
+once, in one pass without a split, and it is launched with programmatic dependent launch like
+the step's other Triton kernels (`triton_launch.py`).
+
+Products accumulate in fp32 on tensor cores and are rounded once to the input's dtype, as
+cuBLAS does; the order of the sums differs, so results may differ from cuBLAS's in the last bit
+of bf16. bf16 and fp16 only (fp32 would take TF32's rounding or run without tensor cores).
+
+Opt-in (`TANDEM_TRITON_GEMM=1`) until it is measured against cuBLAS on a GPU
+(`benchmarks/triton_gemm_check.py`), which also picks `CONFIG`. tests/test_triton_gemm.py runs
+the kernel in Triton's interpreter against torch, and tests/triton_sm90_compile.py builds it for
+sm_90.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.ops.linear import FewRowsGemm
+from tandem.ops.triton_launch import (
+    INTERPRETED,
+    let_next_kernel_launch,
+    pdl_options,
+    wait_for_previous_kernel,
+)
+
+MAX_ROWS = 64  # steps of more rows use the default GEMM: compute-bound, cuBLAS's ground
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int  # weight rows per program (each program writes that many output columns)
+    block_k: int  # the K tile each loop iteration loads
+    num_warps: int
+    num_stages: int  # loads in flight: the pipeline that streams the weight
+
+
+CONFIG = GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _few_rows_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BF16_AS_FP32: tl.constexpr,  # the interpreter, whose dot multiplies bf16's raw bits
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    rows, cols = rm[:, None] < M, rn[:, None] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=rows, other=0.0)
+            w = tl.load(w_ptrs, mask=cols, other=0.0)
+        else:
+            inside = (k * BLOCK_K + rk)[None, :] < K
+            x = tl.load(x_ptrs, mask=rows & inside, other=0.0)
+            w = tl.load(w_ptrs, mask=cols & inside, other=0.0)
+        if BF16_AS_FP32:  # the operands' exact values, as the tensor cores take them
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows & (rn[None, :] < N))
+    let_next_kernel_launch(PDL)
+
+
+def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `few_rows_linear` takes this product: a 2-D input of at most MAX_ROWS rows, in
+    bf16 or fp16 as its weight."""
+    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and weight.dtype == x.dtype
+
+
+def few_rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemmConfig = CONFIG,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) for M <= MAX_ROWS, one launch."""
+    if not handles(x, weight):
+        raise ValueError(
+            f"few_rows_linear takes 2-D {DTYPES} inputs of at most {MAX_ROWS} rows in the "
+            f"weight's dtype, got {tuple(x.shape)} {x.dtype} x {weight.dtype}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("few_rows_linear reads each weight row contiguously")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    _few_rows_gemm_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else out, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),  # 16: the smallest M of an MMA tile
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BF16_AS_FP32=INTERPRETED and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
+    )  # fmt: skip
+    return out
+
+
+GEMM = FewRowsGemm(handles, few_rows_linear)  # what `LlamaModel.use_few_rows_gemm` takes
