@@ -123,6 +123,10 @@ def run_figures(name: str, engine, run, kernels, bandwidth: tuple[float, float |
         "tokens_per_s": summary.tokens_per_s,
         "step_idle_pct": 100 * summary.device_idle_fraction,
         "kernel_idle_pct": kernels.idle_pct if kernels and kernels.kernels else None,
+        # ... less the gaps of 100 us and more (the host late), and those gaps
+        "boundary_idle_pct": kernels.boundary_idle_pct if kernels and kernels.kernels else None,
+        "long_gaps": kernels.long_gaps if kernels else 0,
+        "long_gap_ms": kernels.long_gap_s * 1e3 if kernels else 0.0,
         "kernels_per_step": kernels.kernels / kernels.steps if kernels and kernels.steps else None,
         "profiled_steps": kernels.steps if kernels else 0,
         "decode_step_ms": roofline.device_s * 1e3 if roofline else None,
@@ -147,6 +151,9 @@ def describe_figures(f: dict) -> str:
         f"{f['tokens_per_s']:.0f} tok/s, {f['wall_s']:.1f} s; step-level idle "
         f"{pct(f['step_idle_pct'])}; kernel-level idle {pct(f['kernel_idle_pct'])}"
     )
+    if f["long_gaps"]:
+        text += (f" ({pct(f['boundary_idle_pct'])} less {f['long_gaps']} gaps of 100 us or "
+                 f"more, {f['long_gap_ms']:.1f} ms)")  # fmt: skip
     if f["kernels_per_step"]:
         text += f", {f['kernels_per_step']:.0f} kernels/step"
     if f["decode_step_ms"] is not None:

@@ -14,6 +14,7 @@ from tandem.bench.kernel_profile import (
     NAME_CHARS,
     KernelEvent,
     idle_by_kernel,
+    long_gaps,
     measure,
     measure_events,
     short_name,
@@ -97,6 +98,23 @@ def test_measure_leaves_out_the_window_edges():
     assert window.busy_s == pytest.approx(busy) and 0 < window.idle_pct < 100
     assert window.idle_pct == pytest.approx(100 * (1 - busy / wall))
     assert measure([], 3, 0.0).kernels == 0
+
+
+def test_long_gaps_are_told_apart_from_kernel_boundaries():
+    """100 steps of 10 kernels of 9 us with 1 us between them, and once the next step 2 ms late
+    (the host): the boundaries' idle is 10%, the late step is one long gap of 2 ms."""
+    kernels, t = [], 0.0
+    for step in range(100):
+        t += 2e-3 if step == 50 else 0.0
+        for _ in range(10):
+            kernels.append((t, t + 9e-6))
+            t += 10e-6
+    window = measure(kernels, steps=100, pause_s=0.0)
+    assert window.long_gaps == 1 and window.long_gap_s == pytest.approx(2e-3 + 1e-6)
+    assert window.idle_pct > 25  # the late step, a fifth of the measured span, dominates
+    assert window.boundary_idle_pct == pytest.approx(10.0, rel=0.02)
+    assert long_gaps([(0, 1), (1.5, 2), (4, 5)], (0, 5), threshold=1.0) == (1, 2.0)
+    assert long_gaps([(0, 1), (4, 5)], (2, 5), threshold=1.0) == (0, 0.0)  # cut by the window
 
 
 def test_profile_with_tensor_parallelism_is_refused_with_a_clear_message(tiny_llama, capsys):

@@ -36,7 +36,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tandem.bench.kernel_profile import KernelProfiler, KernelWindow, shares_per_step
+from tandem.bench.kernel_profile import (
+    LONG_GAP_S,
+    KernelProfiler,
+    KernelWindow,
+    shares_per_step,
+)
 from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
 from tandem.bench.run import Run, run_workload
@@ -172,6 +177,11 @@ def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
     table.add_row(
         "device idle % (kernels)", *(cell(w, lambda w: f"{w.idle_pct:.2f}") for w in windows)
     )
+    table.add_row(
+        f"... less gaps over {LONG_GAP_S * 1e6:.0f} us (count, ms)",
+        *(cell(w, lambda w: f"{w.boundary_idle_pct:.2f} ({w.long_gaps}, {w.long_gap_s * 1e3:.1f})")
+          for w in windows),
+    )  # fmt: skip
     table.add_row(
         "kernels per step",
         *(cell(w, lambda w: f"{w.kernels / max(1, w.steps):.0f}") for w in windows),

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 # Of the window's kernel span, the first and last EDGE_FRACTION are left out: they hold the
 # profiler's start and its stop (which waits for the device), not the loop's steady state.
 EDGE_FRACTION = 0.1
+# A gap between kernels this long is not a kernel boundary: the next step's work reached the
+# device late (the host), reported apart from the boundaries' idle.
+LONG_GAP_S = 100e-6
 NAME_CHARS = 80  # a kernel's name as shown: templated C++ names run to thousands
 
 
@@ -50,11 +53,20 @@ class KernelWindow:
     wall_s: float  # the measured span
     pause_s: float  # host time spent starting and stopping the profiler (in the run's wall)
     span_s: float = 0.0  # the kernels' whole span, of which wall_s is the middle
+    long_gaps: int = 0  # gaps of LONG_GAP_S or more between kernels, within wall_s
+    long_gap_s: float = 0.0  # ... and their total
     shares: list[KernelShare] = field(default_factory=list)  # most idle before them first
 
     @property
     def idle_pct(self) -> float:
         return 100 * (1 - self.busy_s / self.wall_s) if self.wall_s > 0 else 0.0
+
+    @property
+    def boundary_idle_pct(self) -> float:
+        """The idle between kernels less the long gaps (LONG_GAP_S): what kernel boundaries
+        cost, without the host's late steps."""
+        wall = self.wall_s - self.long_gap_s
+        return 100 * (1 - self.busy_s / wall) if wall > 0 else 0.0
 
     @property
     def measured_steps(self) -> float:
@@ -89,6 +101,23 @@ def union_busy(
     return busy, max(0.0, hi - lo)
 
 
+def long_gaps(
+    intervals: Iterable[tuple[float, float]], window: tuple[float, float], threshold: float
+) -> tuple[int, float]:
+    """(count, seconds) of the gaps of `threshold` or more between the union of `intervals`
+    within `window`."""
+    lo, hi = window
+    count, total, reach = 0, 0.0, None
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        a, b = max(a, lo), min(b, hi)
+        if b <= a:
+            continue
+        if reach is not None and a - reach >= threshold:
+            count, total = count + 1, total + a - reach
+        reach = b if reach is None else max(reach, b)
+    return count, total
+
+
 def measure_events(events: list[KernelEvent], steps: int, pause_s: float) -> KernelWindow:
     """`measure`, with each kernel name's share of the measured span."""
     intervals = [(e.start, e.end) for e in events]
@@ -113,7 +142,8 @@ def measure(intervals: list[tuple[float, float]], steps: int, pause_s: float) ->
     lo, hi = window_span(intervals)
     busy, wall = union_busy(intervals, (lo, hi))
     span = max(b for _, b in intervals) - min(a for a, _ in intervals)
-    return KernelWindow(steps, len(intervals), busy, wall, pause_s, span)
+    gaps, gap_s = long_gaps(intervals, (lo, hi), LONG_GAP_S)
+    return KernelWindow(steps, len(intervals), busy, wall, pause_s, span, gaps, gap_s)
 
 
 def idle_by_kernel(events: list[KernelEvent], window: tuple[float, float]) -> list[KernelShare]:
