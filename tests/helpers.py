@@ -48,8 +48,11 @@ def run_both_loops(
     return runs
 
 
-def prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) -> torch.Tensor:
-    """Logits at every position: a prefill of all but the last token, then one decode step."""
+def prefill_then_decode_logits(
+    model, prompt: list[int], block_size: int = 4, distinct_decodes: bool = False
+) -> torch.Tensor:
+    """Logits at every position: a prefill of all but the last token, then one decode step
+    (`distinct_decodes`: marked a plain decode step, which CUDA's ops may fuse)."""
     spec = model.spec
     n = len(prompt)
     num_blocks = -(-n // block_size)
@@ -66,8 +69,9 @@ def prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) ->
         [PrefillSegment(0, n - 1, n - 1, 0)], block_size,
     )  # fmt: skip
     decode = AttentionMetadata(
-        positions[n - 1 :], tables, torch.tensor([n]), 1, num_blocks, [], block_size
-    )
+        positions[n - 1 :], tables, torch.tensor([n]), 1, num_blocks, [], block_size,
+        distinct_decodes=distinct_decodes,
+    )  # fmt: skip
     with torch.inference_mode():
         first = model(ids[: n - 1], positions[: n - 1], caches, prefill)
         last = model(ids[n - 1 :], positions[n - 1 :], caches, decode)

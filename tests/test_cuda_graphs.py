@@ -366,3 +366,30 @@ def test_one_request_verifies_its_drafts_through_a_graph(tiny_llama):
     assert 5 in verified, graphs.replays
     assert llm.engine.runner.eager_verifications == 0
     assert_idle_and_balanced(llm.engine)
+
+
+def test_plain_decode_steps_are_marked_for_the_fused_attention(tiny_llama):
+    """The attention metadata marks a step plain (`distinct_decodes`: each decode row another
+    request's one new token) exactly when no request verifies drafts, eager or through a graph:
+    CUDA's decode kernel then rotates and caches the step's keys itself."""
+    prompts = [[5, 6, 7] * 4, [8, 9] * 5, [11, 12, 13, 14] * 3]
+    fixed = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
+    for spec, graphs in ((None, True), (None, False), (fixed, False), (fixed, True)):
+        llm = make_llm(tiny_llama, num_kv_blocks=64, speculative_config=spec)
+        if graphs:
+            _with_eager_graphs(llm, [1, 2, 4])
+        model, seen = llm.engine.runner.model, []
+        forward = model.forward
+
+        def recorded(input_ids, positions, caches, meta, forward=forward, seen=seen):
+            if meta.num_decodes:
+                seen.append(meta.distinct_decodes)
+            return forward(input_ids, positions, caches, meta)
+
+        model.forward = recorded
+        llm.generate(prompts, greedy(6))
+        runner = llm.engine.runner
+        replayed = runner.graphs.replays.items() if graphs else ()
+        verifications = runner.eager_verifications + sum(n for k, n in replayed if k[2])
+        assert seen.count(False) == verifications and (verifications > 0) == (spec is not None)
+        assert True in seen and (not graphs or replayed)

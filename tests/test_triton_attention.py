@@ -79,6 +79,62 @@ DECODE_CASES = [
 ]
 
 
+ROTATING_CASES = [
+    # dtype, head_dim, heads, kv_heads, block_size, lens (after the step), window, splits, block_n
+    (torch.bfloat16, 32, 4, 2, 16, [1, 17, 40], None, 1, 16),
+    (torch.float16, 64, 8, 2, 16, [50, 38, 16, 2, 66], 7, 1, 16),  # a window
+    (torch.bfloat16, 32, 4, 1, 16, [70, 9, 33], 20, 4, 16),  # splits, some without a tile
+    (torch.float16, 128, 2, 1, 32, [65, 3], None, 2, 64),  # the GPU tile size
+]
+
+
+@pytest.mark.parametrize("dtype,dim,heads,kv_heads,bs,lens,window,splits,block_n", ROTATING_CASES)
+def test_decode_rotating_its_own_keys_matches_rotary_then_decode(
+    dtype, dim, heads, kv_heads, bs, lens, window, splits, block_n
+) -> None:
+    """A plain decode step's kernel given the step's keys (`NewKeys`): it caches the same
+    rotated keys and values, bit for bit, as the rotary kernel, and attends as the decode kernel
+    does after it (the step's own key summed last: within a few ulps)."""
+    from tandem.ops import triton_elementwise as te
+
+    g = torch.Generator().manual_seed(sum(lens) + dim)
+    num_blocks = 40
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, dtype, g)
+    tables = _tables(lens, bs, num_blocks, g)
+    for i, n in enumerate(lens):
+        _fill(k_cache, v_cache, tables[i], n - 1, g)  # the keys before the step's own
+    r = len(lens)
+    qkv = torch.randn(r, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(r, heads, dim), k.view(r, kv_heads, dim), v.view(r, kv_heads, dim)
+    positions = torch.tensor(lens) - 1
+    slots = tables[torch.arange(r), positions // bs] * bs + positions % bs
+    angles = torch.arange(128.0)[:, None] * torch.rand(dim // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    context = torch.tensor(lens)
+    assert ta.fuses_new_keys(q, k, v)
+    options = dict(num_splits=splits, block_n=block_n)
+    caches = k_cache.clone(), v_cache.clone()
+    q_rot, _ = te.rotary_and_cache(q.clone(), k.clone(), v, positions, cos, sin, *caches, slots)
+    ref = ta.decode_attention(q_rot, *caches, tables, context, bs, 0.3, window, **options)
+    fused_caches = k_cache.clone(), v_cache.clone()
+    new = ta.NewKeys(k, v, positions, cos, sin, slots)
+    got = ta.decode_attention(
+        q, *fused_caches, tables, context, bs, 0.3, window, new_keys=new, **options
+    )
+    for mine, theirs in zip(fused_caches, caches, strict=True):
+        assert torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), ref.float(), rtol=4 * ulp, atol=4 * ulp)
+
+
+def test_only_bf16_fp16_and_whole_tiles_of_heads_fuse() -> None:
+    q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    assert ta.fuses_new_keys(q, k, k)
+    assert not ta.fuses_new_keys(q.float(), k.float(), k.float())  # fp32: products unfused
+    assert not ta.fuses_new_keys(q[..., :48], k[..., :48], k[..., :48])  # 48: halves of 24
+
+
 @pytest.mark.parametrize("dim,heads,kv_heads,bs,lens,window,splits,block_n", DECODE_CASES)
 def test_decode_matches_portable_attention(
     dim, heads, kv_heads, bs, lens, window, splits, block_n
@@ -277,7 +333,8 @@ def test_kernels_compile_for_sm90() -> None:
     fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
     the fused norms, rotary, SiLU and FP8 row rounding of ops/triton_elementwise.py in every
     case's dtype, and the few-rows GEMM of ops/triton_gemm.py in bf16 and fp16 on tensor cores;
-    all but the SiLU with programmatic dependent launch."""
+    the decode kernel also as it rotates and caches a plain step's keys (bf16, fp16); all but
+    the SiLU with programmatic dependent launch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -303,6 +360,8 @@ def test_kernels_compile_for_sm90() -> None:
         ("fp32-dim48", "_merge_splits_kernel"),
     }
     assert {(case, name) for case in CASE_NAMES for name in elementwise} <= kernels
+    rotating = {r["case"] for r in records if r["rotates"]}  # plain decode steps' kernel
+    assert rotating == {"llama8b-bf16", "llama1b-bf16", "group7-window-fp16"}
     for r in records:
         assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
         if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel", "_quantize_rows_fp8_kernel"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tandem.models import load_model
-from tandem.ops import elementwise, fp8, triton_elementwise
+from tandem.ops import elementwise, fp8, triton_attention, triton_elementwise
 
 from conftest import random_prompts
 from helpers import prefill_then_decode_logits
@@ -146,6 +146,37 @@ def test_model_with_fused_triton_ops_matches_portable(tiny_checkpoints, arch) ->
     portable, fused = logits[elementwise], logits[triton_elementwise]
     assert torch.equal(fused.argmax(-1), portable.argmax(-1))
     assert (fused - portable).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_plain_decode_step_rotating_in_the_attention_kernel(
+    tiny_checkpoints, arch, monkeypatch
+) -> None:
+    """A bf16 model's decode step marked plain (`distinct_decodes`): its attention kernel
+    rotates and caches the step's keys itself, one launch fewer a layer. On a CPU the unmarked
+    step attends with the portable op, so both are held to the float32 model: the fused step's
+    logits as near them as the unfused step's, the same greedy token."""
+    path = tiny_checkpoints[arch]
+    prompt = random_prompts(random.Random(6), 1, 1024, 20, 20)[0]
+    logits, rotating = {}, []
+    decode_attention = triton_attention.decode_attention
+
+    def recorded(*args, new_keys=None, **kwargs):
+        rotating.append(new_keys is not None)
+        return decode_attention(*args, new_keys=new_keys, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", recorded)
+    for name in ("float32", "unfused", "fused"):
+        model = load_model(path, torch.float32 if name == "float32" else torch.bfloat16,
+                           torch.device("cpu")).model  # fmt: skip
+        model.ops = triton_elementwise
+        logits[name] = prefill_then_decode_logits(model, prompt, distinct_decodes=name == "fused")
+    assert rotating == [True] * model.spec.num_layers  # the fused step's layers only
+    assert torch.equal(logits["fused"][:-1], logits["unfused"][:-1])  # the same prefill
+    exact = logits["float32"][-1]
+    error = {n: (logits[n][-1] - exact).abs().max().item() for n in ("unfused", "fused")}
+    assert 0 < error["fused"] < 2 * error["unfused"], error
+    assert logits["fused"][-1].argmax() == exact.argmax()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

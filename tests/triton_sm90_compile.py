@@ -77,6 +77,15 @@ def main(names: list[str]) -> None:
         ta.decode_attention(
             q[:r], k_cache, v_cache, tables, context, bs, 0.1, window, num_splits=splits
         )
+        rotating = set()  # the decode kernel that rotates and caches a plain step's keys
+        new_k = q[:r, :kv_heads]
+        if ta.fuses_new_keys(q, new_k, new_k):
+            before = len(built)
+            table = torch.zeros(64, dim)
+            new = ta.NewKeys(new_k, new_k, context[:r], table, table, context[:r])
+            ta.decode_attention(q[:r], k_cache, v_cache, tables, context, bs, 0.1, window,
+                                num_splits=splits, new_keys=new)  # fmt: skip
+            rotating = {id(k) for k in built[before:] if k.name == "_decode_kernel"}
         if prefill:
             seg = PrefillSegment(r, 24, 40, r)
             ta.prefill_attention(
@@ -102,6 +111,7 @@ def main(names: list[str]) -> None:
             record = {
                 "case": name,
                 "kernel": k.name,
+                "rotates": id(k) in rotating,
                 "cubin_bytes": len(k.asm["cubin"]),
                 "shared": k.metadata.shared,
                 "num_warps": k.metadata.num_warps,

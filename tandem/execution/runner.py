@@ -346,6 +346,7 @@ class ModelRunner:
             decode_max_blocks=x.decode_max_blocks,
             prefills=x.prefills,
             block_size=self.block_size,
+            distinct_decodes=v is None,  # a verification gives a request several decode rows
         )
         if len(x.group_block_tables):
             meta.by_layer = self._layer_metadata(meta, t)
@@ -495,6 +496,7 @@ class ModelRunner:
             decode_max_blocks=t.block_tables.shape[1],
             prefills=[],
             block_size=self.block_size,
+            distinct_decodes=verify is None,
         )
         hidden = self.model(input_ids[:n], t.positions[:n], self.kv_caches, meta)
         ids = self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling(mode, n))

@@ -104,13 +104,10 @@ class Attention(nn.Module):
         if s.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.rotary_and_cache(
+        out = ops.attend(
             q, k, v, ctx.positions, ctx.rotary.cos, ctx.rotary.sin, kv_cache[0], kv_cache[1],
-            ctx.meta.slot_mapping,
+            ctx.meta, self.scale, self.window,
         )  # fmt: skip
-        out = ops.paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale, self.window
-        )
         out = out.view(-1, self.q_size)
         o = self.o
         if not self.tp.enabled or o.bias is None:

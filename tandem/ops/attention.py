@@ -59,6 +59,29 @@ def rotary_then_write_kv(rotary: RotaryOp) -> RotaryOp:
     return rotary_and_cache
 
 
+def rotate_cache_attend(rotary_and_cache: RotaryOp, attention: Callable[..., torch.Tensor]):
+    """An ops module's `attend` from its `rotary_and_cache` and its `paged_attention`: rotate q
+    and k, write the step's K and V into the cache, attend (CUDA's ops fuse the decodes')."""
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        q, k = rotary_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+    return attend
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]

@@ -27,6 +27,10 @@ class AttentionMetadata:
     decode_max_blocks: int  # columns of block_tables that decodes need
     prefills: list[PrefillSegment]
     block_size: int
+    # Each decode row is a different request's one new token, whose position is its context
+    # length less one (a plain decode step; a verification gives one request several rows):
+    # a kernel may then rotate and cache a row's own key and attend to it at once.
+    distinct_decodes: bool = False
     # Models whose layers keep different blocks (sliding windows beside full attention): each
     # layer's own metadata (its group's slots and block tables); None: this one serves all.
     by_layer: list[AttentionMetadata] | None = None

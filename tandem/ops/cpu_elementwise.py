@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from tandem.ops.attention import portable_attention, rotary_then_write_kv
+from tandem.ops.attention import portable_attention, rotary_then_write_kv, rotate_cache_attend
 from tandem.ops.attention_metadata import AttentionMetadata
 
 
@@ -77,3 +77,6 @@ def paged_attention(
         rest = portable_attention(q, k, v, k_cache, v_cache, prefills, scale, sliding_window)
         out[d:] = rest[d:]
     return out
+
+
+attend = rotate_cache_attend(rotary_and_cache, paged_attention)

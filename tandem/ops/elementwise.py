@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.attention import paged_attention, rotary_then_write_kv  # noqa: F401 - every ops module has one
+from tandem.ops.attention import paged_attention, rotary_then_write_kv, rotate_cache_attend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,6 +43,7 @@ def rotary(
 
 # rotary, then the step's K (rotated) and V written into the paged cache at the slots.
 rotary_and_cache = rotary_then_write_kv(rotary)
+attend = rotate_cache_attend(rotary_and_cache, paged_attention)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

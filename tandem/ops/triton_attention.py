@@ -13,7 +13,10 @@ Decode (`decode_attention`) is built for CUDA graphs: its grid is (requests, KV 
 fixed for a padded batch, and each program reads its request's context length and block-table
 row from device tensors, bounding its loop on the device. Long contexts are split across
 `num_splits` programs (flash-decoding); a small second kernel merges their partial results. The
-split count depends on the batch shape and the GPU only, never on the context lengths.
+split count depends on the batch shape and the GPU only, never on the context lengths. Given a
+plain step's own keys and values (`NewKeys`), it rotates q and those keys itself, caches them
+(the first split) and attends to each row's own key from registers (the last split), so the
+step needs no rotary kernel before it and no program reads what another writes.
 
 Prefill (`prefill_attention`) runs one launch per chunk from the host ints of its
 `PrefillSegment`: the chunk's keys, already written into the cache (`rotary_and_cache`), and its cached
@@ -27,6 +30,7 @@ them for sm_90 with Triton's compiler; benchmarks/triton_attention_check.py runs
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +42,7 @@ from tandem.ops.triton_launch import (
     pdl_options,
     wait_for_previous_kernel,
 )
+from tandem.ops.triton_rounding import rotated, rounded
 
 if TYPE_CHECKING:
     from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
@@ -119,6 +124,13 @@ def _attend_tiles(
 
 
 @triton.jit
+def _rotated_heads(x1, x2, c1, c2, s1, s2, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[ROWS, BLOCK_D] rotated heads from their [ROWS, BLOCK_D // 2] halves, whole again."""
+    out1, out2 = rotated(x1, x2, c1, c2, s1, s2)
+    return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (ROWS, BLOCK_D))
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -142,6 +154,17 @@ def _decode_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    new_k_ptr,  # ROTATE: the step's keys [R, Hkv, D] and values, before rotation and caching
+    new_v_ptr,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
+    positions_ptr,  # ROTATE: each row's position, the rotary tables' row
+    cos_ptr,
+    sin_ptr,
+    stride_table,
+    slots_ptr,  # ROTATE: each row's cache slot (block * block_size + offset)
     GROUP: tl.constexpr,
     WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -152,6 +175,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
+    ROTATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -165,18 +189,41 @@ def _decode_kernel(
     mask_g = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
+    kv_len = ctx  # keys read from the cache: [0, kv_len)
+    if ROTATE:  # q and the step's key rotated here; that key and value cached by split 0
+        half = tl.arange(0, BLOCK_D // 2)[None, :]
+        row = tl.load(positions_ptr + req).to(tl.int64) * stride_table + half
+        dtype = q_ptr.dtype.element_ty
+        c1 = rounded(tl.load(cos_ptr + row), dtype)
+        c2 = rounded(tl.load(cos_ptr + row + BLOCK_D // 2), dtype)
+        s1 = rounded(tl.load(sin_ptr + row), dtype)
+        s2 = rounded(tl.load(sin_ptr + row + BLOCK_D // 2), dtype)
+        q1 = tl.load(q_rows + half, mask=mask_g[:, None], other=0.0)
+        q2 = tl.load(q_rows + BLOCK_D // 2 + half, mask=mask_g[:, None], other=0.0)
+        q = _rotated_heads(q1, q2, c1, c2, s1, s2, BLOCK_G, BLOCK_D)
+        key = new_k_ptr + req * stride_nkt + kv_head * stride_nkh
+        k_new = _rotated_heads(
+            tl.load(key + half), tl.load(key + BLOCK_D // 2 + half), c1, c2, s1, s2, 1, BLOCK_D
+        )
+        v_new = tl.load(new_v_ptr + req * stride_nvt + kv_head * stride_nvh + offs_d[None, :])
+        if split == 0:
+            slot = tl.load(slots_ptr + req).to(tl.int64)
+            block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            k_at = k_cache_ptr + block * stride_kb + within * stride_kt + kv_head * stride_kh
+            v_at = v_cache_ptr + block * stride_vb + within * stride_vt + kv_head * stride_vh
+            tl.store(k_at + offs_d[None, :], k_new)
+            tl.store(v_at + offs_d[None, :], v_new)
+        kv_len = ctx - 1  # the step's own key comes from registers, after the cached ones
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    # Key tiles this split visits: its share of those overlapping [window start, ctx).
+    # Key tiles this split visits: its share of those overlapping [window start, kv_len).
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(ctx - WINDOW, 0)
     tile_lo = lo // BLOCK_N
-    tile_hi = tl.cdiv(ctx, BLOCK_N)
+    tile_hi = tl.cdiv(kv_len, BLOCK_N)
     per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
     first = tile_lo + split * per_split
     last = tl.minimum(first + per_split, tile_hi)
@@ -198,7 +245,7 @@ def _decode_kernel(
         stride_kt,
         stride_vb,
         stride_vt,
-        ctx,
+        kv_len,
         first,
         last,
         qk_scale,
@@ -210,6 +257,16 @@ def _decode_kernel(
         PRECISION,
         BF16_AS_FP32,
     )
+    if ROTATE:  # noqa: SIM102 - a constexpr: without it the body (k_new, v_new) is not compiled
+        if split == NUM_SPLITS - 1:  # the step's own key, the last of the context
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p
+            weight = p.to(v_new.dtype).to(tl.float32)  # as the tiles' p.to(v.dtype) @ v
+            acc = acc * alpha[:, None] + weight[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -395,6 +452,41 @@ def _strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]:
     )  # fmt: skip
 
 
+@dataclass
+class NewKeys:
+    """A decode step's own keys and values (not yet rotated nor cached) and what rotating and
+    caching them takes: one row per request."""
+
+    k: torch.Tensor  # [R, Hkv, D]
+    v: torch.Tensor
+    positions: torch.Tensor  # [R]
+    cos: torch.Tensor  # [max_positions, D] fp32
+    sin: torch.Tensor
+    slots: torch.Tensor  # [R]
+
+
+def fuses_new_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the decode kernel can rotate and cache the step's keys itself: bf16 or fp16 (an
+    fp32 rotation needs its products unfused, which the attention does not compile with) and a
+    power-of-two head size (the halves of a head are its two tiles)."""
+    dim = q.shape[-1]
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and dim == triton.next_power_of_2(dim)
+        and all(t.stride(-1) == 1 for t in (q, k, v))
+    )
+
+
+def _new_key_args(new: NewKeys | None, q: torch.Tensor) -> tuple:
+    """The decode kernel's arguments for `new` (placeholders without it)."""
+    if new is None:
+        return (q, q, 0, 0, 0, 0, q, q, q, 0, q)
+    return (
+        new.k, new.v, new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
+        new.positions, new.cos, new.sin, new.cos.stride(0), new.slots,
+    )  # fmt: skip
+
+
 def _precision(dtype: torch.dtype) -> str:
     """fp32 dots in IEEE arithmetic (TF32 would cost the fp32 path its accuracy)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -430,8 +522,12 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
+    new_keys: NewKeys | None = None,
 ) -> torch.Tensor:
-    """Each request's query attends to its first context_lens[r] cached keys, read in place."""
+    """Each request's query attends to its first context_lens[r] cached keys, read in place.
+    With `new_keys` (`fuses_new_keys`) q is not yet rotated: the kernel rotates it and the
+    step's keys, caches the step's keys and values, and attends to the cached ones before
+    them and to its own from registers (one launch instead of a rotary kernel and this)."""
     _check(q, k_cache, v_cache)
     r, num_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -461,6 +557,7 @@ def decode_attention(
         scale * LOG2E,
         num_heads,
         *_strides(q, k_cache, v_cache, out, block_tables),
+        *_new_key_args(new_keys, q),
         GROUP=group,
         WINDOW=sliding_window or 0,
         BLOCK_SIZE=block_size,
@@ -471,6 +568,7 @@ def decode_attention(
         NUM_SPLITS=splits,
         PRECISION=_precision(q.dtype),
         BF16_AS_FP32=_INTERPRETED and q.dtype == torch.bfloat16,
+        ROTATE=new_keys is not None,
         **_LAUNCH,
         **pdl_options(q.device),
     )
@@ -550,8 +648,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    new_keys: NewKeys | None = None,
 ) -> torch.Tensor:
-    """The packed batch's attention (K/V already written): decodes in one launch, then chunks."""
+    """The packed batch's attention (K/V already written, or the decodes' in `new_keys`, to be
+    rotated and written by the decode kernel): decodes in one launch, then chunks."""
     out = torch.empty_like(q)
     d = meta.num_decodes
     if d:
@@ -565,6 +665,7 @@ def paged_attention(
             scale,
             sliding_window,
             out=out[:d],
+            new_keys=new_keys,
         )
     for seg in meta.prefills:
         prefill_attention(

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from tandem.ops.attention import paged_attention  # noqa: F401 - the Triton kernels on CUDA
+from tandem.ops import triton_attention
+from tandem.ops.attention import paged_attention, rotate_cache_attend
+from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from tandem.ops.triton_launch import (
     INTERPRETED,
@@ -29,6 +31,7 @@ from tandem.ops.triton_launch import (
     pdl_options,
     wait_for_previous_kernel,
 )
+from tandem.ops.triton_rounding import rotated, rounded
 
 _EXACT = {"enable_fp_fusion": False}  # a*b + c stays two roundings, as in PyTorch
 
@@ -99,12 +102,6 @@ def _launch_norm(x, residual, weight, out, eps) -> None:
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """x rounded to the model's dtype, kept in fp32: where PyTorch stores an intermediate."""
-    return x.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _rotate_heads(
     x_ptr, stride_t, stride_h, token, n_heads, c1, c2, s1, s2, offs_d, mask_d,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -116,10 +113,7 @@ def _rotate_heads(
     first = x_ptr + token * stride_t + heads[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = (_round(a * c1[None, :], dtype) + _round(-b * s1[None, :], dtype)).to(dtype)
-    out2 = (_round(b * c2[None, :], dtype) + _round(a * s2[None, :], dtype)).to(dtype)
+    out1, out2 = rotated(x1, x2, c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
     return out1, out2, heads, mask
@@ -141,10 +135,10 @@ def _rotary_kernel(
     dtype = q_ptr.dtype.element_ty
     row = pos * stride_table + offs_d
     # cos[positions].to(q.dtype): the table is fp32, the products are taken in the model's dtype.
-    c1 = _round(tl.load(cos_ptr + row, mask=mask_d, other=0.0), dtype)
-    c2 = _round(tl.load(cos_ptr + row + HALF, mask=mask_d, other=0.0), dtype)
-    s1 = _round(tl.load(sin_ptr + row, mask=mask_d, other=0.0), dtype)
-    s2 = _round(tl.load(sin_ptr + row + HALF, mask=mask_d, other=0.0), dtype)
+    c1 = rounded(tl.load(cos_ptr + row, mask=mask_d, other=0.0), dtype)
+    c2 = rounded(tl.load(cos_ptr + row + HALF, mask=mask_d, other=0.0), dtype)
+    s1 = rounded(tl.load(sin_ptr + row, mask=mask_d, other=0.0), dtype)
+    s2 = rounded(tl.load(sin_ptr + row + HALF, mask=mask_d, other=0.0), dtype)
     _rotate_heads(q_ptr, stride_qt, stride_qh, token, n_q_heads, c1, c2, s1, s2, offs_d, mask_d,
                   HALF, BLOCK_QH)  # fmt: skip
     k1, k2, heads, mask = _rotate_heads(
@@ -192,6 +186,37 @@ def rotary_and_cache(
     return q, k
 
 
+_rotate_cache_attend = rotate_cache_attend(rotary_and_cache, paged_attention)
+
+
+def attend(
+    q: torch.Tensor,  # [T, H, D]: the step's projections, not yet rotated
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The step's attention block. In a plain decode step (`meta.distinct_decodes`) the decode
+    kernel rotates each row's q and key, caches its key and value and attends, in one launch
+    (a prefill's rows are rotated and cached first, as ever); otherwise `rotary_and_cache`,
+    then `paged_attention`."""
+    d = meta.num_decodes
+    if not (d and meta.distinct_decodes and triton_attention.fuses_new_keys(q, k, v)):
+        return _rotate_cache_attend(
+            q, k, v, positions, cos, sin, k_cache, v_cache, meta, scale, sliding_window
+        )
+    slots = meta.slot_mapping
+    rotary_and_cache(q[d:], k[d:], v[d:], positions[d:], cos, sin, k_cache, v_cache, slots[d:])
+    new = triton_attention.NewKeys(k[:d], v[:d], positions[:d], cos, sin, slots[:d])
+    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, new)
+
+
 def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> None:
     tokens, dim = q.shape[0], q.shape[-1]
     if tokens == 0:
@@ -223,7 +248,7 @@ def _silu_and_mul_kernel(
     g = gate.to(tl.float32)
     # CUDA's accurate expf, as PyTorch's silu (tl.exp is ex2.approx); the interpreter has none.
     e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
-    silu = _round(tl.div_rn(g, 1.0 + e), gate.dtype)  # F.silu, in the dtype
+    silu = rounded(tl.div_rn(g, 1.0 + e), gate.dtype)  # F.silu, in the dtype
     tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
