@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tandem.models import load_model
-from tandem.ops import elementwise, fp8, triton_attention, triton_elementwise
+from tandem.ops import attention, elementwise, fp8, triton_attention, triton_elementwise
 
 from conftest import random_prompts
 from helpers import prefill_then_decode_logits
@@ -172,6 +172,13 @@ def test_plain_decode_step_rotating_in_the_attention_kernel(
         model.ops = triton_elementwise
         logits[name] = prefill_then_decode_logits(model, prompt, distinct_decodes=name == "fused")
     assert rotating == [True] * model.spec.num_layers  # the fused step's layers only
+    monkeypatch.setenv("TANDEM_TRITON_ATTENTION", "0")  # the off switch keeps it off
+    attention.triton_kernels.cache_clear()
+    try:
+        prefill_then_decode_logits(model, prompt, distinct_decodes=True)
+    finally:
+        attention.triton_kernels.cache_clear()
+    assert rotating == [True] * model.spec.num_layers
     assert torch.equal(logits["fused"][:-1], logits["unfused"][:-1])  # the same prefill
     exact = logits["float32"][-1]
     error = {n: (logits[n][-1] - exact).abs().max().item() for n in ("unfused", "fused")}

@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from tandem.ops import triton_attention
-from tandem.ops.attention import paged_attention, rotate_cache_attend
+from tandem.ops.attention import paged_attention, rotate_cache_attend, triton_kernels
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from tandem.ops.triton_launch import (
@@ -206,15 +205,15 @@ def attend(
     kernel rotates each row's q and key, caches its key and value and attends, in one launch
     (a prefill's rows are rotated and cached first, as ever); otherwise `rotary_and_cache`,
     then `paged_attention`."""
-    d = meta.num_decodes
-    if not (d and meta.distinct_decodes and triton_attention.fuses_new_keys(q, k, v)):
+    d, kernels = meta.num_decodes, triton_kernels()  # None: Triton attention switched off
+    if not (d and meta.distinct_decodes and kernels and kernels.fuses_new_keys(q, k, v)):
         return _rotate_cache_attend(
             q, k, v, positions, cos, sin, k_cache, v_cache, meta, scale, sliding_window
         )
     slots = meta.slot_mapping
     rotary_and_cache(q[d:], k[d:], v[d:], positions[d:], cos, sin, k_cache, v_cache, slots[d:])
-    new = triton_attention.NewKeys(k[:d], v[:d], positions[:d], cos, sin, slots[:d])
-    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, new)
+    new = kernels.NewKeys(k[:d], v[:d], positions[:d], cos, sin, slots[:d])
+    return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, new)
 
 
 def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> None:
