@@ -148,12 +148,13 @@ def test_model_with_fused_triton_ops_matches_portable(tiny_checkpoints, arch) ->
     assert (fused - portable).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"])
 def test_plain_decode_step_rotating_in_the_attention_kernel(
     tiny_checkpoints, arch, monkeypatch
 ) -> None:
     """A bf16 model's decode step marked plain (`distinct_decodes`): its attention kernel
-    rotates and caches the step's keys itself, one launch fewer a layer. On a CPU the unmarked
+    rotates and caches the step's keys itself, one launch fewer a layer (Gemma 3: windows of 7
+    keys on two layers of three, q/k norms before the rotary). On a CPU the unmarked
     step attends with the portable op, so both are held to the float32 model: the fused step's
     logits as near them as the unfused step's, the same greedy token."""
     path = tiny_checkpoints[arch]
