@@ -19,10 +19,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.bench.kernel_profile import short_name
+from tandem.bench.kernel_profile import EDGE_FRACTION, short_name, window_span
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
-EDGE_FRACTION = 0.1  # as `tandem bench --profile`: the window's ends hold the profiler's start/stop
 NAME_CHARS = 48
 
 
@@ -78,9 +77,7 @@ def _short(name: str, kind: str) -> str:
 def transitions(activities: list[Activity]) -> tuple[list[Transition], dict[str, list[float]]]:
     """Within the window's middle: the gaps by (before, after), most idle first, and each copy
     or memset's durations by name."""
-    first, last = activities[0].start, max(a.end for a in activities)
-    edge = (last - first) * EDGE_FRACTION
-    lo, hi = first + edge, last - edge
+    lo, hi = window_span([(a.start, a.end) for a in activities])  # as `tandem bench --profile`
     gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
     copies: dict[str, list[float]] = defaultdict(list)
     reach, before = activities[0].end, activities[0].name

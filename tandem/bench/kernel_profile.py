@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 # Of the window's kernel span, the first and last EDGE_FRACTION are left out: they hold the
 # profiler's start and its stop (which waits for the device), not the loop's steady state.
@@ -74,31 +75,37 @@ class KernelWindow:
         return self.steps * self.wall_s / self.span_s if self.span_s > 0 else float(self.steps)
 
 
+def merged_runs(
+    intervals: Iterable[tuple[float, float]], window: tuple[float, float]
+) -> list[tuple[float, float]]:
+    """The union of `intervals` (start, end) clipped to `window`, as ordered disjoint runs
+    (overlapping or touching intervals, as on two streams, make one run)."""
+    lo, hi = window
+    runs: list[tuple[float, float]] = []
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        a, b = max(a, lo), min(b, hi)
+        if b <= a:
+            continue
+        if runs and a <= runs[-1][1]:  # overlaps (or touches) the current run: extend it
+            runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+        else:
+            runs.append((a, b))
+    return runs
+
+
 def union_busy(
     intervals: Iterable[tuple[float, float]], window: tuple[float, float] | None = None
 ) -> tuple[float, float]:
     """(busy, wall): the length of the union of `intervals` (start, end) clipped to `window`,
     and the window's length. Without a window: from the first start to the last end."""
-    spans = sorted((a, b) for a, b in intervals if b > a)
+    intervals = list(intervals)
     if window is None:
+        spans = [(a, b) for a, b in intervals if b > a]
         if not spans:
             return 0.0, 0.0
-        window = (spans[0][0], max(b for _, b in spans))
-    lo, hi = window
-    busy, cur_a, cur_b = 0.0, None, None
-    for a, b in spans:
-        a, b = max(a, lo), min(b, hi)
-        if b <= a:
-            continue
-        if cur_b is not None and a <= cur_b:  # overlaps (or touches) the current run: extend it
-            cur_b = max(cur_b, b)
-            continue
-        if cur_b is not None:
-            busy += cur_b - cur_a
-        cur_a, cur_b = a, b
-    if cur_b is not None:
-        busy += cur_b - cur_a
-    return busy, max(0.0, hi - lo)
+        window = (min(a for a, _ in spans), max(b for _, b in spans))
+    busy = sum(b - a for a, b in merged_runs(intervals, window))
+    return busy, max(0.0, window[1] - window[0])
 
 
 def long_gaps(
@@ -106,16 +113,9 @@ def long_gaps(
 ) -> tuple[int, float]:
     """(count, seconds) of the gaps of `threshold` or more between the union of `intervals`
     within `window`."""
-    lo, hi = window
-    count, total, reach = 0, 0.0, None
-    for a, b in sorted((a, b) for a, b in intervals if b > a):
-        a, b = max(a, lo), min(b, hi)
-        if b <= a:
-            continue
-        if reach is not None and a - reach >= threshold:
-            count, total = count + 1, total + a - reach
-        reach = b if reach is None else max(reach, b)
-    return count, total
+    runs = merged_runs(intervals, window)
+    gaps = [a - b for (_, b), (a, _) in pairwise(runs) if a - b >= threshold]
+    return len(gaps), sum(gaps)
 
 
 def measure_events(events: list[KernelEvent], steps: int, pause_s: float) -> KernelWindow:

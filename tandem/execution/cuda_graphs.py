@@ -25,8 +25,7 @@ the same variants at sizes of their own, counted in tokens (a request verifies i
 one token more) up to `VERIFY_MAX_TOKENS`, once per band of history the drafts are searched in
 (a band fixes the search's shape), each placing the verified tokens by the device's lengths,
 drafting, sampling and counting what is kept as the eager step does (`drafting`,
-`sampler.verify`). A
-step without drafts in flight writes its rows' lengths in its graph. A draft model's steps run
+`sampler.verify`). A step without drafts in flight writes its rows' lengths in its graph. A draft model's steps run
 eagerly (its passes are as many as the step's most drafts, chosen on the host), and so do
 verifications of more than `VERIFY_MAX_TOKENS` tokens, or all of them if one of their graphs
 fails to capture (with a warning: the engine still starts).

@@ -2,12 +2,12 @@
 
 The choice is automatic. On a CPU in float32 the fast path runs the fused kernels (built once and
 cached on disk; the build time is reported), and packs every GEMM weight for their GEMM (for
-MKL's where the kernels cannot be built). On CUDA
-the norms, the rotary embedding and SiLU run as fused Triton kernels
-(`ops/triton_elementwise.py`), and with `TANDEM_TRITON_GEMM=1` the GEMMs of decode steps as well
-(`ops/triton_gemm.py`, opt-in until measured on a GPU). Where a piece is unavailable (no MKL, no compiler, no triton,
-another dtype or device) that piece falls back to portable PyTorch. `enforce_eager=True` keeps
-the portable path everywhere, whose arithmetic is Hugging Face's own.
+MKL's where the kernels cannot be built). On CUDA the norms, the rotary embedding and SiLU run
+as fused Triton kernels (`ops/triton_elementwise.py`), and with `TANDEM_TRITON_GEMM=1` the GEMMs
+of decode steps as well (`ops/triton_gemm.py`, opt-in until measured on a GPU). Where a piece is
+unavailable (no MKL, no compiler, no triton, another dtype or device) that piece falls back to
+portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
+Hugging Face's own.
 """
 
 from __future__ import annotations

@@ -59,9 +59,14 @@ def rotary_then_write_kv(rotary: RotaryOp) -> RotaryOp:
     return rotary_and_cache
 
 
-def rotate_cache_attend(rotary_and_cache: RotaryOp, attention: Callable[..., torch.Tensor]):
+def rotate_cache_attend(
+    rotary_and_cache: RotaryOp, attention: Callable[..., torch.Tensor], fuse_decodes: bool = False
+):
     """An ops module's `attend` from its `rotary_and_cache` and its `paged_attention`: rotate q
-    and k, write the step's K and V into the cache, attend (CUDA's ops fuse the decodes')."""
+    and k, write the step's K and V into the cache, attend. `fuse_decodes` (CUDA's ops): in a
+    plain decode step (`meta.distinct_decodes`) the Triton decode kernel, given the decode
+    rows' own keys, rotates, caches and attends in one launch where it can
+    (`triton_attention.fuses_new_keys`); a prefill's rows are rotated and cached first."""
 
     def attend(
         q: torch.Tensor,
@@ -76,8 +81,14 @@ def rotate_cache_attend(rotary_and_cache: RotaryOp, attention: Callable[..., tor
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        q, k = rotary_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        return attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        d, slots = meta.num_decodes, meta.slot_mapping
+        kernels = triton_kernels() if fuse_decodes and d and meta.distinct_decodes else None
+        if kernels is None or not kernels.fuses_new_keys(q, k, v):  # None: switched off too
+            q, k = rotary_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+            return attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        rotary_and_cache(q[d:], k[d:], v[d:], positions[d:], cos, sin, k_cache, v_cache, slots[d:])
+        new = kernels.NewKeys(k[:d], v[:d], positions[:d], cos, sin, slots[:d])
+        return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, new)
 
     return attend
 

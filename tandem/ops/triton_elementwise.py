@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from tandem.ops.attention import paged_attention, rotate_cache_attend, triton_kernels
-from tandem.ops.attention_metadata import AttentionMetadata
+from tandem.ops.attention import paged_attention, rotate_cache_attend
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from tandem.ops.triton_launch import (
     INTERPRETED,
@@ -185,35 +184,8 @@ def rotary_and_cache(
     return q, k
 
 
-_rotate_cache_attend = rotate_cache_attend(rotary_and_cache, paged_attention)
-
-
-def attend(
-    q: torch.Tensor,  # [T, H, D]: the step's projections, not yet rotated
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """The step's attention block. In a plain decode step (`meta.distinct_decodes`) the decode
-    kernel rotates each row's q and key, caches its key and value and attends, in one launch
-    (a prefill's rows are rotated and cached first, as ever); otherwise `rotary_and_cache`,
-    then `paged_attention`."""
-    d, kernels = meta.num_decodes, triton_kernels()  # None: Triton attention switched off
-    if not (d and meta.distinct_decodes and kernels and kernels.fuses_new_keys(q, k, v)):
-        return _rotate_cache_attend(
-            q, k, v, positions, cos, sin, k_cache, v_cache, meta, scale, sliding_window
-        )
-    slots = meta.slot_mapping
-    rotary_and_cache(q[d:], k[d:], v[d:], positions[d:], cos, sin, k_cache, v_cache, slots[d:])
-    new = kernels.NewKeys(k[:d], v[:d], positions[:d], cos, sin, slots[:d])
-    return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, new)
+# A plain decode step's rows rotated, cached and attended by the decode kernel in one launch.
+attend = rotate_cache_attend(rotary_and_cache, paged_attention, fuse_decodes=True)
 
 
 def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> None:
