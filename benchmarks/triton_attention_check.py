@@ -7,7 +7,8 @@ Triton's interpreter and compiles them for sm_90 without running them):
 2. Eager launches under `torch.cuda.set_sync_debug_mode("error")`.
 3. Decode captured once in a CUDA graph for a padded batch, replayed with other contexts
    (longer than at capture too), block tables and queries written into its static inputs.
-4. Decode and prefill timings against the portable path (Llama-3.1-8B attention shapes, bf16).
+4. Decode and prefill timings against the portable path (Llama-3.1-8B attention shapes, bf16);
+   decodes replayed from a CUDA graph under the split rule and under others, to tune it.
 Prints one table last. About a minute on one H200.
 
     python benchmarks/triton_attention_check.py            # CUDA
@@ -228,31 +229,63 @@ def _time(fn, iters=20) -> float:
     return start.elapsed_time(end) / iters * 1e3  # microseconds
 
 
+def _time_graph(fn, calls=10, replays=5) -> float:
+    """Microseconds per call of `fn` replayed from a CUDA graph of `calls` calls, as a decode
+    step runs it: the host's launch cost left out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * calls) * 1e3
+
+
+# (requests, context): the blog's batch along its length, and the shapes between.
+DECODE_TIMINGS = ((32, 1024), (32, 2048), (32, 4096), (32, 8192), (8, 4096), (8, 8192),
+                  (1, 1024), (1, 8192))  # fmt: skip
+
+
 def check_timings() -> None:
+    """One layer's decode attention from a CUDA graph: the engine's split rule, every context
+    split alike (1-16 splits, `split_tokens=0`), and the rule with other long-context steps."""
     heads, kv_heads, dim, bs = 32, 8, 128, 16
-    for batch, ctx in ((32, 1024), (32, 4096), (32, 8192), (1, 8192)):
+    for batch, ctx in DECODE_TIMINGS:
         b = Batch("cuda", torch.bfloat16, heads, kv_heads, dim, bs, [ctx] * batch, [], 0, 3)
         m = b.meta
         kv_bytes = 2 * batch * ctx * kv_heads * dim * 2
-        triton_us = _time(lambda m=m, b=b: ta.paged_attention(b.q, b.k_cache, b.v_cache, m, 0.1))
-        by_splits = [
-            _time(
-                lambda m=m, b=b, s=s: ta.decode_attention(
-                    b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, bs, 0.1,
-                    num_splits=s,
-                )
+
+        def decode(m=m, b=b, **options):
+            ta.decode_attention(
+                b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, bs, 0.1, **options
             )
-            for s in (1, 2, 4, 8)
-        ]  # fmt: skip
+
+        rule = _time_graph(decode)
+        fixed = [_time_graph(lambda s=s: decode(num_splits=s, split_tokens=0))
+                 for s in (1, 2, 4, 8, 16)]  # fmt: skip
+        steps = [_time_graph(lambda t=t: decode(split_tokens=t)) for t in (1024, 4096)]
         portable = _time(
             lambda m=m, b=b: attention._decode_attention(b.q, b.k_cache, b.v_cache, m, 0.1, None)
         )
-        default = ta.default_num_splits(batch, kv_heads, torch.device("cuda"))
+        fill = ta.default_num_splits(batch, kv_heads, torch.device("cuda"))
         report(
             f"decode {batch}x{ctx} (one layer)",
-            f"triton {triton_us:.0f} us ({kv_bytes / triton_us / 1e3:.0f} GB/s, {default} "
-            f"splits; 1/2/4/8 splits: {'/'.join(f'{t:.0f}' for t in by_splits)} us), "
-            f"portable {portable:.0f} us",
+            f"{rule:.1f} us ({kv_bytes / rule / 1e3:.0f} GB/s; fill {fill}, a split per "
+            f"{ta.SPLIT_TOKENS} keys); every context in 1/2/4/8/16 splits: "
+            f"{'/'.join(f'{t:.1f}' for t in fixed)} us; a split per 1024/4096 keys: "
+            f"{'/'.join(f'{t:.1f}' for t in steps)} us; portable {portable:.0f} us",
         )
     for prefix, n in ((0, 2048), (6144, 2048)):
         b = Batch("cuda", torch.bfloat16, heads, kv_heads, dim, bs, [], [(prefix, n)], 0, 4)

@@ -291,6 +291,85 @@ def test_decode_of_a_long_random_batch() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _spying_partials(monkeypatch) -> list[torch.Tensor]:
+    """The decode kernel's partial maxima, nan until a split writes its own."""
+    seen, allocate = [], ta._partials
+
+    def partials(r, heads, splits, dim, device):
+        acc, m, l_sum = (t.fill_(float("nan")) for t in allocate(r, heads, splits, dim, device))
+        seen.append(m)
+        return acc, m, l_sum
+
+    monkeypatch.setattr(ta, "_partials", partials)
+    return seen
+
+
+LONG_CASES = [
+    # lens (after the step), window, fill splits, split_tokens, new keys (rotated by the kernel),
+    # splits each request's partials come from (none for one split: it writes out itself);
+    # tiles of 16 keys
+    ([300, 40, 1], None, 1, 64, False, [4, 0, 0]),  # 19 tiles: 4 splits of 5; 3 and 1 tiles: 1
+    ([300, 40, 2], None, 1, 64, True, [4, 0, 0]),  # the same with the step's own key
+    ([300, 130], 100, 1, 64, True, [0, 2]),  # the window keeps 7 and 8 tiles
+    ([300, 130], None, 2, 128, False, [2, 2]),  # 19 tiles: 2 of 10 (LONG cut to the grid's 2)
+    ([260, 70], None, 3, 0, False, [3, 3]),  # the fill alone: 17 tiles in 6s, 5 in 2s
+    ([70, 20], None, 4, 0, False, [3, 2]),  # 5 tiles in 2s: 3 splits, not 4 with one empty
+]
+
+
+@pytest.mark.parametrize("lens,window,fill,split_tokens,rotate,partials", LONG_CASES)
+def test_long_contexts_split_more_and_merge_in_their_last_split(
+    monkeypatch, lens, window, fill, split_tokens, rotate, partials
+) -> None:
+    """A long context gets a split per `split_tokens` keys beyond the fill (up to LONG_SPLITS),
+    a short one only the fill's, each split with a tile; the last split to finish merges them
+    (their count back at zero after), and every request equals the portable path."""
+    from tandem.ops import triton_elementwise as te
+
+    seen = _spying_partials(monkeypatch)
+    dtype, dim, heads, kv_heads, bs, block_n = torch.bfloat16, 32, 4, 2, 16, 16
+    g = torch.Generator().manual_seed(sum(lens) + fill)
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, dtype, g)
+    tables = _tables(lens, bs, num_blocks, g)
+    for i, n in enumerate(lens):
+        _fill(k_cache, v_cache, tables[i], n - 1, g)  # the keys before the step's own
+    r = len(lens)
+    q, k, v = (torch.randn(r, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    positions = torch.tensor(lens) - 1
+    slots = tables[torch.arange(r), positions // bs] * bs + positions % bs
+    angles = torch.arange(512.0)[:, None] * torch.rand(dim // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    context = torch.tensor(lens)
+    ref_caches = k_cache.clone(), v_cache.clone()
+    q_rot, _ = te.rotary_and_cache(q.clone(), k.clone(), v, positions, cos, sin, *ref_caches, slots)
+    meta = AttentionMetadata(
+        slots, tables.clamp(max=num_blocks - 1), context, r, tables.shape[1], [], bs,
+    )  # fmt: skip
+    clean = (_clean(c) for c in ref_caches)
+    ref = _decode_attention(q_rot.float(), *clean, meta, 0.2, window)
+    options = dict(num_splits=fill, split_tokens=split_tokens, block_n=block_n)
+    if rotate:
+        new = ta.NewKeys(k, v, positions, cos, sin, slots)
+        out = ta.decode_attention(
+            q, k_cache, v_cache, tables, context, bs, 0.2, window, new_keys=new, **options
+        )
+    else:
+        out = ta.decode_attention(q_rot, *ref_caches, tables, context, bs, 0.2, window, **options)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    (m,) = seen
+    assert [int((~m[row, 0].isnan()).sum()) for row in range(r)] == partials
+    assert not ta._split_counters(q.device, 1).any()
+
+
+def test_splits_for_the_longest_context_the_tables_hold() -> None:
+    assert ta.grid_splits(1, 1024, ta.SPLIT_TOKENS) == 1
+    assert ta.grid_splits(1, 4096, ta.SPLIT_TOKENS) == 2
+    assert ta.grid_splits(1, 131072, ta.SPLIT_TOKENS) == ta.LONG_SPLITS
+    assert ta.grid_splits(16, 131072, ta.SPLIT_TOKENS) == 16  # the fill, when it is more
+    assert ta.grid_splits(3, 131072, 0) == 3  # long contexts not split further
+
+
 def test_cpu_attention_never_looks_for_triton(monkeypatch) -> None:
     """CPU tensors keep the portable path; triton is looked up for CUDA tensors only."""
 
@@ -350,18 +429,20 @@ def test_kernels_compile_for_sm90() -> None:
     assert gemm <= kernels
     assert kernels - gemm - {(r["case"], name) for r in records for name in elementwise} == {
         ("llama8b-bf16", "_decode_kernel"),
-        ("llama8b-bf16", "_merge_splits_kernel"),
         ("llama8b-bf16", "_prefill_kernel"),
         ("llama1b-bf16", "_decode_kernel"),
         ("llama1b-bf16", "_prefill_kernel"),
         ("group7-window-fp16", "_decode_kernel"),
         ("group7-window-fp16", "_prefill_kernel"),
         ("fp32-dim48", "_decode_kernel"),
-        ("fp32-dim48", "_merge_splits_kernel"),
     }
     assert {(case, name) for case in CASE_NAMES for name in elementwise} <= kernels
     rotating = {r["case"] for r in records if r["rotates"]}  # plain decode steps' kernel
     assert rotating == {"llama8b-bf16", "llama1b-bf16", "group7-window-fp16"}
+    # split decodes merge in their last split: every thread's partials stored (bar.sync), then
+    # one thread's acquire-release count, the partials read back from L2
+    merging = {(r["case"], r["rotates"]) for r in records if r["counts_splits"]}
+    assert merging == {("llama8b-bf16", False), ("llama8b-bf16", True), ("fp32-dim48", False)}
     for r in records:
         assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
         if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel", "_quantize_rows_fp8_kernel"):

@@ -11,12 +11,16 @@ all (a padding row of a decode batch, context length 0) comes out as zeros.
 
 Decode (`decode_attention`) is built for CUDA graphs: its grid is (requests, KV heads, splits),
 fixed for a padded batch, and each program reads its request's context length and block-table
-row from device tensors, bounding its loop on the device. Long contexts are split across
-`num_splits` programs (flash-decoding); a small second kernel merges their partial results. The
-split count depends on the batch shape and the GPU only, never on the context lengths. Given a
+row from device tensors, bounding its loop on the device. A request's keys are split across
+programs (flash-decoding) by a rule the kernel applies to its context length: as many splits as
+fill the GPU for the batch's shape (`default_num_splits`), or, for a long context, one per
+`split_tokens` keys (`SPLIT_TOKENS`, up to `LONG_SPLITS`) if that is more, so that a batch that
+already fills the GPU still reads a long context with more loads in flight. Programs beyond a
+request's count have no tile to read. The split that finishes last (an atomic count per request
+and KV head, back to zero after) merges the partial results, so no second kernel runs. Given a
 plain step's own keys and values (`NewKeys`), it rotates q and those keys itself, caches them
 (the first split) and attends to each row's own key from registers (the last split), so the
-step needs no rotary kernel before it and no program reads what another writes.
+step needs no rotary kernel before it.
 
 Prefill (`prefill_attention`) runs one launch per chunk from the host ints of its
 `PrefillSegment`: the chunk's keys, already written into the cache (`rotary_and_cache`), and its cached
@@ -49,6 +53,11 @@ if TYPE_CHECKING:
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+# A long context gets a split per this many keys (when that is more than the splits that fill
+# the GPU), up to LONG_SPLITS: at 32 requests of the 8B shape one split read 4096 and 8192 keys
+# a request in 1.27x and 1.34x the time of two (docs/performance.md, H200).
+SPLIT_TOKENS = 2048
+LONG_SPLITS = 4
 # Below every real score, and finite: exp2(floor - floor) is 1, never nan.
 _M_FLOOR = tl.constexpr(-1.0e30)
 # Explicit, so a Triton release that changes the defaults changes nothing here.
@@ -139,10 +148,14 @@ def _decode_kernel(
     part_acc_ptr,  # [R, H, NUM_SPLITS, HEAD_DIM] fp32 (NUM_SPLITS > 1 only)
     part_m_ptr,  # [R, H, NUM_SPLITS]
     part_l_ptr,
+    counters_ptr,  # [>= R * Hkv] int32, zero: splits of each (request, KV head) done
     block_tables_ptr,
     context_lens_ptr,
     qk_scale,
     num_heads,
+    num_kv_heads,
+    fill_splits,  # splits of any context (up to its tiles)
+    split_tiles,  # or one per this many key tiles, if more
     stride_qt,
     stride_qh,
     stride_kb,
@@ -172,7 +185,8 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # the grid's splits, the most any request uses
+    BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
     ROTATE: tl.constexpr,
@@ -218,15 +232,20 @@ def _decode_kernel(
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    # Key tiles this split visits: its share of those overlapping [window start, kv_len).
+    # Key tiles this split visits: its share of those overlapping [window start, kv_len), among
+    # this request's `splits`, each of which has at least one tile (or split 0 alone, none).
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(ctx - WINDOW, 0)
     tile_lo = lo // BLOCK_N
     tile_hi = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+    tiles = tl.maximum(tile_hi - tile_lo, 0)
+    splits = tl.maximum(tl.minimum(fill_splits, tiles), tiles // split_tiles)
+    splits = tl.maximum(tl.minimum(splits, NUM_SPLITS), 1)
+    per_split = tl.maximum(tl.cdiv(tiles, splits), 1)
+    splits = tl.maximum(tl.cdiv(tiles, per_split), 1)
     first = tile_lo + split * per_split
-    last = tl.minimum(first + per_split, tile_hi)
+    last = tl.minimum(first + per_split, tile_hi)  # empty for a split beyond `splits`
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], _M_FLOOR, dtype=tl.float32)
@@ -258,7 +277,7 @@ def _decode_kernel(
         BF16_AS_FP32,
     )
     if ROTATE:  # noqa: SIM102 - a constexpr: without it the body (k_new, v_new) is not compiled
-        if split == NUM_SPLITS - 1:  # the step's own key, the last of the context
+        if split == splits - 1:  # the step's own key, the last of the context
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
@@ -268,65 +287,64 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + weight[:, None] * v_new.to(tl.float32)
             m_i = m_new
 
+    out_rows = out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    mask_out = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask_g[:, None] & mask_d[None, :],
-        )
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_out)
     else:
-        part = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(part_m_ptr + part, m_i, mask=mask_g)
-        tl.store(part_l_ptr + part, l_i, mask=mask_g)
-        tl.store(
-            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=mask_g[:, None] & mask_d[None, :],
-        )
+        if splits == 1:
+            if split == 0:
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_out)
+        elif split < splits:
+            parts = (req * num_heads + heads) * NUM_SPLITS  # [BLOCK_G] each head's first split
+            tl.store(part_m_ptr + parts + split, m_i, mask=mask_g)
+            tl.store(part_l_ptr + parts + split, l_i, mask=mask_g)
+            tl.store(
+                part_acc_ptr + (parts + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                acc,
+                mask=mask_out,
+            )
+            # Every thread's stores before the count (release); the last split sees all (acquire).
+            tl.debug_barrier()
+            counter = counters_ptr + req * num_kv_heads + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == splits - 1:
+                _merge_splits(
+                    part_acc_ptr, part_m_ptr, part_l_ptr, parts, splits, out_rows, mask_g,
+                    mask_out, offs_d, BLOCK_G, BLOCK_S, BLOCK_D, HEAD_DIM,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # for the next launch
     let_next_kernel_launch(PDL)
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    out_ptr,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """out[req, head] from the splits' partial (acc, max, sum): rescale each to the common max."""
-    wait_for_previous_kernel(PDL)
-    req = tl.program_id(0)
-    head = tl.program_id(1)
+def _merge_splits(
+    part_acc_ptr, part_m_ptr, part_l_ptr, parts, splits, out_rows, mask_g, mask_out, offs_d,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The heads' outputs from their `splits` partial (acc, max, sum), in split order, each
+    rescaled to the common max. The loads bypass L1 (`.cg`), which other SMs' writes miss."""
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    part = (req * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_m_ptr + part, mask=mask_s, other=_M_FLOOR)
-    l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    w = tl.exp2(m - tl.max(m, 0))
-    den = tl.sum(l_s * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(
-        out_ptr + req * stride_ot + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_d,
-    )
-    let_next_kernel_launch(PDL)
+    mask = mask_g[:, None] & (offs_s[None, :] < splits)
+    at = parts[:, None] + offs_s[None, :]
+    top = tl.max(tl.load(part_m_ptr + at, mask=mask, other=_M_FLOOR, cache_modifier=".cg"), 1)
+    den = tl.zeros([BLOCK_G], dtype=tl.float32)
+    num = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for s in range(0, splits):
+        m = tl.load(part_m_ptr + parts + s, mask=mask_g, other=_M_FLOOR, cache_modifier=".cg")
+        w = tl.exp2(m - top)
+        den += w * tl.load(part_l_ptr + parts + s, mask=mask_g, other=0.0, cache_modifier=".cg")
+        acc = tl.load(
+            part_acc_ptr + (parts + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_out,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        num += w[:, None] * acc
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask_out)
 
 
 @triton.jit(do_not_specialize=["token_start", "num_tokens", "ctx", "row"])
@@ -498,7 +516,8 @@ def _sm_count(device_index: int) -> int:
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per (request, KV head) so the grid fills about two waves of the GPU's SMs.
+    """Splits per (request, KV head) so the grid fills about two waves of the GPU's SMs: the
+    splits any context gets (up to its key tiles); long ones get more (`grid_splits`).
 
     Depends on the batch shape and the device only, so a captured graph keeps a choice that
     suits every context length it will replay with.
@@ -507,6 +526,40 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
         return 1
     programs = max(num_seqs * num_kv_heads, 1)
     return max(1, min(MAX_SPLITS, (2 * _sm_count(device.index or 0)) // programs))
+
+
+def grid_splits(fill: int, max_context: int, split_tokens: int) -> int:
+    """The grid's splits: `fill`, or as many as the longest context a block-table row holds
+    gets at a split per `split_tokens` keys (at most LONG_SPLITS), whichever is more."""
+    long = min(LONG_SPLITS, max_context // split_tokens) if split_tokens else 1
+    return max(fill, long, 1)
+
+
+# Per device, zeros: the split counts of each (request, KV head). The decode kernel leaves them
+# at zero, so one tensor serves every launch; outgrown ones stay alive for the graphs that
+# captured their address.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "decode attention's split counters must exist before a CUDA graph is captured: "
+                "run the step once eagerly first"
+            )
+        held.append(torch.zeros(max(needed, 1 << 14), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def _partials(
+    r: int, heads: int, splits: int, dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each split's (acc, max, sum) per request and head, fp32, for the last split to merge."""
+    acc = torch.empty(r, heads, splits, dim, dtype=torch.float32, device=device)
+    m = torch.empty(r, heads, splits, dtype=torch.float32, device=device)
+    return acc, m, torch.empty_like(m)
 
 
 def decode_attention(
@@ -521,27 +574,33 @@ def decode_attention(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    split_tokens: int = SPLIT_TOKENS,
     block_n: int = 64,
     new_keys: NewKeys | None = None,
 ) -> torch.Tensor:
     """Each request's query attends to its first context_lens[r] cached keys, read in place.
     With `new_keys` (`fuses_new_keys`) q is not yet rotated: the kernel rotates it and the
     step's keys, caches the step's keys and values, and attends to the cached ones before
-    them and to its own from registers (one launch instead of a rotary kernel and this)."""
+    them and to its own from registers (one launch instead of a rotary kernel and this).
+    `num_splits`: the splits of every context (default: those that fill the GPU);
+    `split_tokens`: a long context's keys per further split (0: none)."""
     _check(q, k_cache, v_cache)
     r, num_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
+    if split_tokens and split_tokens < block_n:
+        raise ValueError(f"split_tokens {split_tokens} is below a key tile of {block_n}")
     if out is None:
         out = torch.empty_like(q)
     if r == 0:
         return out
-    splits = num_splits or default_num_splits(r, kv_heads, q.device)
+    fill = num_splits or default_num_splits(r, kv_heads, q.device)
+    splits = grid_splits(fill, block_tables.shape[1] * block_size, split_tokens)
     if splits > 1:
-        part_acc = torch.empty(r, num_heads, splits, dim, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(r, num_heads, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        part_acc, part_m, part_l = _partials(r, num_heads, splits, dim, q.device)
+        counters = _split_counters(q.device, r * kv_heads)
     else:
         part_acc = part_m = part_l = out  # unused
+        counters = context_lens
     group = num_heads // kv_heads
     block_d = triton.next_power_of_2(dim)
     _decode_kernel[(r, kv_heads, splits)](
@@ -552,10 +611,14 @@ def decode_attention(
         part_acc,
         part_m,
         part_l,
+        counters,
         block_tables,
         context_lens,
         scale * LOG2E,
         num_heads,
+        kv_heads,
+        fill,
+        split_tokens // block_n if split_tokens else 1 << 30,
         *_strides(q, k_cache, v_cache, out, block_tables),
         *_new_key_args(new_keys, q),
         GROUP=group,
@@ -566,28 +629,13 @@ def decode_attention(
         BLOCK_D=block_d,
         HEAD_DIM=dim,
         NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=_precision(q.dtype),
         BF16_AS_FP32=_INTERPRETED and q.dtype == torch.bfloat16,
         ROTATE=new_keys is not None,
         **_LAUNCH,
         **pdl_options(q.device),
     )
-    if splits > 1:
-        _merge_splits_kernel[(r, num_heads)](
-            part_acc,
-            part_m,
-            part_l,
-            out,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=block_d,
-            HEAD_DIM=dim,
-            **_LAUNCH,
-            **pdl_options(q.device),
-        )
     return out
 
 
