@@ -16,7 +16,7 @@ programs (flash-decoding) by a rule the kernel applies to its context length: as
 fill the GPU for the batch's shape (`default_num_splits`), or, for a long context, one per
 `split_tokens` keys (`SPLIT_TOKENS`, up to `LONG_SPLITS`) if that is more, so that a batch that
 already fills the GPU still reads a long context with more loads in flight. Programs beyond a
-request's count have no tile to read. The split that finishes last (an atomic count per request
+request's count return at once. The split that finishes last (an atomic count per request
 and KV head, back to zero after) merges the partial results, so no second kernel runs. Given a
 plain step's own keys and values (`NewKeys`), it rotates q and those keys itself, caches them
 (the first split) and attends to each row's own key from registers (the last split), so the
@@ -204,7 +204,27 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
-    kv_len = ctx  # keys read from the cache: [0, kv_len)
+    # Keys read from the cache: [0, kv_len); with ROTATE the step's own, the last, from registers.
+    kv_len = ctx - 1 if ROTATE else ctx
+
+    # Key tiles this split visits: its share of those overlapping [window start, kv_len), among
+    # this request's `splits`, each of which has at least one tile (or split 0 alone, none).
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(ctx - WINDOW, 0)
+    tile_lo = lo // BLOCK_N
+    tile_hi = tl.cdiv(kv_len, BLOCK_N)
+    tiles = tl.maximum(tile_hi - tile_lo, 0)
+    splits = tl.maximum(tl.minimum(fill_splits, tiles), tiles // split_tiles)
+    splits = tl.maximum(tl.minimum(splits, NUM_SPLITS), 1)
+    per_split = tl.maximum(tl.cdiv(tiles, splits), 1)
+    splits = tl.maximum(tl.cdiv(tiles, per_split), 1)
+    first = tile_lo + split * per_split
+    last = tl.minimum(first + per_split, tile_hi)
+
+    if split >= splits:  # a program this request does not use: nothing to read or write
+        return
+
     if ROTATE:  # q and the step's key rotated here; that key and value cached by split 0
         half = tl.arange(0, BLOCK_D // 2)[None, :]
         row = tl.load(positions_ptr + req).to(tl.int64) * stride_table + half
@@ -228,24 +248,8 @@ def _decode_kernel(
             v_at = v_cache_ptr + block * stride_vb + within * stride_vt + kv_head * stride_vh
             tl.store(k_at + offs_d[None, :], k_new)
             tl.store(v_at + offs_d[None, :], v_new)
-        kv_len = ctx - 1  # the step's own key comes from registers, after the cached ones
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-
-    # Key tiles this split visits: its share of those overlapping [window start, kv_len), among
-    # this request's `splits`, each of which has at least one tile (or split 0 alone, none).
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(ctx - WINDOW, 0)
-    tile_lo = lo // BLOCK_N
-    tile_hi = tl.cdiv(kv_len, BLOCK_N)
-    tiles = tl.maximum(tile_hi - tile_lo, 0)
-    splits = tl.maximum(tl.minimum(fill_splits, tiles), tiles // split_tiles)
-    splits = tl.maximum(tl.minimum(splits, NUM_SPLITS), 1)
-    per_split = tl.maximum(tl.cdiv(tiles, splits), 1)
-    splits = tl.maximum(tl.cdiv(tiles, per_split), 1)
-    first = tile_lo + split * per_split
-    last = tl.minimum(first + per_split, tile_hi)  # empty for a split beyond `splits`
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], _M_FLOOR, dtype=tl.float32)
@@ -290,14 +294,11 @@ def _decode_kernel(
     out_rows = out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     mask_out = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_out)
+        _store_out(out_rows, acc, l_i, mask_out)
     else:
         if splits == 1:
-            if split == 0:
-                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_out)
-        elif split < splits:
+            _store_out(out_rows, acc, l_i, mask_out)
+        else:
             parts = (req * num_heads + heads) * NUM_SPLITS  # [BLOCK_G] each head's first split
             tl.store(part_m_ptr + parts + split, m_i, mask=mask_g)
             tl.store(part_l_ptr + parts + split, l_i, mask=mask_g)
@@ -343,8 +344,14 @@ def _merge_splits(
             cache_modifier=".cg",
         )
         num += w[:, None] * acc
-    out = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask_out)
+    _store_out(out_rows, num, den, mask_out)
+
+
+@triton.jit
+def _store_out(out_rows, acc, l_sum, mask):
+    """The heads' outputs: the accumulator over the softmax's sum (zeros where nothing summed)."""
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["token_start", "num_tokens", "ctx", "row"])
