@@ -354,6 +354,28 @@ def test_configure_switches_speculation(cycling_llama):
     assert engine.speculative_config is None
 
 
+def test_step_costs_outlive_switching_speculation_off_and_on(cycling_llama):
+    """What a step of n tokens costs is timed once per method and loop for the engine's life:
+    speculation switched off and on again drafts from the times it has, not from an untimed
+    start that drafts in every other step only."""
+    llm = make_llm(cycling_llama, async_scheduling=False)
+    engine = llm.engine
+    engine.configure(speculative_config=NGRAM)
+    llm.generate(prompts_with_repeats(), greedy(24))
+    first = engine.scheduler.drafts
+    assert first.costs.costs(1, 5) is not None  # two bands of step sizes timed
+    engine.configure(speculative_config=None)
+    engine.configure(speculative_config=NGRAM)
+    again = engine.scheduler.drafts
+    assert again is not first and again.costs is first.costs
+    llm.generate(prompts_with_repeats(), greedy(24))
+    assert again._untimed_steps == 0
+    engine.configure(async_scheduling=True)  # the other loop's steps are timed apart
+    assert again.costs is not first.costs and again.costs.costs(1, 5) is None
+    engine.configure(async_scheduling=False)
+    assert again.costs is first.costs
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

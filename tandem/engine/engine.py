@@ -33,7 +33,7 @@ from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
 from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.sampler.inputs import LogprobRows
-from tandem.scheduling.draft_policy import DraftPolicy
+from tandem.scheduling.draft_policy import DraftPolicy, StepCosts
 from tandem.scheduling.kv_groups import KVGroups
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
 
@@ -101,6 +101,8 @@ class Engine:
             groups=groups,
         )
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
+        self._depth = 1 if config.async_scheduling else 0
+        self._step_costs: dict[tuple[str, int], StepCosts] = {}
         self._speculation(config.speculative_config)
         self.runner, self.execution = loaded.start(self.scheduler.slots.size, max_model_len)
         logger.info("execution: %s", self.execution.describe())
@@ -115,7 +117,6 @@ class Engine:
         self.history = StepHistory()
         self._kv_bytes = self.spec.kv_bytes_by_window(config.torch_dtype.itemsize)
         self._speculative_stats = SpeculativeStats()
-        self._depth = 1 if config.async_scheduling else 0
         self._inflight: deque[_InFlight] = deque()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -214,6 +215,8 @@ class Engine:
             raise RuntimeError("reconfigure the engine only while it is idle")
         if async_scheduling is not None:
             self._depth = 1 if async_scheduling else 0
+            if self.scheduler.drafts is not None:
+                self.scheduler.drafts.costs = self._step_costs_of(self.builder.speculative)
         if enable_prefix_caching is not None:
             self.scheduler.enable_prefix_caching = enable_prefix_caching
             self.scheduler.reset_prefix_cache()
@@ -231,8 +234,16 @@ class Engine:
             )
         self.builder.speculative = spec
         self.scheduler.drafts = (
-            None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.adaptive)
+            None
+            if spec is None
+            else DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self._step_costs_of(spec))
         )
+
+    def _step_costs_of(self, spec: SpeculativeConfig) -> StepCosts:
+        """The step times drafts are priced by, kept per method and loop for the engine's life:
+        what a step of n tokens costs is the device's and the model's, so speculation switched
+        off and on again (`configure`) does not time its steps afresh, drafting less meanwhile."""
+        return self._step_costs.setdefault((spec.method, self._depth), StepCosts())
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (only while idle)."""

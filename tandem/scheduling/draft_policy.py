@@ -20,7 +20,8 @@ request that got no drafts for `PROBE_INTERVAL` steps gets one (a probe), or it 
 learn that its drafts became good; the interval doubles after each verification that accepted
 nothing (free text probes rarely), and resets on an accepted draft.
 Until the line exists, every other step drafts: one request, or as many as it takes to reach
-the next band of step sizes (two bands to time).
+the next band of step sizes (two bands to time). The engine keeps the step times for its life
+(`DraftPolicy(costs=...)`), so only its first speculating steps pay for that.
 """
 
 from __future__ import annotations
@@ -139,10 +140,10 @@ class StepCosts:
 class DraftPolicy:
     """The draft lengths of the next step, from each request's acceptance and measured costs."""
 
-    def __init__(self, max_drafts: int, adaptive: bool = True):
+    def __init__(self, max_drafts: int, adaptive: bool = True, costs: StepCosts | None = None):
         self.max_drafts = max_drafts
         self.adaptive = adaptive
-        self.costs = StepCosts()
+        self.costs = StepCosts() if costs is None else costs  # the engine's, kept across policies
         self.acceptance = INITIAL_ACCEPTANCE  # over all requests
         self._untimed_steps = 0  # steps allotted before the cost line existed
 
