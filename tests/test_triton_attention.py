@@ -412,8 +412,8 @@ def test_kernels_compile_for_sm90() -> None:
     fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
     the fused norms, rotary, SiLU and FP8 row rounding of ops/triton_elementwise.py in every
     case's dtype, and the few-rows GEMM of ops/triton_gemm.py in bf16 and fp16 on tensor cores;
-    the decode kernel also as it rotates and caches a plain step's keys (bf16, fp16); all but
-    the SiLU with programmatic dependent launch."""
+    the decode kernel also as it rotates and caches a plain step's keys (bf16, fp16), and the
+    GEMM over FP8 weights' e4m3 codes; all but the SiLU with programmatic dependent launch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -427,6 +427,10 @@ def test_kernels_compile_for_sm90() -> None:
                    "_quantize_rows_fp8_kernel"}  # fmt: skip
     gemm = {(case, "_few_rows_gemm_kernel") for case in CASE_NAMES if case[:4] != "fp32"}
     assert gemm <= kernels
+    # the GEMM over e4m3 codes (FP8 weights) at every bf16/fp16 case, on tensor cores
+    scaled = [r for r in records if r["scaled"]]
+    assert {(r["case"], r["kernel"]) for r in scaled} == gemm
+    assert all(r["mma"] and r["e4m3"] for r in scaled)
     assert kernels - gemm - {(r["case"], name) for r in records for name in elementwise} == {
         ("llama8b-bf16", "_decode_kernel"),
         ("llama8b-bf16", "_prefill_kernel"),
@@ -447,7 +451,7 @@ def test_kernels_compile_for_sm90() -> None:
         assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
         if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel", "_quantize_rows_fp8_kernel"):
             assert not r["fma"], r  # PyTorch's two roundings, not a contracted a*b + c
-        assert r["e4m3"] == (r["kernel"] == "_quantize_rows_fp8_kernel"), r
+        assert r["e4m3"] == (r["kernel"] == "_quantize_rows_fp8_kernel" or r["scaled"]), r
         # launched dependent: waits for the kernel before it, lets the next launch at its end
         dependent = r["kernel"] != "_silu_and_mul_kernel"
         assert r["pdl"] == r["lets_next_launch"] == dependent, r

@@ -4,7 +4,8 @@ Run by tests/test_triton_attention.py in a fresh process (the interpreter, which
 tests use, is process-wide in Triton). Triton asks its driver only for the target, the device and
 the stream before compiling; a stand-in answers for an H200, and every launch is turned into
 `warmup` (compile, do not run). The wrappers of `tandem.ops.triton_attention` and
-`triton_elementwise` (and `triton_gemm`) are called as the engine calls them, so the kernels get the specializations a real launch would. Prints one JSON
+`triton_elementwise` (and `triton_gemm`, over bf16 and over e4m3 codes) are called as the engine
+calls them, so the kernels get the specializations a real launch would. Prints one JSON
 line per compiled kernel: name, dtype case, shared memory, whether its PTX uses tensor cores,
 and whether it waits for the previous kernel (programmatic dependent launch, as on an H200).
 """
@@ -25,6 +26,7 @@ from tandem.ops import triton_attention as ta  # noqa: E402
 from tandem.ops import triton_elementwise as te  # noqa: E402
 from tandem.ops import triton_gemm as tg  # noqa: E402
 from tandem.ops.attention_metadata import PrefillSegment  # noqa: E402
+from tandem.ops.fp8 import FP8_DTYPE, quantize_fp8  # noqa: E402
 
 CASES = {
     # dtype, head_dim, heads, kv_heads, window, decode splits, compile a prefill
@@ -103,15 +105,22 @@ def main(names: list[str]) -> None:
                             table, table, k_cache, v_cache, context[:r])  # fmt: skip
         te.silu_and_mul(torch.zeros(r, 2 * 4 * hidden, dtype=dtype))
         te.quantize_rows_fp8(x)
+        scaled = set()  # the GEMM over e4m3 codes (FP8 weights)
         if dtype in tg.DTYPES:  # a decode step's GEMM at its rows, with a bias
             tg.few_rows_linear(
                 x, torch.zeros(512, hidden, dtype=dtype), torch.zeros(512, dtype=dtype)
             )
+            before = len(built)
+            codes = torch.zeros(r, hidden, dtype=FP8_DTYPE)
+            weight = quantize_fp8(torch.zeros(512, hidden))
+            tg.scaled_few_rows(codes, torch.ones(r, 1), weight, dtype)
+            scaled = {id(k) for k in built[before:]}
         for k in built:
             record = {
                 "case": name,
                 "kernel": k.name,
                 "rotates": id(k) in rotating,
+                "scaled": id(k) in scaled,
                 "cubin_bytes": len(k.asm["cubin"]),
                 "shared": k.metadata.shared,
                 "num_warps": k.metadata.num_warps,

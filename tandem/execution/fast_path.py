@@ -4,7 +4,8 @@ The choice is automatic. On a CPU in float32 the fast path runs the fused kernel
 cached on disk; the build time is reported), and packs every GEMM weight for their GEMM (for
 MKL's where the kernels cannot be built). On CUDA the norms, the rotary embedding and SiLU run
 as fused Triton kernels (`ops/triton_elementwise.py`), and with `TANDEM_TRITON_GEMM=1` the GEMMs
-of decode steps as well (`ops/triton_gemm.py`, opt-in until measured on a GPU). Where a piece is
+of decode steps as well, FP8 layers' too (`ops/triton_gemm.py`, opt-in until measured on a
+GPU). Where a piece is
 unavailable (no MKL, no compiler, no triton, another dtype or device) that piece falls back to
 portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
 Hugging Face's own.
@@ -20,6 +21,7 @@ import torch
 
 from tandem.models.llama import LlamaModel
 from tandem.ops import cpu_elementwise, cpu_kernels
+from tandem.ops.fp8 import supports_fp8_gemm
 
 
 @dataclass
@@ -108,7 +110,10 @@ def _choose(
         if os.environ.get("TANDEM_TRITON_GEMM") == "1":  # opt-in until measured: triton_gemm.py
             from tandem.ops import triton_gemm
 
-            if model.use_few_rows_gemm(triton_gemm.GEMM):
+            took = model.use_few_rows_gemm(triton_gemm.GEMM)
+            if supports_fp8_gemm(device):  # e4m3 dots: FP8 tensor cores
+                took += model.use_fp8_few_rows_gemm(triton_gemm.FP8_GEMM)
+            if took:
                 plan.few_rows_gemm = triton_gemm.MAX_ROWS
         return plan
     if enforce_eager or device.type != "cpu" or dtype != torch.float32:

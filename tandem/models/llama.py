@@ -25,7 +25,7 @@ from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, hea
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention_metadata import AttentionMetadata
-from tandem.ops.fp8 import Fp8Weight, RowQuantizer, can_quantize_fp8, quantize_fp8
+from tandem.ops.fp8 import Fp8Gemm, Fp8Weight, RowQuantizer, can_quantize_fp8, quantize_fp8
 from tandem.ops.linear import (
     FewRowsGemm,
     Linear,
@@ -376,6 +376,13 @@ class LlamaModel(nn.Module):
         layers = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
         for module in layers:
             module.few_rows_gemm = gemm
+        return len(layers)
+
+    def use_fp8_few_rows_gemm(self, gemm: Fp8Gemm) -> int:
+        """`gemm` for the few-row products of every FP8 layer; how many took it."""
+        layers = list(self._fp8_layers())
+        for module in layers:
+            module.quantized.few_rows = gemm
         return len(layers)
 
     def use_fp8_row_quantizer(self, quantize_rows: RowQuantizer) -> None:

@@ -32,6 +32,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 RowQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """Another product of e4m3 codes than `_scaled_mm`, for the input rows it `handles` (a
+    decode step's few): run(codes, scales, weight, out_dtype)."""
+
+    handles: Callable[[torch.Tensor], bool]
+    run: Callable[[torch.Tensor, torch.Tensor, Fp8Weight, torch.dtype], torch.Tensor]
+
+
 @dataclass
 class Fp8Weight:
     """One [out_features, in_features] weight as e4m3 codes and per-row scales."""
@@ -42,6 +51,8 @@ class Fp8Weight:
     # How the GEMM's input is rounded: PyTorch's ops (about 8 kernels on CUDA), or the same bits
     # in one Triton kernel (`triton_elementwise.quantize_rows_fp8`, set with the fused ops).
     quantize_rows: RowQuantizer = quantize_rows
+    # The product at few rows on CUDA, where set (`triton_gemm.FP8_GEMM`); else `_scaled_mm`.
+    few_rows: Fp8Gemm | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,7 +104,9 @@ def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) 
     """x [..., K] @ weight.T (+ bias) in x's dtype, x rounded to e4m3 per row first."""
     rows = x.reshape(-1, x.shape[-1])
     codes, scales = q.quantize_rows(rows)
-    if supports_fp8_gemm(x.device):
+    if q.few_rows is not None and q.few_rows.handles(codes):
+        out = q.few_rows.run(codes, scales, q, x.dtype)
+    elif supports_fp8_gemm(x.device):
         out = torch._scaled_mm(
             codes, q.codes.t(), scale_a=scales, scale_b=q.scales.view(1, -1), out_dtype=x.dtype
         )

@@ -12,10 +12,16 @@ Products accumulate in fp32 on tensor cores and are rounded once to the input's 
 cuBLAS does; the order of the sums differs, so results may differ from cuBLAS's in the last bit
 of bf16. bf16 and fp16 only (fp32 would take TF32's rounding or run without tensor cores).
 
-Opt-in (`TANDEM_TRITON_GEMM=1`) until it is measured against cuBLAS on a GPU
-(`benchmarks/triton_gemm_check.py`), which also picks `CONFIG`. tests/test_triton_gemm.py runs
-the kernel in Triton's interpreter against torch, and tests/triton_sm90_compile.py builds it for
-sm_90.
+FP8 weights (`fp8.py`) take the same kernel over e4m3 codes (`FP8_GEMM`: x's codes, rounded per
+row, against the weight's, both scales applied to the fp32 sums: the product `_scaled_mm`
+computes; Triton widens e4m3 to fp16 for the MMA at these rows, exactly) in place of
+`_scaled_mm`, with which an 8B decode step on FP8 weights took longer than on bf16 ones
+(docs/performance.md, H200).
+
+Opt-in (`TANDEM_TRITON_GEMM=1`) until it is measured against cuBLAS and `_scaled_mm` on a GPU
+(`benchmarks/triton_gemm_check.py`), which also picks `CONFIG` and `FP8_CONFIG`.
+tests/test_triton_gemm.py runs the kernel in Triton's interpreter against torch, and
+tests/triton_sm90_compile.py builds it for sm_90.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.ops.fp8 import FP8_DTYPE, Fp8Gemm, Fp8Weight
 from tandem.ops.linear import FewRowsGemm
 from tandem.ops.triton_launch import (
     INTERPRETED,
@@ -47,6 +54,8 @@ class GemmConfig:
 
 
 CONFIG = GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+# FP8: a K tile of as many bytes as CONFIG's (one byte a weight instead of two).
+FP8_CONFIG = GemmConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
 
 
 @triton.jit
@@ -54,6 +63,8 @@ def _few_rows_gemm_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
+    x_scales_ptr,  # SCALED: x's row scales [M] and the weight's [N], fp32
+    w_scales_ptr,
     out_ptr,
     M,
     N,
@@ -62,11 +73,12 @@ def _few_rows_gemm_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr,  # e4m3 codes whose sums take both scales
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BF16_AS_FP32: tl.constexpr,  # the interpreter, whose dot multiplies bf16's raw bits
+    UPCAST: tl.constexpr,  # the interpreter, whose dot multiplies bf16's and fp8's raw bits
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -85,12 +97,15 @@ def _few_rows_gemm_kernel(
             inside = (k * BLOCK_K + rk)[None, :] < K
             x = tl.load(x_ptrs, mask=rows & inside, other=0.0)
             w = tl.load(w_ptrs, mask=cols & inside, other=0.0)
-        if BF16_AS_FP32:  # the operands' exact values, as the tensor cores take them
+        if UPCAST:  # the operands' exact values, as the tensor cores take them
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALED:  # (sums * x's scale) * the weight's, in fp8_product's order
+        acc = acc * tl.load(x_scales_ptr + rm, mask=rm < M, other=0.0)[:, None]
+        acc = acc * tl.load(w_scales_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
@@ -123,18 +138,50 @@ def few_rows_linear(
     if weight.stride(1) != 1:
         raise ValueError("few_rows_linear reads each weight row contiguously")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    _few_rows_gemm_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else out, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
-        BLOCK_M=max(16, triton.next_power_of_2(m)),  # 16: the smallest M of an MMA tile
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BF16_AS_FP32=INTERPRETED and x.dtype == torch.bfloat16,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
-    )  # fmt: skip
+    _launch(x, weight, bias, None, out, config)
     return out
 
 
+def handles_codes(codes: torch.Tensor) -> bool:
+    """Whether `scaled_few_rows` takes these e4m3 input rows: 2-D, at most MAX_ROWS."""
+    return codes.dim() == 2 and codes.shape[0] <= MAX_ROWS and codes.dtype == FP8_DTYPE
+
+
+def scaled_few_rows(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    weight: Fp8Weight,
+    out_dtype: torch.dtype,
+    config: GemmConfig = FP8_CONFIG,
+) -> torch.Tensor:
+    """(codes [M, K] @ weight.codes.T) * scales [M, 1] * weight.scales, in `out_dtype`: what
+    `torch._scaled_mm` gives with row-wise scales, for M <= MAX_ROWS, one launch."""
+    if not handles_codes(codes):
+        raise ValueError(f"scaled_few_rows takes 2-D e4m3 rows, at most {MAX_ROWS}, got "
+                         f"{tuple(codes.shape)} {codes.dtype}")  # fmt: skip
+    if codes.stride(1) != 1:
+        codes = codes.contiguous()
+    out = torch.empty(codes.shape[0], weight.shape[0], dtype=out_dtype, device=codes.device)
+    _launch(codes, weight.codes, None, (scales.reshape(-1), weight.scales), out, config)
+    return out
+
+
+def _launch(x, weight, bias, scales, out, config: GemmConfig) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return
+    x_scales, w_scales = scales if scales is not None else (out, out)
+    _few_rows_gemm_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else out, x_scales, w_scales, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SCALED=scales is not None, EVEN_K=k % config.block_k == 0,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),  # 16: the smallest M of an MMA tile
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        UPCAST=INTERPRETED and x.dtype in (torch.bfloat16, FP8_DTYPE),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
+    )  # fmt: skip
+
+
 GEMM = FewRowsGemm(handles, few_rows_linear)  # what `LlamaModel.use_few_rows_gemm` takes
+FP8_GEMM = Fp8Gemm(handles_codes, scaled_few_rows)  # and `use_fp8_few_rows_gemm`
