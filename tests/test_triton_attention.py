@@ -412,8 +412,9 @@ def test_kernels_compile_for_sm90() -> None:
     fp16 dots on tensor cores, fp32 through IEEE dots, shared memory within the SM's limit, and
     the fused norms, rotary, SiLU and FP8 row rounding of ops/triton_elementwise.py in every
     case's dtype, and the few-rows GEMM of ops/triton_gemm.py in bf16 and fp16 on tensor cores;
-    the decode kernel also as it rotates and caches a plain step's keys (bf16, fp16), and the
-    GEMM over FP8 weights' e4m3 codes; all but the SiLU with programmatic dependent launch."""
+    the decode kernel also as it rotates and caches a plain step's keys (bf16, fp16), the GEMM
+    over FP8 weights' e4m3 codes and the gate/up GEMM ending in SiLU; all but the SiLU with
+    programmatic dependent launch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -431,6 +432,8 @@ def test_kernels_compile_for_sm90() -> None:
     scaled = [r for r in records if r["scaled"]]
     assert {(r["case"], r["kernel"]) for r in scaled} == gemm
     assert all(r["mma"] and r["e4m3"] for r in scaled)
+    # and the gate/up GEMM that ends in SiLU(gate) * up
+    assert {(r["case"], r["kernel"]) for r in records if r["gated"]} == gemm
     assert kernels - gemm - {(r["case"], name) for r in records for name in elementwise} == {
         ("llama8b-bf16", "_decode_kernel"),
         ("llama8b-bf16", "_prefill_kernel"),

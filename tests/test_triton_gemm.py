@@ -75,6 +75,23 @@ def test_what_it_does_not_take_is_refused_by_name() -> None:
     assert few_rows_linear(torch.zeros(0, 16, dtype=torch.bfloat16), weight).shape == (0, 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 24, 64), (5, 40, 96), (33, 8, 32), (64, 20, 40)])
+def test_gated_gemm_is_silu_and_mul_of_the_gemm_bit_for_bit(dtype, rows, n, k) -> None:
+    """The gate/up GEMM that ends in SiLU(gate) * up: the SiLU kernel's output over the
+    GEMM's, bit for bit (the same roundings, without the [M, 2N] product in memory)."""
+    from tandem.ops.triton_elementwise import silu_and_mul
+
+    g = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    weight = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
+    out = triton_gemm.gated_few_rows(x, weight, SMALL)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert torch.equal(out, silu_and_mul(few_rows_linear(x, weight, None, SMALL)))
+    with pytest.raises(ValueError, match="even rows"):
+        triton_gemm.gated_few_rows(x, weight[:-1], SMALL)
+
+
 def _fp8_inputs(rows, n, k, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g) * 3
@@ -123,30 +140,40 @@ def test_model_with_the_few_rows_gemm_matches_the_default_gemm(tiny_checkpoints)
     """A bf16 model (Qwen2: biases on q, k, v) whose linear layers take the Triton GEMM at few
     rows: a prefill of more than MAX_ROWS tokens keeps the default GEMM (the same logits), the
     decode row goes through the kernel: its logits are as near the float32 model's as the
-    default GEMM's are (the interpreter's bf16 casts truncate, so both are some way off)."""
+    default GEMM's are (the interpreter's bf16 casts truncate, so both are some way off). The
+    same with the gate/up GEMM ending in SiLU(gate) * up (`FewRowsGemm.gated`): one launch per
+    MLP instead of the GEMM and the SiLU."""
     path = tiny_checkpoints["Qwen2ForCausalLM"]
-    logits, calls = {}, []
+    logits, calls, gated_calls = {}, [], []
 
     def counted(x, weight, bias=None):
         calls.append(x.shape[0])
         return few_rows_linear(x, weight, bias)
 
-    for name in ("float32", "default", "few rows"):
+    def gated(x, weight):
+        gated_calls.append(x.shape[0])
+        return triton_gemm.gated_few_rows(x, weight)
+
+    for name in ("float32", "default", "few rows", "gated"):
         dtype = torch.float32 if name == "float32" else torch.bfloat16
         model = load_model(path, dtype, torch.device("cpu")).model
         prompt = random_prompts(random.Random(5), 1, model.spec.vocab_size, 80, 80)[0]
-        if name == "few rows":
+        if name in ("few rows", "gated"):
             linears = [m for m in model.modules() if isinstance(m, Linear)]
-            gemm = FewRowsGemm(triton_gemm.handles, counted)
+            gemm = FewRowsGemm(triton_gemm.handles, counted, gated if name == "gated" else None)
             assert model.use_few_rows_gemm(gemm) == len(linears) > 0
         logits[name] = prefill_then_decode_logits(model, prompt)
     assert calls and set(calls) == {1}  # the decode row only
-    assert torch.equal(logits["few rows"][:-1], logits["default"][:-1])
+    assert gated_calls == [1] * model.spec.num_layers  # each MLP's gate/up, the decode row
+    for name in ("few rows", "gated"):
+        assert torch.equal(logits[name][:-1], logits["default"][:-1])
     exact = logits["float32"][-1]
     error = {
-        name: (logits[name][-1] - exact).abs().max().item() for name in ("default", "few rows")
+        name: (logits[name][-1] - exact).abs().max().item()
+        for name in ("default", "few rows", "gated")
     }
     assert 0 < error["few rows"] < 2 * error["default"], error
+    assert 0 < error["gated"] < 2 * error["default"], error
 
 
 def test_fp8_model_with_the_few_rows_gemm_matches_the_default_product(tiny_checkpoints) -> None:

@@ -105,11 +105,14 @@ def main(names: list[str]) -> None:
                             table, table, k_cache, v_cache, context[:r])  # fmt: skip
         te.silu_and_mul(torch.zeros(r, 2 * 4 * hidden, dtype=dtype))
         te.quantize_rows_fp8(x)
-        scaled = set()  # the GEMM over e4m3 codes (FP8 weights)
+        scaled, gated = set(), set()  # the GEMM over e4m3 codes (FP8), the gate/up one
         if dtype in tg.DTYPES:  # a decode step's GEMM at its rows, with a bias
             tg.few_rows_linear(
                 x, torch.zeros(512, hidden, dtype=dtype), torch.zeros(512, dtype=dtype)
             )
+            before = len(built)
+            tg.gated_few_rows(x, torch.zeros(2 * 512, hidden, dtype=dtype))
+            gated = {id(k) for k in built[before:]}
             before = len(built)
             codes = torch.zeros(r, hidden, dtype=FP8_DTYPE)
             weight = quantize_fp8(torch.zeros(512, hidden))
@@ -121,6 +124,7 @@ def main(names: list[str]) -> None:
                 "kernel": k.name,
                 "rotates": id(k) in rotating,
                 "scaled": id(k) in scaled,
+                "gated": id(k) in gated,
                 "cubin_bytes": len(k.asm["cubin"]),
                 "shared": k.metadata.shared,
                 "num_warps": k.metadata.num_warps,

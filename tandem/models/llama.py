@@ -124,7 +124,7 @@ class MLP(nn.Module):
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x, ops: ModuleType):
-        return self.tp.all_reduce(self.down(ops.silu_and_mul(self.gate_up(x))))
+        return self.tp.all_reduce(self.down(self.gate_up.silu_and_mul(x, ops)))
 
 
 class DecoderLayer(nn.Module):

@@ -71,7 +71,7 @@ class Expert(nn.Module):
         self.down = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        return self.down(ops.silu_and_mul(self.gate_up(x)))
+        return self.down(self.gate_up.silu_and_mul(x, ops))
 
 
 class Experts(nn.Module):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -154,10 +155,12 @@ def linear(
 
 @dataclass(frozen=True)
 class FewRowsGemm:
-    """Another GEMM for the products it `handles` (a decode step's few rows)."""
+    """Another GEMM for the products it `handles` (a decode step's few rows); `gated`, where it
+    has one, gives SiLU(gate) * up of a gate/up weight in the same launch."""
 
     handles: Callable[[torch.Tensor, torch.Tensor], bool]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class Linear(nn.Module):
@@ -252,3 +255,12 @@ class Linear(nn.Module):
         if few is not None and few.handles(x, self.weight):
             return few.run(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.quantized)
+
+    def silu_and_mul(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        """SiLU(gate) * up of this gate/up projection of x: in its few-rows GEMM where that has
+        a gated form (one launch, the product never stored), else `ops.silu_and_mul` after it."""
+        few = self.few_rows_gemm
+        fused = few is not None and few.gated is not None and self.bias is None
+        if fused and few.handles(x, self.weight):
+            return few.gated(x, self.weight)
+        return ops.silu_and_mul(self(x))

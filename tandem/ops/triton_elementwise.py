@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from tandem.ops.attention import paged_attention, rotate_cache_attend
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
@@ -29,7 +28,7 @@ from tandem.ops.triton_launch import (
     pdl_options,
     wait_for_previous_kernel,
 )
-from tandem.ops.triton_rounding import rotated, rounded
+from tandem.ops.triton_rounding import rotated, rounded, silu_times
 
 _EXACT = {"enable_fp_fusion": False}  # a*b + c stays two roundings, as in PyTorch
 
@@ -216,11 +215,7 @@ def _silu_and_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # CUDA's accurate expf, as PyTorch's silu (tl.exp is ex2.approx); the interpreter has none.
-    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
-    silu = rounded(tl.div_rn(g, 1.0 + e), gate.dtype)  # F.silu, in the dtype
-    tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_times(gate, up, LIBDEVICE), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ Products accumulate in fp32 on tensor cores and are rounded once to the input's 
 cuBLAS does; the order of the sums differs, so results may differ from cuBLAS's in the last bit
 of bf16. bf16 and fp16 only (fp32 would take TF32's rounding or run without tensor cores).
 
+An MLP's gate/up GEMM ends in SiLU(gate) * up (`gated_few_rows`): each program streams a tile
+of gate rows and the matching up rows, so the step launches no SiLU kernel after it and never
+stores the [M, 2I] product; the output is the SiLU kernel's over the GEMM's, bit for bit.
+
 FP8 weights (`fp8.py`) take the same kernel over e4m3 codes (`FP8_GEMM`: x's codes, rounded per
 row, against the weight's, both scales applied to the fp32 sums: the product `_scaled_mm`
 computes; Triton widens e4m3 to fp16 for the MMA at these rows, exactly) in place of
@@ -40,6 +44,7 @@ from tandem.ops.triton_launch import (
     pdl_options,
     wait_for_previous_kernel,
 )
+from tandem.ops.triton_rounding import silu_times
 
 MAX_ROWS = 64  # steps of more rows use the default GEMM: compute-bound, cuBLAS's ground
 DTYPES = (torch.bfloat16, torch.float16)
@@ -74,11 +79,13 @@ def _few_rows_gemm_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,  # e4m3 codes whose sums take both scales
+    GATED: tl.constexpr,  # a gate/up weight [2N, K]: out = SiLU(x @ gate.T) * (x @ up.T), [M, N]
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # the interpreter, whose dot multiplies bf16's and fp8's raw bits
+    LIBDEVICE: tl.constexpr,  # CUDA's accurate expf for the SiLU (the interpreter has none)
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -88,19 +95,19 @@ def _few_rows_gemm_kernel(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     rows, cols = rm[:, None] < M, rn[:, None] < N
+    up_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows, N after the gate's
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=rows, other=0.0)
-            w = tl.load(w_ptrs, mask=cols, other=0.0)
-        else:
+        mask_x, mask_w = rows, cols
+        if not EVEN_K:
             inside = (k * BLOCK_K + rk)[None, :] < K
-            x = tl.load(x_ptrs, mask=rows & inside, other=0.0)
-            w = tl.load(w_ptrs, mask=cols & inside, other=0.0)
-        if UPCAST:  # the operands' exact values, as the tensor cores take them
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            mask_x, mask_w = rows & inside, cols & inside
+        x = tl.load(x_ptrs, mask=mask_x, other=0.0)
+        acc = _dot(x, tl.load(w_ptrs, mask=mask_w, other=0.0), acc, UPCAST)
+        if GATED:
+            acc_up = _dot(x, tl.load(up_ptrs, mask=mask_w, other=0.0), acc_up, UPCAST)
+            up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SCALED:  # (sums * x's scale) * the weight's, in fp8_product's order
@@ -109,8 +116,19 @@ def _few_rows_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows & (rn[None, :] < N))
+    out = acc.to(out_ptr.dtype.element_ty)  # rounded as the GEMM's output would be
+    if GATED:  # then SiLU(gate) * up as the SiLU kernel takes it from that output
+        out = silu_times(out, acc_up.to(out_ptr.dtype.element_ty), LIBDEVICE)
+    tl.store(out_ptrs, out, mask=rows & (rn[None, :] < N))
     let_next_kernel_launch(PDL)
+
+
+@triton.jit
+def _dot(x, w, acc, UPCAST: tl.constexpr):
+    """acc + x @ w.T in fp32 (UPCAST: the operands' exact values, as the tensor cores take them)."""
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -142,6 +160,23 @@ def few_rows_linear(
     return out
 
 
+def gated_few_rows(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig = CONFIG):
+    """SiLU(x @ gate.T) * (x @ up.T) for a gate/up weight [2N, K] (gate rows first), one
+    launch: `silu_and_mul(few_rows_linear(x, weight))`, bit for bit, without the [M, 2N]
+    product in memory or the SiLU kernel after it."""
+    if not handles(x, weight) or weight.shape[0] % 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"gated_few_rows takes 2-D {DTYPES} inputs of at most {MAX_ROWS} rows and a "
+            f"contiguous gate/up weight of even rows, got {tuple(x.shape)} {x.dtype} x "
+            f"{tuple(weight.shape)} {weight.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    _launch(x, weight, None, None, out, config, gated=True)
+    return out
+
+
 def handles_codes(codes: torch.Tensor) -> bool:
     """Whether `scaled_few_rows` takes these e4m3 input rows: 2-D, at most MAX_ROWS."""
     return codes.dim() == 2 and codes.shape[0] <= MAX_ROWS and codes.dtype == FP8_DTYPE
@@ -166,22 +201,23 @@ def scaled_few_rows(
     return out
 
 
-def _launch(x, weight, bias, scales, out, config: GemmConfig) -> None:
+def _launch(x, weight, bias, scales, out, config: GemmConfig, gated: bool = False) -> None:
     m, k = x.shape
-    n = weight.shape[0]
+    n = out.shape[1]  # output columns: the weight's rows, or half of them (gated)
     if m == 0 or n == 0:
         return
     x_scales, w_scales = scales if scales is not None else (out, out)
     _few_rows_gemm_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else out, x_scales, w_scales, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SCALED=scales is not None, EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=bias is not None, SCALED=scales is not None, GATED=gated,
+        EVEN_K=k % config.block_k == 0,
         BLOCK_M=max(16, triton.next_power_of_2(m)),  # 16: the smallest M of an MMA tile
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=INTERPRETED and x.dtype in (torch.bfloat16, FP8_DTYPE),
+        UPCAST=INTERPRETED and x.dtype in (torch.bfloat16, FP8_DTYPE), LIBDEVICE=not INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
     )  # fmt: skip
 
 
-GEMM = FewRowsGemm(handles, few_rows_linear)  # what `LlamaModel.use_few_rows_gemm` takes
+GEMM = FewRowsGemm(handles, few_rows_linear, gated_few_rows)  # `LlamaModel.use_few_rows_gemm`
 FP8_GEMM = Fp8Gemm(handles_codes, scaled_few_rows)  # and `use_fp8_few_rows_gemm`

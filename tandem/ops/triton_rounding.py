@@ -1,15 +1,18 @@
-"""PyTorch's roundings inside Triton kernels: one definition for every kernel that rotates.
+"""PyTorch's roundings inside Triton kernels: one definition for every kernel that rotates, and
+for every kernel that takes SiLU(gate) * up.
 
 The rotary embedding is computed as PyTorch computes it in the model's dtype: each product
 rounded to that dtype, then their sum. The norms' and rotary's kernels (`triton_elementwise.py`)
 and the decode attention that rotates the step's own keys (`triton_attention.py`) share it, so
-their keys are bit for bit the same.
+their keys are bit for bit the same; the SiLU kernel and the gate/up GEMM that ends in SiLU
+(`triton_gemm.py`) share `silu_times`.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -27,3 +30,14 @@ def rotated(x1, x2, c1, c2, s1, s2):
     out1 = (rounded(a * c1, dtype) + rounded(-b * s1, dtype)).to(dtype)
     out2 = (rounded(b * c2, dtype) + rounded(a * s2, dtype)).to(dtype)
     return out1, out2
+
+
+@triton.jit
+def silu_times(gate, up, LIBDEVICE: tl.constexpr):
+    """F.silu(gate) * up in gate's dtype, as PyTorch: SiLU rounded to the dtype, then the
+    product. CUDA's accurate expf, as PyTorch's silu (tl.exp is ex2.approx); the interpreter
+    has no libdevice."""
+    g = gate.to(tl.float32)
+    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+    silu = rounded(tl.div_rn(g, 1.0 + e), gate.dtype)
+    return (silu * up.to(tl.float32)).to(gate.dtype)
