@@ -28,6 +28,9 @@ one H200 at the default lengths).
    8B model and prompts, if this transformers has it, with shorter outputs (`--hf-output-len`:
    on an H200 it had not finished 32 x 1024 tokens in 190 s), against Tandem async at that length.
 
+`--gemms default,triton` runs the blog (graphs on) and FP8 sections once more with the decode
+steps' GEMMs in Triton (`TANDEM_TRITON_GEMM=1`: the few-rows GEMM, its gate/up form ending in
+SiLU, and FP8's over e4m3 codes), beside cuBLAS and `_scaled_mm`, with bf16's outputs compared.
 `--json PATH` writes every figure as JSON beside the table (with the GPU and the software
 versions), after every section; a device run's file is committed under docs/results/.
 `--sections` picks sections. A GPU machine whose image lacks the engine's dependencies (gguf,
@@ -62,6 +65,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL_8B = Path(__file__).resolve().parents[1] / "tandem" / "bench" / "models" / "llama-3.1-8b"
 BF16_TOLERANCE = 0.1  # logprob difference allowed between two bf16 implementations
 SECTIONS = ("equivalence", "bf16", "features", "blog", "fp8", "speculative", "serve", "hf")
+# A decode step's GEMMs: cuBLAS's (and `_scaled_mm` for FP8), or the Triton few-rows GEMM's.
+GEMMS = ("default", "triton")
 TABLE: list[tuple[str, str, str]] = []  # (section, what, result): printed last
 RESULTS: dict = {"runs": [], "checks": []}  # --json: the figures, beside the table
 FP8_PROMPTS, FP8_PROMPT_LEN, FP8_GREEDY_TOKENS = 8, 128, 32
@@ -472,6 +477,25 @@ def served_split(output_len: int, tmp: Path) -> dict[str, float]:
     return rates
 
 
+@contextlib.contextmanager
+def gemms_of(gemm: str):
+    """Engines started inside take `gemm`'s decode GEMMs (TANDEM_TRITON_GEMM, read at start)."""
+    before = os.environ.get("TANDEM_TRITON_GEMM")
+    os.environ["TANDEM_TRITON_GEMM"] = "1" if gemm == "triton" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TANDEM_TRITON_GEMM")
+        else:
+            os.environ["TANDEM_TRITON_GEMM"] = before
+
+
+def gemm_suffix(gemm: str) -> str:
+    """What a run's name adds for its GEMMs: nothing for the default."""
+    return "" if gemm == "default" else f", {gemm} GEMMs"
+
+
 def blog_workload(output_len: int, vocab_size: int, max_model_len: int):
     from tandem.bench import make_workload
 
@@ -483,10 +507,14 @@ def blog_workload(output_len: int, vocab_size: int, max_model_len: int):
 
 
 def blog_experiment(
-    output_len: int, hf_len: int | None, graph_modes: tuple[bool, ...]
+    output_len: int,
+    hf_len: int | None,
+    graph_modes: tuple[bool, ...],
+    gemms: tuple[str, ...] = ("default",),
 ) -> dict[str, float]:
     """Sync and async, graphs on and/or off, on the 8B-shaped dummy model; returns tokens/s.
-    With `hf_len`, async with graphs also runs the shorter workload transformers runs."""
+    With `hf_len`, async with graphs also runs the shorter workload transformers runs. Other
+    `gemms` than the default run with graphs on only."""
     from tandem import Engine, EngineConfig
     from tandem.bench import profile_window, run_workload
     from tandem.bench.roofline import ceilings
@@ -494,14 +522,16 @@ def blog_experiment(
     rates = {}
     bandwidth = ceilings(torch.device(DEVICE))
     max_model_len = 64 + output_len + 16
-    for graphs in graph_modes:
+    variants = [(g, gemm) for g in graph_modes for gemm in gemms if g or gemm == "default"]
+    for graphs, gemm in variants:
         start = time.perf_counter()
-        engine = Engine(EngineConfig(
-            model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
-            enforce_eager=not graphs, max_model_len=max_model_len, max_num_seqs=32,
-            num_kv_blocks=32 * (max_model_len // 16 + 2),
-        ))  # fmt: skip
-        label = f"graphs {'on' if graphs else 'off'}"
+        with gemms_of(gemm):
+            engine = Engine(EngineConfig(
+                model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
+                enforce_eager=not graphs, max_model_len=max_model_len, max_num_seqs=32,
+                num_kv_blocks=32 * (max_model_len // 16 + 2),
+            ))  # fmt: skip
+        label = f"graphs {'on' if graphs else 'off'}{gemm_suffix(gemm)}"
         record("blog", f"engine start ({label})", f"{time.perf_counter() - start:.1f} s; "
                f"{engine.execution.describe()}")  # fmt: skip
         work = blog_workload(output_len, engine.spec.vocab_size, engine.max_model_len)
@@ -516,7 +546,7 @@ def blog_experiment(
             name = f"{mode}, {label}"
             figures = run_figures(f"blog {name}", engine, run, profiled.kernels, bandwidth)
             rates[name] = figures["tokens_per_s"]
-            if graphs and mode == "async" and hf_len and hf_len != output_len:
+            if graphs and gemm == "default" and mode == "async" and hf_len and hf_len != output_len:
                 same = blog_workload(hf_len, engine.spec.vocab_size, engine.max_model_len)
                 rate = run_workload(engine, same, 0.0, None, "as-hf").summary.tokens_per_s
                 rates[f"{name}, {hf_len} tokens"] = rate
@@ -540,10 +570,11 @@ def blog_experiment(
     return rates
 
 
-def fp8_experiment(output_len: int) -> dict[str, float]:
+def fp8_experiment(output_len: int, gemms: tuple[str, ...] = ("default",)) -> dict[str, float]:
     """bf16 against FP8 weights on the dummy 8B model (async, graphs on): tokens/s and the decode
     step's bandwidth, then FP8's distance from bf16: teacher-forced prompt logprobs and greedy
-    tokens. Returns tokens/s by weights."""
+    tokens; under each of `gemms`, whose bf16 outputs are compared with the default's too.
+    Returns tokens/s by weights (and GEMMs)."""
     from tandem import Engine, EngineConfig, SamplingParams
     from tandem.bench import run_workload
     from tandem.bench.roofline import ceilings
@@ -553,13 +584,14 @@ def fp8_experiment(output_len: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=FP8_GREEDY_TOKENS, temperature=0, ignore_eos=True,
                             prompt_logprobs=0)  # fmt: skip
     rates, answers = {}, {}
-    for quantization in (None, "fp8"):
-        weights = quantization or "bf16"
-        engine = Engine(EngineConfig(
-            model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
-            quantization=quantization, max_model_len=max_model_len, max_num_seqs=32,
-            num_kv_blocks=32 * (max_model_len // 16 + 2),
-        ))  # fmt: skip
+    for gemm, quantization in [(gemm, q) for gemm in gemms for q in (None, "fp8")]:
+        weights = (quantization or "bf16") + gemm_suffix(gemm)
+        with gemms_of(gemm):
+            engine = Engine(EngineConfig(
+                model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
+                quantization=quantization, max_model_len=max_model_len, max_num_seqs=32,
+                num_kv_blocks=32 * (max_model_len // 16 + 2),
+            ))  # fmt: skip
         record("fp8", f"engine ({weights})", engine.execution.describe())
         rng, vocab = random.Random(3), engine.spec.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(FP8_PROMPT_LEN)]
@@ -583,26 +615,42 @@ def fp8_experiment(output_len: int) -> dict[str, float]:
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    for gemm in gemms:
+        suffix = gemm_suffix(gemm)
+        pairs = [(f"fp8{suffix}", f"bf16{suffix}")]
+        if gemm != "default":
+            pairs.append((f"bf16{suffix}", "bf16"))  # the same weights, the GEMMs differ
+        for name, reference in pairs:
+            agreement = distance_of(answers[name], answers[reference], prompts)
+            agreement["speedup"] = rates[name] / rates[reference]
+            RESULTS[f"{name} vs {reference}"] = agreement
+            if name == "fp8":
+                RESULTS["fp8"] = agreement | {"speedup_vs_bf16": agreement["speedup"]}
+            record("fp8", f"{name} vs {reference}", f"{agreement['speedup']:.2f}x tokens/s; "
+                   f"prompt logprobs max |diff| {agreement['prompt_logprob_max_abs_diff']:.3f}, "
+                   f"mean {agreement['prompt_logprob_mean_abs_diff']:.4f}; greedy tokens before "
+                   f"the first difference {100 * agreement['greedy_same_token_share']:.0f}% "
+                   "(random weights)")  # fmt: skip
+    return rates
+
+
+def distance_of(outputs, references, prompts) -> dict[str, float]:
+    """How far one engine's outputs are from another's on the same prompts: teacher-forced
+    prompt logprobs (max and mean |difference|) and the share of greedy tokens before each
+    request's first difference."""
     diffs, same = [], 0
-    for ref, out, prompt in zip(answers["bf16"], answers["fp8"], prompts, strict=True):
+    for ref, out, prompt in zip(references, outputs, prompts, strict=True):
         for i in range(1, len(prompt)):
             token = prompt[i]
             diffs.append(abs(out.prompt_logprobs[i][token].logprob
                              - ref.prompt_logprobs[i][token].logprob))  # fmt: skip
         same += next((k for k, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=True))
                       if a != b), len(ref.token_ids))  # fmt: skip
-    agreement = {
+    return {
         "prompt_logprob_max_abs_diff": max(diffs),
         "prompt_logprob_mean_abs_diff": sum(diffs) / len(diffs),
-        "greedy_same_token_share": same / (FP8_PROMPTS * FP8_GREEDY_TOKENS),
-        "speedup_vs_bf16": rates["fp8"] / rates["bf16"],
+        "greedy_same_token_share": same / (len(prompts) * FP8_GREEDY_TOKENS),
     }
-    RESULTS["fp8"] = agreement
-    record("fp8", "fp8 vs bf16", f"{agreement['speedup_vs_bf16']:.2f}x tokens/s; prompt "
-           f"logprobs max |diff| {agreement['prompt_logprob_max_abs_diff']:.3f}, mean "
-           f"{agreement['prompt_logprob_mean_abs_diff']:.4f}; greedy tokens before the first "
-           f"difference {100 * agreement['greedy_same_token_share']:.0f}% (random weights)")  # fmt: skip
-    return rates
 
 
 def hf_async_batching(output_len: int) -> float | None:
@@ -680,6 +728,11 @@ def main() -> int:
                         help=f"which sections run, of {', '.join(SECTIONS)}")  # fmt: skip
     parser.add_argument("--blog-graphs", default="on,off",
                         help="the blog runs with CUDA graphs on, off or both")  # fmt: skip
+    parser.add_argument(
+        "--gemms",
+        default="default",
+        help=f"the decode GEMMs of the blog and FP8 runs, of {', '.join(GEMMS)}",
+    )
     parser.add_argument("--fp8-output-len", type=int, default=256,
                         help="tokens per request in the FP8 section's runs")  # fmt: skip
     parser.add_argument("--spec-output-len", type=int, default=256,
@@ -710,6 +763,9 @@ def main() -> int:
     graph_modes = tuple({"on": True, "off": False}[g.strip()] for g in args.blog_graphs.split(","))
     if set(chosen) - set(SECTIONS):
         parser.error(f"--sections takes {', '.join(SECTIONS)}, got {args.sections!r}")
+    gemms = tuple(g.strip() for g in args.gemms.split(",") if g.strip())
+    if not gemms or set(gemms) - set(GEMMS):
+        parser.error(f"--gemms takes {', '.join(GEMMS)}, got {args.gemms!r}")
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     record("machine", name, f"torch {torch.__version__}")
     RESULTS["machine"] = versions()
@@ -726,8 +782,8 @@ def main() -> int:
             ("equivalence", lambda: check_equivalence(tiny)),
             ("bf16", lambda: check_bf16(tiny)),
             ("features", lambda: check_features(tiny)),
-            ("blog", lambda: blog_experiment(args.blog_output_len, hf_len, graph_modes)),
-            ("fp8", lambda: fp8_experiment(args.fp8_output_len)),
+            ("blog", lambda: blog_experiment(args.blog_output_len, hf_len, graph_modes, gemms)),
+            ("fp8", lambda: fp8_experiment(args.fp8_output_len, gemms)),
             (
                 "speculative",
                 lambda: (check_speculative(tiny), speculative_speed(args.spec_output_len)),

@@ -256,6 +256,37 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     assert len(results["checks"]) == table.count("\n") - 1
 
 
+def test_cuda_check_runs_both_gemms_on_a_cpu(tmp_path):
+    """`--gemms default,triton` runs the blog (graphs on) and FP8 sections under each GEMM,
+    named apart, and compares the Triton GEMMs' bf16 outputs with the default's (on a CPU both
+    are the same GEMMs: no distance)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_check.py"
+    out = tmp_path / "gemms.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cpu-dry-run", "--sections", "blog,fp8", "--gemms",
+         "default,triton", "--blog-graphs", "on,off", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    names = [r["name"] for r in results["runs"]]
+    blog = [f"blog {m}, graphs {g}" for g in ("on", "on, triton GEMMs", "off")
+            for m in ("sync", "async")]  # fmt: skip
+    fp8 = [f"fp8 check: {w}{g}" for g in ("", ", triton GEMMs") for w in ("bf16", "fp8")]
+    assert names == blog + fp8
+    same = results["bf16, triton GEMMs vs bf16"]
+    assert same["prompt_logprob_max_abs_diff"] == 0 and same["greedy_same_token_share"] == 1
+    assert "fp8, triton GEMMs vs bf16, triton GEMMs" in results and "fp8" in results
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, str(script), "--cpu-dry-run", "--gemms", "cutlass"],
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+
+
 def test_capture_runs_touch_nothing_real(tiny_llama):
     """What capture runs (every graph's body on buffers that are all padding, with requests
     in flight around it) writes only the spare block, the token table's spare row and the
