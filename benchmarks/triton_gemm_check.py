@@ -121,6 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def sweep(run, grid, device, label: str) -> dict:
+    """Microseconds per call of `run(config)` under each config of `grid` that compiles and
+    fits (one that does not is reported and left out)."""
+    timings = {}
+    for config in grid:
+        try:
+            timings[config] = timed_us(lambda c=config: run(c), device)
+        except Exception as exc:  # a config that does not fit (shared memory, say)
+            print(f"{label} {config}: {type(exc).__name__}", file=sys.stderr)
+    return timings
+
+
+def step_totals(rows: list[dict], baseline: str) -> tuple[float, dict[str, float]]:
+    """A decode step's GEMM time from the rows at one row count: the baseline's (`baseline`:
+    its key in each row), and each config's that every row has, each GEMM by its launches."""
+    total = sum(r[baseline] * r["launches_per_step"] for r in rows)
+    keys = set.intersection(*(set(r["us_by_config"]) for r in rows))
+    by_config = {
+        key: sum(r["us_by_config"][key] * r["launches_per_step"] for r in rows) for key in keys
+    }
+    return total, by_config
+
+
 def measure_bf16(results, shapes, rows_list, grid, device, dtype, g) -> None:
     import torch
     import torch.nn.functional as F
@@ -134,17 +157,10 @@ def measure_bf16(results, shapes, rows_list, grid, device, dtype, g) -> None:
             exact = x.float() @ weight.float().T
             cublas_us = timed_us(lambda x=x, w=weight: F.linear(x, w), device)
             cublas_error = (F.linear(x, weight).float() - exact).abs().max().item()
-            timings = {}
-            for config in grid:
-                try:
-                    us = timed_us(
-                        lambda x=x, w=weight, c=config: triton_gemm.few_rows_linear(x, w, None, c),
-                        device,
-                    )
-                except Exception as exc:  # a config that does not fit (shared memory, say)
-                    print(f"{name} {rows} rows {config}: {type(exc).__name__}", file=sys.stderr)
-                    continue
-                timings[config] = us
+            timings = sweep(
+                lambda c, x=x, w=weight: triton_gemm.few_rows_linear(x, w, None, c),
+                grid, device, f"{name} {rows} rows",
+            )  # fmt: skip
             best = min(timings, key=timings.get)
             out = triton_gemm.few_rows_linear(x, weight, None, best)
             row = {
@@ -165,11 +181,7 @@ def measure_bf16(results, shapes, rows_list, grid, device, dtype, g) -> None:
                   f"(cuBLAS {cublas_error:.2e})", flush=True)  # fmt: skip
     step_rows = min(STEP_ROWS, max(rows_list))
     at_step = [r for r in results["rows"] if r["rows"] == step_rows]
-    cublas_step = sum(r["cublas_us"] * r["launches_per_step"] for r in at_step)
-    keys = set.intersection(*(set(r["us_by_config"]) for r in at_step))
-    step_by_config = {
-        key: sum(r["us_by_config"][key] * r["launches_per_step"] for r in at_step) for key in keys
-    }
+    cublas_step, step_by_config = step_totals(at_step, "cublas_us")
     best_key = min(step_by_config, key=step_by_config.get)
     results["step"] = {
         "rows": step_rows, "cublas_us": cublas_step, "best_config": json.loads(best_key),
@@ -203,17 +215,12 @@ def measure_fp8(results, shapes, rows_list, grid, device, g) -> None:
                                         scale_b=q.scales.view(1, -1), out_dtype=out_dtype)  # fmt: skip
 
             mm_us = timed_us(scaled_mm, device)
-            timings = {}
-            for config in grid:
-                try:
-                    timings[config] = timed_us(
-                        lambda c=codes, s=scales, q=q, cfg=config: triton_gemm.scaled_few_rows(
-                            c, s, q, out_dtype, cfg
-                        ),
-                        device,
-                    )
-                except Exception as exc:  # a config that does not fit (shared memory, say)
-                    print(f"fp8 {name} {rows} rows {config}: {type(exc).__name__}", file=sys.stderr)
+            timings = sweep(
+                lambda cfg, c=codes, s=scales, q=q: triton_gemm.scaled_few_rows(
+                    c, s, q, out_dtype, cfg
+                ),
+                grid, device, f"fp8 {name} {rows} rows",
+            )  # fmt: skip
             best = min(timings, key=timings.get)
             out = triton_gemm.scaled_few_rows(codes, scales, q, out_dtype, best)
             size = q.nbytes
@@ -234,11 +241,7 @@ def measure_fp8(results, shapes, rows_list, grid, device, g) -> None:
                   flush=True)  # fmt: skip
     step_rows = max(r["rows"] for r in rows_out)
     at_step = [r for r in rows_out if r["rows"] == step_rows]
-    mm_step = sum(r["scaled_mm_us"] * r["launches_per_step"] for r in at_step)
-    keys = set.intersection(*(set(r["us_by_config"]) for r in at_step))
-    by_config = {
-        key: sum(r["us_by_config"][key] * r["launches_per_step"] for r in at_step) for key in keys
-    }
+    mm_step, by_config = step_totals(at_step, "scaled_mm_us")
     best_key = min(by_config, key=by_config.get)
     bf16 = results.get("step", {}).get("cublas_us")
     results["fp8_step"] = {

@@ -14,9 +14,9 @@ so a replay never races the previous one. The block tables go as wide as the ste
 request needs, not as the context limit: a step writes those columns of the static table and
 the kernels read no further (a request's later columns keep what an earlier step wrote there,
 unread). So the copy stays small however long the context limit (at 128K tokens a full table
-of 32 rows is 2 MB a step). Every array of that layout has one entry past the
-padded size, and padded entries point there or at spare places: the spare cache block for K/V,
-the token table's spare row and the lengths' spare entry. So padded rows touch nothing real.
+of 32 rows is 2 MB a step). Every array of that layout has one entry past the padded size, and
+padded entries point there or at spare places: the spare cache block for K/V, the token table's
+spare row and the lengths' spare entry. So padded rows touch nothing real.
 The variant a step uses gives the same tokens as the eager sampler: a row that does not use a
 filter is left exactly as it is (see `sampling._top_k_top_p`).
 
@@ -25,10 +25,10 @@ the same variants at sizes of their own, counted in tokens (a request verifies i
 one token more) up to `VERIFY_MAX_TOKENS`, once per band of history the drafts are searched in
 (a band fixes the search's shape), each placing the verified tokens by the device's lengths,
 drafting, sampling and counting what is kept as the eager step does (`drafting`,
-`sampler.verify`). A step without drafts in flight writes its rows' lengths in its graph. A draft model's steps run
-eagerly (its passes are as many as the step's most drafts, chosen on the host), and so do
-verifications of more than `VERIFY_MAX_TOKENS` tokens, or all of them if one of their graphs
-fails to capture (with a warning: the engine still starts).
+`sampler.verify`). A step without drafts in flight writes its rows' lengths in its graph. A
+draft model's steps run eagerly (its passes are as many as the step's most drafts, chosen on the
+host), and so do verifications of more than `VERIFY_MAX_TOKENS` tokens, or all of them if one
+of their graphs fails to capture (with a warning: the engine still starts).
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ cached on disk; the build time is reported), and packs every GEMM weight for the
 MKL's where the kernels cannot be built). On CUDA the norms, the rotary embedding and SiLU run
 as fused Triton kernels (`ops/triton_elementwise.py`), and with `TANDEM_TRITON_GEMM=1` the GEMMs
 of decode steps as well, FP8 layers' too (`ops/triton_gemm.py`, opt-in until measured on a
-GPU). Where a piece is
-unavailable (no MKL, no compiler, no triton, another dtype or device) that piece falls back to
-portable PyTorch. `enforce_eager=True` keeps the portable path everywhere, whose arithmetic is
-Hugging Face's own.
+GPU). Where a piece is unavailable (no MKL, no compiler, no triton, another dtype or device)
+that piece falls back to portable PyTorch. `enforce_eager=True` keeps the portable path
+everywhere, whose arithmetic is Hugging Face's own.
 """
 
 from __future__ import annotations

@@ -149,13 +149,7 @@ def few_rows_linear(
             f"few_rows_linear takes 2-D {DTYPES} inputs of at most {MAX_ROWS} rows in the "
             f"weight's dtype, got {tuple(x.shape)} {x.dtype} x {weight.dtype}"
         )
-    m, k = x.shape
-    n = weight.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        raise ValueError("few_rows_linear reads each weight row contiguously")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, None, out, config)
     return out
 
@@ -164,14 +158,12 @@ def gated_few_rows(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig = C
     """SiLU(x @ gate.T) * (x @ up.T) for a gate/up weight [2N, K] (gate rows first), one
     launch: `silu_and_mul(few_rows_linear(x, weight))`, bit for bit, without the [M, 2N]
     product in memory or the SiLU kernel after it."""
-    if not handles(x, weight) or weight.shape[0] % 2 or weight.stride(1) != 1:
+    if not handles(x, weight) or weight.shape[0] % 2:
         raise ValueError(
             f"gated_few_rows takes 2-D {DTYPES} inputs of at most {MAX_ROWS} rows and a "
-            f"contiguous gate/up weight of even rows, got {tuple(x.shape)} {x.dtype} x "
+            f"gate/up weight of even rows, got {tuple(x.shape)} {x.dtype} x "
             f"{tuple(weight.shape)} {weight.dtype}"
         )
-    if x.stride(1) != 1:
-        x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     _launch(x, weight, None, None, out, config, gated=True)
     return out
@@ -194,14 +186,18 @@ def scaled_few_rows(
     if not handles_codes(codes):
         raise ValueError(f"scaled_few_rows takes 2-D e4m3 rows, at most {MAX_ROWS}, got "
                          f"{tuple(codes.shape)} {codes.dtype}")  # fmt: skip
-    if codes.stride(1) != 1:
-        codes = codes.contiguous()
     out = torch.empty(codes.shape[0], weight.shape[0], dtype=out_dtype, device=codes.device)
     _launch(codes, weight.codes, None, (scales.reshape(-1), weight.scales), out, config)
     return out
 
 
 def _launch(x, weight, bias, scales, out, config: GemmConfig, gated: bool = False) -> None:
+    """One launch of the kernel for every form of it: x's rows made contiguous if they are not
+    (a view of a wider tensor keeps its row stride), the weight's rows must be."""
+    if weight.stride(1) != 1:
+        raise ValueError("the few-rows GEMM reads each weight row contiguously")
+    if x.stride(1) != 1:
+        x = x.contiguous()
     m, k = x.shape
     n = out.shape[1]  # output columns: the weight's rows, or half of them (gated)
     if m == 0 or n == 0:
