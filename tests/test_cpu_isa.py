@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -149,22 +150,39 @@ def compile_to_assembly(source: Path, march: str, tmp_path: Path) -> str:
     return assembly.read_text()
 
 
-def test_the_avx512_build_compiles(tmp_path) -> None:
+# What the compile-only tests read: every source for Sapphire Rapids, the quantized layers for
+# Skylake-SP.
+ASSEMBLIES = [(source, "sapphirerapids") for source in cpu_kernels.SOURCES] + [
+    (cpu_kernels.CSRC / "quantized_linear.cpp", "skylake-avx512")
+]
+
+
+@pytest.fixture(scope="module")
+def assemblies(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Future]:
+    """ASSEMBLIES compiled side by side (each takes some tens of seconds: one after another they
+    would leave a core idle), by (source name, march)."""
+    folder = tmp_path_factory.mktemp("assembly")
+    with ThreadPoolExecutor(max_workers=len(ASSEMBLIES)) as pool:
+        yield {
+            (source.name, march): pool.submit(compile_to_assembly, source, march, folder)
+            for source, march in ASSEMBLIES
+        }
+
+
+def test_the_avx512_build_compiles(assemblies) -> None:
     """Compile only (to assembly, with the build's flags but for Sapphire Rapids): it cannot run
     on a machine without AVX-512, but it proves there that the AVX-512 build compiles, that the
     kernels' vectors become 512-bit code, and that int8 activations' products use VNNI. On an
     AVX-512 machine the native build proves more."""
     for source in cpu_kernels.SOURCES:
-        code = compile_to_assembly(source, "sapphirerapids", tmp_path)
+        code = assemblies[source.name, "sapphirerapids"].result()
         assert "zmm" in code, source.name
         if source.stem == "quantized_linear":
             assert "vpdpbusd" in code
 
 
-def test_the_avx512_build_without_vnni_compiles(tmp_path) -> None:
+def test_the_avx512_build_without_vnni_compiles(assemblies) -> None:
     """AVX-512 without VNNI (Skylake-SP, Cascade Lake's predecessors): int8 activations' products
     take maddubs on 512-bit vectors."""
-    code = compile_to_assembly(
-        cpu_kernels.CSRC / "quantized_linear.cpp", "skylake-avx512", tmp_path
-    )
+    code = assemblies["quantized_linear.cpp", "skylake-avx512"].result()
     assert "zmm" in code and "vpmaddubsw" in code and "vpdpbusd" not in code
