@@ -20,10 +20,10 @@ import torch
 
 from tandem.execution import fast_path
 from tandem.models import load_model
-from tandem.ops import cpu_kernels
+from tandem.ops import cpu_elementwise, cpu_kernels
 from tandem.ops import elementwise as ops
-from tandem.ops.attention import _decode_attention
-from tandem.ops.attention_metadata import AttentionMetadata
+from tandem.ops.attention import _decode_attention, portable_attention
+from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 from tandem.ops.huge_pages import HUGE_PAGE
 from tandem.ops.linear import Linear, linear, pack_panels
 from tandem.ops.quantized import pack, quantized_linear
@@ -229,6 +229,41 @@ def test_paged_decode_attention_reads_the_cache_in_place(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_short_chunks_after_a_cached_context_attend_as_decodes(window, attention_kernel) -> None:
+    """One decode and four chunks: 4 queries after 31 cached tokens and 3 after 9 attend in
+    place, as decodes; 5 after 32 and a fresh prompt of 6 as the portable op. Every row is the
+    portable op's, and an in-place chunk's query j is, bit for bit, the decode of its token."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 3, 64, 4, 128
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    chunks = [(4, 35), (3, 12), (5, 37), (6, 6)]  # (queries, context after them)
+    prefills, start = [], 1  # row 0: the decode
+    for row, (tokens, context) in enumerate(chunks, start=1):
+        prefills.append(PrefillSegment(start, tokens, context, row))
+        start += tokens
+    assert [seg.attends_as_decodes for seg in prefills] == [True, True, False, False]
+    context_lens = torch.tensor([23] + [context for _, context in chunks])
+    width = -(-int(context_lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in context_lens])
+    q = torch.randn(start, heads, dim, generator=g)
+    k, v = (torch.randn(start, kv_heads, dim, generator=g) for _ in range(2))
+    meta = AttentionMetadata(torch.zeros(0), tables, context_lens, 1, width, prefills, block_size)
+    ref = portable_attention(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    out = cpu_elementwise.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for seg in prefills[:2]:
+        for j in range(seg.num_tokens):
+            row = seg.token_start + j
+            alone = torch.empty(1, heads, dim)
+            torch.ops.tandem.paged_decode_attention(
+                alone, q[row : row + 1], k_cache, v_cache, tables[seg.row : seg.row + 1],
+                torch.tensor([seg.context_len - seg.num_tokens + 1 + j]), 0.125, window or 0,
+            )  # fmt: skip
+            assert torch.equal(out[row], alone[0]), (seg, j)
+
+
 @pytest.fixture(params=[2, 1])
 def torch_threads(request):
     """2: the work spreads over torch's OpenMP team; 1: over helpers from the inter-op pool."""
@@ -281,6 +316,37 @@ def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> 
         assert (gaps[ids != reference.argmax(-1)] < FAST_PATH_LOGITS_ATOL).all(), gaps.min()
     assert diffs[True] < 2e-5, diffs  # the portable path is transformers' arithmetic
     assert diffs[False] < FAST_PATH_LOGITS_ATOL, diffs
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])  # one call, op by op
+def test_a_short_chunk_after_a_cached_prefix_gives_its_decodes_logits(tiny_checkpoints, arch):
+    """A prompt's last 4 tokens as one chunk after its cached prefix give, bit for bit, the
+    logits of decoding them one step at a time: the chunk attends as decodes, and the fast
+    path sums each row alike at any number of rows."""
+    loaded = load_model(tiny_checkpoints[arch], torch.float32, torch.device("cpu"))
+    model, spec = loaded.model, loaded.model.spec
+    plan = fast_path.prepare(model, torch.device("cpu"), torch.float32, False)
+    assert model.has_fused_forward == (arch == "LlamaForCausalLM"), plan.ops
+    prompt, tail, block_size = random_prompts(random.Random(5), 1, 1024, 40, 40)[0], 4, 4
+    n = len(prompt)
+    ids, positions = torch.tensor(prompt), torch.arange(n)
+    tables = torch.arange(-(-n // block_size)).view(1, -1)
+    shape = (2, tables.shape[1], block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
+
+    def step(first: int, last: int, as_decode: bool, kv: list[torch.Tensor]) -> torch.Tensor:
+        context = torch.tensor([last])
+        segments = [] if as_decode else [PrefillSegment(0, last - first, last, 0)]
+        meta = AttentionMetadata(positions[first:last], tables, context, int(as_decode),
+                                 tables.shape[1], segments, block_size)  # fmt: skip
+        return model.compute_logits(model(ids[first:last], positions[first:last], kv, meta))
+
+    with torch.inference_mode():
+        step(0, n - tail, False, caches)  # the cached prefix
+        assert PrefillSegment(0, tail, n, 0).attends_as_decodes
+        chunk = step(n - tail, n, False, [c.clone() for c in caches])
+        decodes = torch.cat([step(i, i + 1, True, caches) for i in range(n - tail, n)])
+    assert torch.equal(chunk, decodes)
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MistralForCausalLM"])  # Mistral's tied

@@ -290,8 +290,11 @@ class LlamaModel(nn.Module):
 
     def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         s = self.local_spec
-        segments = [(p.token_start, p.num_tokens, p.context_len, p.row) for p in meta.prefills]
-        prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 4)
+        segments = [
+            (p.token_start, p.num_tokens, p.context_len, p.row, p.attends_as_decodes)
+            for p in meta.prefills
+        ]
+        prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 5)
         return torch.ops.tandem.llama_forward(
             input_ids, positions, self.embedding_table, self._fused_weights, kv_caches,
             self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+# A chunk of at most this many queries after a cached context (a prompt's tail after a prefix
+# cache hit, the last piece of a chunked prompt) may attend as that many decodes of its request:
+# each query then reads the context once, which beats a gathered copy up to about 4-6 queries.
+DECODE_LIKE_TOKENS = 4
+
 
 @dataclass
 class PrefillSegment:
@@ -16,6 +21,13 @@ class PrefillSegment:
     num_tokens: int
     context_len: int  # KV length after this chunk (cached prefix + chunk)
     row: int  # row of the chunk's request in block_tables
+
+    @property
+    def attends_as_decodes(self) -> bool:
+        """Whether the CPU kernels read this chunk's context in place, query j as the decode of
+        its token would (context up to its own position): a few queries after a cached context,
+        where gathering that context into a copy and masking it costs more than the queries."""
+        return self.num_tokens <= DECODE_LIKE_TOKENS and self.context_len > self.num_tokens
 
 
 @dataclass

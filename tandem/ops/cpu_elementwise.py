@@ -2,9 +2,9 @@
 
 Models that the one-call forward (`tandem::llama_forward`) does not cover (experts, layers of
 different windows, other families) still run their norms, rotary embedding and SiLU through the
-kernels of `csrc/cpu_kernels.cpp`, and their decode attention reads the paged cache in place
-instead of gathering each request's blocks into a dense copy first: that copy grows with the
-context, the in-place read does not copy at all. The arithmetic is the fused forward's (sums in
+kernels of `csrc/cpu_kernels.cpp`, and their decode attention (and a short chunk's after a
+cached context) reads the paged cache in place instead of gathering each request's blocks into a
+dense copy first: that copy grows with the context, the in-place read does not copy at all. The arithmetic is the fused forward's (sums in
 another order than `elementwise.py`'s, within 1e-4 of transformers' logits). Ops the kernels do
 not have are the portable ones.
 """
@@ -63,19 +63,35 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Once the step's K/V are in the cache: decodes read it in place (from their window's
-    start); prefill chunks as the portable op."""
-    d = meta.num_decodes
-    if not d:
-        return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    start), and so do chunks that attend as decodes (`PrefillSegment.attends_as_decodes`);
+    other prefill chunks as the portable op."""
     out = torch.empty_like(q)
-    torch.ops.tandem.paged_decode_attention(
-        out[:d], q[:d].contiguous(), k_cache, v_cache, meta.block_tables[:d],
-        meta.context_lens[:d], scale, sliding_window or 0,
-    )  # fmt: skip
-    if meta.prefills:
-        prefills = replace(meta, num_decodes=0)
-        rest = portable_attention(q, k, v, k_cache, v_cache, prefills, scale, sliding_window)
-        out[d:] = rest[d:]
+    window = sliding_window or 0
+    d = meta.num_decodes
+    if d:
+        torch.ops.tandem.paged_decode_attention(
+            out[:d], q[:d].contiguous(), k_cache, v_cache, meta.block_tables[:d],
+            meta.context_lens[:d], scale, window,
+        )  # fmt: skip
+    chunks = []
+    for seg in meta.prefills:
+        if not seg.attends_as_decodes:
+            chunks.append(seg)
+            continue
+        rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+        tables = meta.block_tables[seg.row].expand(seg.num_tokens, -1)
+        lens = torch.arange(seg.context_len - seg.num_tokens + 1, seg.context_len + 1)
+        torch.ops.tandem.paged_decode_attention(
+            out[rows], q[rows].contiguous(), k_cache, v_cache, tables, lens, scale, window
+        )
+    if chunks:
+        rest = portable_attention(
+            q, k, v, k_cache, v_cache, replace(meta, num_decodes=0, prefills=chunks), scale,
+            sliding_window,
+        )  # fmt: skip
+        for seg in chunks:
+            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+            out[rows] = rest[rows]
     return out
 
 

@@ -851,8 +851,16 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
                            k_cache, v_cache, block_tables, context_lens, s.scale,
                            s.sliding_window);
   }
-  const int64_t* seg = prefills.data_ptr<int64_t>();  // rows: token_start, tokens, context, row
-  for (int64_t i = 0; i < prefills.size(0); ++i, seg += 4) {
+  // Rows: token_start, tokens, context, row, attends as decodes (PrefillSegment's fields).
+  const int64_t* seg = prefills.data_ptr<int64_t>();
+  for (int64_t i = 0; i < prefills.size(0); ++i, seg += 5) {
+    if (seg[4]) {  // query j reads the context up to its own position, in place
+      auto tables = block_tables.select(0, seg[3]).unsqueeze(0).expand({seg[1], -1});
+      auto lens = at::arange(seg[2] - seg[1] + 1, seg[2] + 1, prefills.options());
+      paged_decode_attention(out.narrow(0, seg[0], seg[1]), q.narrow(0, seg[0], seg[1]), k_cache,
+                             v_cache, tables, lens, s.scale, s.sliding_window);
+      continue;
+    }
     out.narrow(0, seg[0], seg[1])
         .copy_(chunk_attention(q.narrow(0, seg[0], seg[1]), k.narrow(0, seg[0], seg[1]),
                                v.narrow(0, seg[0], seg[1]), k_cache, v_cache,
@@ -916,6 +924,8 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
                          int64_t vocab_start) {
   TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
               "expected ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(prefills.dim() == 2 && prefills.size(1) == 5 && prefills.scalar_type() == at::kLong,
+              "prefills must be int64 rows of 5 (PrefillSegment's fields, attends_as_decodes)");
   const ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, sliding_window,
                        eps, scale};
   const std::string group(group_name);
