@@ -4,9 +4,9 @@ Models that the one-call forward (`tandem::llama_forward`) does not cover (exper
 different windows, other families) still run their norms, rotary embedding and SiLU through the
 kernels of `csrc/cpu_kernels.cpp`, and their decode attention (and a short chunk's after a
 cached context) reads the paged cache in place instead of gathering each request's blocks into a
-dense copy first: that copy grows with the context, the in-place read does not copy at all. The arithmetic is the fused forward's (sums in
-another order than `elementwise.py`'s, within 1e-4 of transformers' logits). Ops the kernels do
-not have are the portable ones.
+dense copy first: that copy grows with the context, the in-place read does not copy at all. The
+arithmetic is the fused forward's (sums in another order than `elementwise.py`'s, within 1e-4 of
+transformers' logits). Ops the kernels do not have are the portable ones.
 """
 
 from __future__ import annotations
@@ -65,18 +65,19 @@ def paged_attention(
     """Once the step's K/V are in the cache: decodes read it in place (from their window's
     start), and so do chunks that attend as decodes (`PrefillSegment.attends_as_decodes`);
     other prefill chunks as the portable op."""
+    d = meta.num_decodes
+    chunks = [seg for seg in meta.prefills if not seg.attends_as_decodes]
+    if not d and len(chunks) == len(meta.prefills):  # a prefill step: its output as it comes
+        return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     out = torch.empty_like(q)
     window = sliding_window or 0
-    d = meta.num_decodes
     if d:
         torch.ops.tandem.paged_decode_attention(
             out[:d], q[:d].contiguous(), k_cache, v_cache, meta.block_tables[:d],
             meta.context_lens[:d], scale, window,
         )  # fmt: skip
-    chunks = []
     for seg in meta.prefills:
         if not seg.attends_as_decodes:
-            chunks.append(seg)
             continue
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
         tables = meta.block_tables[seg.row].expand(seg.num_tokens, -1)
