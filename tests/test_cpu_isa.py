@@ -47,6 +47,7 @@ AVX2_CHECKS = [
     )
 ] + [
     "tests/test_quantized.py::test_the_kernel_is_the_dequantized_product",
+    "tests/test_quantized.py::test_float_activations_keep_float_precision_at_every_magnitude",
     "tests/test_quantized.py::test_int8_activations_kernel_is_the_integer_reference",
 ]
 # Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.

@@ -112,6 +112,27 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
+def test_float_activations_keep_float_precision_at_every_magnitude(kind):
+    """Rows from 1e-35 to 1e30 (on AVX-512 VNNI 4-bit codes meet the activations as integer
+    digits scaled per block: a scale must not lose them), each within float32 rounding of its
+    own float64 product; a block of zeros; an inf or a NaN spoils its own row only."""
+    q = random_weight(kind, 48, 96)
+    w = dequantize(q).double()
+    magnitudes = torch.tensor([1e-35, 1e-30, 1e-3, 1.0, 1e3, 1e30], dtype=torch.float64)
+    x64 = torch.randn(len(magnitudes), 96, dtype=torch.float64) * magnitudes[:, None]
+    x64[3, 32:64] = 0
+    x = x64.float()
+    reference = x.double() @ w.T
+    out = quantized_linear(x, q).double()
+    scale = reference.abs().amax(dim=1, keepdim=True)
+    assert ((out - reference).abs() <= 1e-5 * scale).all()
+    spoiled = torch.cat([x, x[:2]])
+    spoiled[-2, 40], spoiled[-1, 7] = float("inf"), float("nan")
+    out = quantized_linear(spoiled, q)
+    assert not out[-2:].isfinite().any(dim=1).any() and out[:-2].isfinite().all()
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (160, 576)])
 def test_int8_activations_kernel_is_the_integer_reference(kind, n, k):
     """Every row count (tiles, chunks of 128 rows), a bias and a strided x: the kernel's integer

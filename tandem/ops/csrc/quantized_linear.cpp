@@ -1,7 +1,8 @@
 // Linear layers over quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K; per-channel int8), in two
-// numerics: float32 activations against the codes widened to float in registers, or activations
-// quantized to int8 per block of 32 and multiplied with integer dot products (llama.cpp's
-// numerics: several times fewer instructions per weight).
+// numerics: float32 activations against the codes widened to float in registers (on AVX-512
+// VNNI, 4-bit codes against the activations' three integer digits instead: the last section), or
+// activations quantized to int8 per block of 32 and multiplied with integer dot products
+// (llama.cpp's numerics: several times fewer instructions per weight).
 //
 // Float layouts (tandem/ops/quantized.py packs them all): the N output rows in groups of 16, the
 // K inputs in blocks of 32. For group g and block b:
@@ -491,6 +492,8 @@ inline IVec nibble_total(IVec acc) {
 }
 inline VecL to_float(IVec v) { return (VecL)_mm512_cvtepi32_ps(v); }
 inline IVec minus(IVec v, int32_t c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
+inline IVec plus(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec shift_left8(IVec v) { return _mm512_slli_epi32(v, 8); }
 #define TANDEM_INTEGER_VECTORS 1
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 using IVec = __m256i;
@@ -653,6 +656,157 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   });
 }
 
+// ---- Float activations as three integer digits (4-bit weights, AVX-512 VNNI) ----
+//
+// A row's block of 32 activations is held as integers X = x / step, step = max|x| / kDigitMax,
+// and X as three signed bytes, X = d2 * 65536 + d1 * 256 + d0. The block's sum of x * code is
+// then three integer dot products of the codes with the digits (exact in int32, 4 products per
+// instruction), put together in float: ((sum d2 * 256 + sum d1, exact in int32 and in float) *
+// 256 + sum d0) / kDigitMax * max|x| (the step never formed, so that tiny activations do not
+// make it subnormal). Rounding x to a multiple of the step moves it by at most step / 2,
+// 2^-24 of the block's largest |x|: no more than float32 rounds that activation itself. So the
+// product stays within float32 rounding of the dequantized model's, and a row's result still
+// does not depend on its batch, while a code costs three quarters of a VNNI instruction per row
+// instead of a widening and an FMA. Only where VNNI sums 4 products in one instruction: AVX2's
+// three-instruction dot products lose to widening once a step has more than one row.
+#if defined(TANDEM_INTEGER_VECTORS) && defined(__AVX512VNNI__)
+#define TANDEM_DIGIT_PRODUCTS 1
+
+constexpr int64_t kDigits = 3;
+constexpr int32_t kDigitMax = 127 * (65536 + 256 + 1);  // the largest |X|: every digit <= 127
+
+// Each row's blocks as digits [M, B, 3, 32] (d0's 32 columns, then d1's, d2's) and max|x|
+// [M, B]. The buffers are the calling thread's, reused from call to call.
+struct DigitRows {
+  const int8_t* digits;
+  const float* amax;
+};
+
+DigitRows digit_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), blocks = x.size(1) / kBlockCols, stride = x.stride(0);
+  thread_local std::vector<int8_t> digits;
+  thread_local std::vector<float> amaxes;
+  digits.resize(rows * blocks * kDigits * kBlockCols);
+  amaxes.resize(rows * blocks);
+  const float* xp = x.data_ptr<float>();
+  int8_t* dp = digits.data();
+  float* ap = amaxes.data();
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* v = xp + (i / blocks) * stride + (i % blocks) * kBlockCols;
+      int8_t* d = dp + i * kDigits * kBlockCols;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t j = 0; j < kBlockCols; ++j) {
+        amax = std::max(amax, std::fabs(v[j]));
+        finite = finite && std::isfinite(v[j]);
+      }
+      // In double, so that a block of tiny activations does not overflow the inverse; a block
+      // with an inf or a NaN gets a NaN max, which its outputs then carry, as a float product's.
+      const double inverse = finite && amax > 0.f ? kDigitMax / static_cast<double>(amax) : 0.0;
+      ap[i] = finite ? amax : std::nanf("");
+      for (int64_t j = 0; j < kBlockCols; ++j) {
+        int32_t rest = inverse > 0.0 ? static_cast<int32_t>(std::nearbyint(v[j] * inverse)) : 0;
+        rest = std::clamp(rest, -kDigitMax, kDigitMax);
+        for (int64_t k = 0; k < kDigits; ++k) {  // balanced base 256: each digit in [-128, 127]
+          const auto digit = static_cast<int8_t>(rest & 255);
+          d[k * kBlockCols + j] = digit;
+          rest = (rest - digit) >> 8;
+        }
+      }
+    }
+  });
+  return {dp, ap};
+}
+
+// Rows per tile: per row and vector three integer sums (six at one row: a chain per nibble, so
+// that enough independent dot products are in flight), plus the codes and broadcasts.
+constexpr int64_t kDigitTileRows = (kRegisters - 6) / 4;
+
+// T rows against one group of 4-bit codes: out (the rows' first column) = x . codes * scale +
+// (sum of x) * offset, each block's integer sums in registers.
+template <typename Scale, int64_t T>
+void digit_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* digits,
+                      const float* amax, const float* x_sums, int64_t row_blocks, float* out,
+                      int64_t out_stride) {
+  constexpr int64_t kChains = T == 1 ? 2 : 1;
+  Column acc[T] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_block<true>(g, b + kPrefetchBlocks);
+    IVec isum[T][kVectors][kDigits][kChains];
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t v = 0; v < kVectors; ++v)
+        for (int64_t k = 0; k < kDigits; ++k)
+          for (int64_t c = 0; c < kChains; ++c) isum[t][v][k][c] = zero_ints();
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t v = 0; v < kVectors; ++v) {
+        const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes + v * 4 * kLanes);
+        const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
+        for (int64_t t = 0; t < T; ++t) {
+          const int8_t* d = digits + (t * row_blocks + b) * kDigits * kBlockCols + 4 * j;
+          for (int64_t k = 0; k < kDigits; ++k) {
+            const IVec dl = broadcast4(d + k * kBlockCols), dh = broadcast4(d + k * kBlockCols + 16);
+            if constexpr (kChains == 2) {
+              isum[t][v][k][0] = dot4(isum[t][v][k][0], lo, dl);
+              isum[t][v][k][1] = dot4(isum[t][v][k][1], hi, dh);
+            } else {
+              isum[t][v][k][0] = nibble_dot8(isum[t][v][k][0], lo, dl, hi, dh);
+            }
+          }
+        }
+      }
+    const Column s = load_scales(g.scales + b * kGroupRows);
+    const Column o = load_scales(g.offsets + b * kGroupRows);
+    for (int64_t t = 0; t < T; ++t) {
+      const float x_max = amax[t * row_blocks + b], x_sum = x_sums[t * row_blocks + b];
+      for (int64_t v = 0; v < kVectors; ++v) {
+        IVec sums[kDigits];
+        for (int64_t k = 0; k < kDigits; ++k)
+          sums[k] = kChains == 2 ? plus(isum[t][v][k][0], isum[t][v][k][1])
+                                 : nibble_total(isum[t][v][k][0]);
+        const IVec upper = plus(shift_left8(sums[2]), sums[1]);
+        const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
+        const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
+        acc[t][v] += x_dot_codes * s[v];
+        acc[t][v] += x_sum * o[v];
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
+}
+
+template <typename Scale, int64_t... T>
+constexpr auto digit_kernels(std::integer_sequence<int64_t, T...>) {
+  using Kernel = void (*)(const Group<Scale>&, int64_t, const int8_t*, const float*, const float*,
+                          int64_t, float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&digit_group_rows<Scale, T + 1>...};
+}
+
+template <typename Scale>
+void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                const at::Tensor& offsets, at::Tensor& out) {
+  static constexpr auto tiles =
+      digit_kernels<Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
+  const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
+  const int64_t n = out.size(1), digit_stride = blocks * kDigits * kBlockCols;
+  const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
+                             static_cast<const Scale*>(scales.data_ptr()),
+                             static_cast<const Scale*>(offsets.data_ptr()),
+                             values.stride(0) * values.element_size(), scales.stride(0)};
+  const DigitRows xd = digit_rows(x);
+  const float* sums = block_sums_of_x(x);
+  float* outp = out.data_ptr<float>();
+  parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
+    for (int64_t gi = g0; gi < g1; ++gi)
+      for (int64_t r = 0; r < rows; r += kDigitTileRows)
+        tiles[std::min(kDigitTileRows, rows - r) - 1](
+            weight[gi], blocks, xd.digits + r * digit_stride, xd.amax + r * blocks,
+            sums + r * blocks, blocks, outp + r * n + gi * kGroupRows, n);
+  });
+}
+#endif
+
 }  // namespace
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
@@ -698,8 +852,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   else if (quads && four_bit) run_integer<true, false, float>(x, values, scales, offsets, out);
   else if (quads && half) run_integer<false, false, c10::Half>(x, values, scales, offsets, out);
   else if (quads) run_integer<false, false, float>(x, values, scales, offsets, out);
+#if defined(TANDEM_DIGIT_PRODUCTS)
+  else if (four_bit && half) run_digits<c10::Half>(x, values, scales, offsets, out);
+  else if (four_bit) run_digits<float>(x, values, scales, offsets, out);
+#else
   else if (four_bit && half) run<true, c10::Half>(x, values, scales, offsets, out);
   else if (four_bit) run<true, float>(x, values, scales, offsets, out);
+#endif
   else if (half) run<false, c10::Half>(x, values, scales, offsets, out);
   else run<false, float>(x, values, scales, offsets, out);
   if (present(bias)) out.add_(bias);
