@@ -41,8 +41,8 @@ class QuantizedWeight:
     # [G, B, 8, 64] or uint8 [G, B, 4, 64]
     values: torch.Tensor
     scales: torch.Tensor  # [G, B, 16] float16 or float32
-    # 4-bit: like scales; 8-bit: None. 4-bit quads without offsets are symmetric (GGUF's Q4_0):
-    # weight = (code - 8) * scale, the offset -8 * scale not stored.
+    # 4-bit: like scales; 8-bit: None. 4-bit weights without offsets are symmetric (GGUF's Q4_0):
+    # weight = (code - 8) * scale, the offset -8 * scale not stored (the kernels make it).
     offsets: torch.Tensor | None
     source: str  # what the codes came from, e.g. "Q4_1", "int8"
 
@@ -83,7 +83,8 @@ def pack(
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
     -> the kernels' layout: columns (8-bit) or words (4-bit) for float activations, or `quads`
-    for int8 activations (which store no offsets where they are -8 * scale, as Q4_0's are)."""
+    for int8 activations. Offsets that are -8 * scale (Q4_0's) are not stored: a tenth of a
+    4-bit weight's bytes, which a one-row step spends its time reading."""
     n, k = codes.shape
     if not can_quantize(n, k):
         raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
@@ -95,8 +96,8 @@ def pack(
         grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
     else:  # [G, B, 32 columns, 16 rows]
         grouped = grouped.permute(0, 2, 3, 1)
-    if quads and offsets is not None and torch.equal(offsets, scales * -8):
-        offsets = None  # symmetric: the kernel subtracts 8 from the codes in integers
+    if nibbles and offsets is not None and torch.equal(offsets, scales * -8):
+        offsets = None  # symmetric: the kernels make the offsets from the scales
     if not nibbles:
         values = grouped.to(torch.int8).contiguous()
     else:  # the high nibbles hold the block's second half of 16 columns (runs 4-7)

@@ -10,7 +10,8 @@
 //   4-bit  "words", values int32 [G, B, 4, 16]: values[g, b, j, n] holds row 16g+n's 8 codes of
 //          run j, code k (bits 4k..4k+3) column 32b + 4j + k/2 (k even) or 32b + 16 + 4j + k/2
 //          (k odd): the quads' bytes below, a row's run read as one word
-//   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset
+//   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset,
+//   none stored for symmetric codes (Q4_0's: offset = -8 * scale, made from the scale)
 // So one column of a block is the 16 rows' codes in adjacent lanes (a 4-bit column: a shift of
 // the run's words, no widening across lanes), and the product is a sum of outer products (x
 // broadcast, codes as vectors): no reduction across lanes, every weight byte read once, in
@@ -183,6 +184,15 @@ inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
   }
 }
 
+// A block's 16 offsets: stored, or -8 * scale for symmetric codes (exact: the same floats).
+template <typename Scale>
+inline Column block_offsets(const Group<Scale>& g, int64_t b, const Column& scales) {
+  if (g.offsets != nullptr) return load_scales(g.offsets + b * kGroupRows);
+  Column o;
+  for (int64_t v = 0; v < kVectors; ++v) o[v] = scales[v] * -8.f;
+  return o;
+}
+
 // Adds T rows' sums of x * code over block b of P groups to out, scaled: out += sum * scale (+
 // x_sum * offset for 4-bit). The one place a block's sum meets its scale, for every path.
 template <bool kFourBit, typename Scale, int64_t T, int64_t P>
@@ -191,7 +201,7 @@ inline void add_block(const Group<Scale> (&g)[P], int64_t b, const Column (&sum)
   for (int64_t p = 0; p < P; ++p) {
     const Column s = load_scales(g[p].scales + b * kGroupRows);
     Column o{};
-    if constexpr (kFourBit) o = load_scales(g[p].offsets + b * kGroupRows);
+    if constexpr (kFourBit) o = block_offsets(g[p], b, s);
     for (int64_t t = 0; t < T; ++t) {
       float* row = out + t * out_stride + p * kGroupRows;
       for (int64_t v = 0; v < kVectors; ++v) {
@@ -372,7 +382,9 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
   const int64_t blocks = values.size(1), n = out.size(1);
   const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
                              static_cast<const Scale*>(scales.data_ptr()),
-                             kFourBit ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
+                             kFourBit && present(offsets)
+                                 ? static_cast<const Scale*>(offsets.data_ptr())
+                                 : nullptr,
                              values.stride(0) * values.element_size(), scales.stride(0)};
   const float* xp = x.data_ptr<float>();
   const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
@@ -756,7 +768,7 @@ void digit_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* digit
         }
       }
     const Column s = load_scales(g.scales + b * kGroupRows);
-    const Column o = load_scales(g.offsets + b * kGroupRows);
+    const Column o = block_offsets(g, b, s);
     for (int64_t t = 0; t < T; ++t) {
       const float x_max = amax[t * row_blocks + b], x_sum = x_sums[t * row_blocks + b];
       for (int64_t v = 0; v < kVectors; ++v) {
@@ -792,7 +804,8 @@ void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   const int64_t n = out.size(1), digit_stride = blocks * kDigits * kBlockCols;
   const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
                              static_cast<const Scale*>(scales.data_ptr()),
-                             static_cast<const Scale*>(offsets.data_ptr()),
+                             present(offsets) ? static_cast<const Scale*>(offsets.data_ptr())
+                                              : nullptr,
                              values.stride(0) * values.element_size(), scales.stride(0)};
   const DigitRows xd = digit_rows(x);
   const float* sums = block_sums_of_x(x);
@@ -833,10 +846,9 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, "scales must be float16/32");
   TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({groups, blocks, kGroupRows}),
               "scales must be [groups, blocks, ", kGroupRows, "]");
-  // 4-bit weights have offsets, except symmetric ones in the integer layout; 8-bit ones none.
-  const bool symmetric = quads && four_bit && !present(offsets);
-  TORCH_CHECK(four_bit == (present(offsets) || symmetric),
-              "4-bit weights have offsets, 8-bit ones none");
+  // 4-bit weights have offsets, except symmetric ones; 8-bit ones none.
+  const bool symmetric = four_bit && !present(offsets);
+  TORCH_CHECK(four_bit || !present(offsets), "4-bit weights may have offsets, 8-bit ones none");
   TORCH_CHECK(!present(offsets) || (offsets.is_contiguous() && offsets.sizes() == scales.sizes() &&
                             offsets.scalar_type() == scale_type),
               "offsets must be shaped and typed as the scales");
@@ -846,8 +858,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
   const bool half = scale_type == at::kHalf;
-  if (symmetric && half) run_integer<true, true, c10::Half>(x, values, scales, offsets, out);
-  else if (symmetric) run_integer<true, true, float>(x, values, scales, offsets, out);
+  if (quads && symmetric && half) run_integer<true, true, c10::Half>(x, values, scales, offsets, out);
+  else if (quads && symmetric) run_integer<true, true, float>(x, values, scales, offsets, out);
   else if (quads && four_bit && half) run_integer<true, false, c10::Half>(x, values, scales, offsets, out);
   else if (quads && four_bit) run_integer<true, false, float>(x, values, scales, offsets, out);
   else if (quads && half) run_integer<false, false, c10::Half>(x, values, scales, offsets, out);
