@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from tandem import LLM
 from tandem.models.gguf_blocks import NATIVE_TYPES, split_blocks
 from tandem.ops import cpu_kernels
+from tandem.ops.linear import Linear
 from tandem.ops.quantized import (
     dequantize,
     for_int8_activations,
@@ -180,6 +181,19 @@ def test_activations_round_per_block_as_llama_cpp_q8_0():
     inverse = np.float32(127) / np.abs(blocks).max(axis=-1, keepdims=True)
     expected = np.rint(blocks * inverse).reshape(x.shape)
     assert np.array_equal(quantize_activations(x)[0].numpy(), expected)
+
+
+def test_a_fused_layer_takes_its_parts_rows_and_refuses_a_part_in_another_format():
+    """Q4_0 parts keep no offsets, Q4_1 parts do: a layer fused from both would be neither."""
+    layer = Linear(64, 48)
+    symmetric = [random_weight("4-bit symmetric", 16, 64, seed=s) for s in (1, 2)]
+    layer.load_quantized_rows(0, symmetric[0])
+    layer.load_quantized_rows(16, symmetric[1])
+    rows = dequantize(layer.quantized)
+    assert torch.equal(rows[:16], dequantize(symmetric[0]))
+    assert torch.equal(rows[16:32], dequantize(symmetric[1]))
+    with pytest.raises(ValueError, match="two formats"):
+        layer.load_quantized_rows(32, random_weight("4-bit f16", 16, 64))
 
 
 def test_bad_operands_are_refused():

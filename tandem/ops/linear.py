@@ -197,7 +197,8 @@ class Linear(nn.Module):
                      (part.values, part.scales, part.offsets)]  # fmt: skip
             self.quantized = QuantizedWeight(*whole, part.source)
         q = self.quantized
-        if part.values.dtype != q.values.dtype or part.scales.dtype != q.scales.dtype:
+        same = part.values.dtype == q.values.dtype and part.scales.dtype == q.scales.dtype
+        if not same or (part.offsets is None) != (q.offsets is None):
             raise ValueError(f"parts of one layer in two formats ({q.source}, {part.source})")
         group = first_row // GROUP_ROWS
         for whole, piece in zip(q.flat(), part.flat(), strict=True):
