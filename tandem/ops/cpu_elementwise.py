@@ -66,8 +66,9 @@ def paged_attention(
     start), and so do chunks that attend as decodes (`PrefillSegment.attends_as_decodes`);
     other prefill chunks as the portable op."""
     d = meta.num_decodes
+    in_place = [seg for seg in meta.prefills if seg.attends_as_decodes]
     chunks = [seg for seg in meta.prefills if not seg.attends_as_decodes]
-    if not d and len(chunks) == len(meta.prefills):  # a prefill step: its output as it comes
+    if not d and not in_place:  # a prefill step: its output as it comes
         return portable_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     out = torch.empty_like(q)
     window = sliding_window or 0
@@ -76,9 +77,7 @@ def paged_attention(
             out[:d], q[:d].contiguous(), k_cache, v_cache, meta.block_tables[:d],
             meta.context_lens[:d], scale, window,
         )  # fmt: skip
-    for seg in meta.prefills:
-        if not seg.attends_as_decodes:
-            continue
+    for seg in in_place:
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
         tables = meta.block_tables[seg.row].expand(seg.num_tokens, -1)
         lens = torch.arange(seg.context_len - seg.num_tokens + 1, seg.context_len + 1)

@@ -731,8 +731,11 @@ DigitRows digit_rows(const at::Tensor& x) {
   return {dp, ap};
 }
 
-// Rows per tile: per row and vector three integer sums (six at one row: a chain per nibble, so
-// that enough independent dot products are in flight), plus the codes and broadcasts.
+// Only AVX-512 builds have VNNI here: a group's 16 rows are one vector.
+static_assert(kVectors == 1, "the digit kernels take a group as one vector");
+
+// Rows per tile: per row three integer sums (six at one row: a chain per nibble, so that enough
+// independent dot products are in flight), plus the codes and broadcasts.
 constexpr int64_t kDigitTileRows = (kRegisters - 6) / 4;
 
 // T rows against one group of 4-bit codes: out (the rows' first column) = x . codes * scale +
@@ -742,50 +745,44 @@ void digit_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* digit
                       const float* amax, const float* x_sums, int64_t row_blocks, float* out,
                       int64_t out_stride) {
   constexpr int64_t kChains = T == 1 ? 2 : 1;
-  Column acc[T] = {};
+  VecL acc[T] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_block<true>(g, b + kPrefetchBlocks);
-    IVec isum[T][kVectors][kDigits][kChains];
+    IVec isum[T][kDigits][kChains];
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t v = 0; v < kVectors; ++v)
-        for (int64_t k = 0; k < kDigits; ++k)
-          for (int64_t c = 0; c < kChains; ++c) isum[t][v][k][c] = zero_ints();
-    for (int64_t j = 0; j < 4; ++j)
-      for (int64_t v = 0; v < kVectors; ++v) {
-        const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes + v * 4 * kLanes);
-        const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
-        for (int64_t t = 0; t < T; ++t) {
-          const int8_t* d = digits + (t * row_blocks + b) * kDigits * kBlockCols + 4 * j;
-          for (int64_t k = 0; k < kDigits; ++k) {
-            const IVec dl = broadcast4(d + k * kBlockCols), dh = broadcast4(d + k * kBlockCols + 16);
-            if constexpr (kChains == 2) {
-              isum[t][v][k][0] = dot4(isum[t][v][k][0], lo, dl);
-              isum[t][v][k][1] = dot4(isum[t][v][k][1], hi, dh);
-            } else {
-              isum[t][v][k][0] = nibble_dot8(isum[t][v][k][0], lo, dl, hi, dh);
-            }
+      for (int64_t k = 0; k < kDigits; ++k)
+        for (int64_t c = 0; c < kChains; ++c) isum[t][k][c] = zero_ints();
+    for (int64_t j = 0; j < 4; ++j) {
+      const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes);
+      const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
+      for (int64_t t = 0; t < T; ++t) {
+        const int8_t* d = digits + (t * row_blocks + b) * kDigits * kBlockCols + 4 * j;
+        for (int64_t k = 0; k < kDigits; ++k) {
+          const IVec dl = broadcast4(d + k * kBlockCols), dh = broadcast4(d + k * kBlockCols + 16);
+          if constexpr (kChains == 2) {
+            isum[t][k][0] = dot4(isum[t][k][0], lo, dl);
+            isum[t][k][1] = dot4(isum[t][k][1], hi, dh);
+          } else {
+            isum[t][k][0] = nibble_dot8(isum[t][k][0], lo, dl, hi, dh);
           }
         }
       }
-    const Column s = load_scales(g.scales + b * kGroupRows);
-    const Column o = block_offsets(g, b, s);
+    }
+    const VecL s = load_scales(g.scales + b * kGroupRows)[0];
+    const VecL o = block_offsets(g, b, {s})[0];
     for (int64_t t = 0; t < T; ++t) {
       const float x_max = amax[t * row_blocks + b], x_sum = x_sums[t * row_blocks + b];
-      for (int64_t v = 0; v < kVectors; ++v) {
-        IVec sums[kDigits];
-        for (int64_t k = 0; k < kDigits; ++k)
-          sums[k] = kChains == 2 ? plus(isum[t][v][k][0], isum[t][v][k][1])
-                                 : nibble_total(isum[t][v][k][0]);
-        const IVec upper = plus(shift_left8(sums[2]), sums[1]);
-        const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
-        const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
-        acc[t][v] += x_dot_codes * s[v];
-        acc[t][v] += x_sum * o[v];
-      }
+      IVec sums[kDigits];
+      for (int64_t k = 0; k < kDigits; ++k)
+        sums[k] = kChains == 2 ? plus(isum[t][k][0], isum[t][k][1]) : nibble_total(isum[t][k][0]);
+      const IVec upper = plus(shift_left8(sums[2]), sums[1]);
+      const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
+      const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
+      acc[t] += x_dot_codes * s;
+      acc[t] += x_sum * o;
     }
   }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
+  for (int64_t t = 0; t < T; ++t) store_lanes(out + t * out_stride, acc[t]);
 }
 
 template <typename Scale, int64_t... T>
