@@ -11,6 +11,10 @@ read; Tandem runs `LLM.generate` on B random prompts with the synchronous loop (
 core has nothing to overlap). The files and binaries come from benchmarks/setup_llama_server.sh.
 
     python benchmarks/formats.py [--batches 1,32] [--repeats 3] [GGUF ...]
+
+Both engines' AVX2 paths on an AVX-512 machine (an AMD Zen 3's instructions, on this machine's
+memory): `LLAMA_CPP_ISA=avx2 bash benchmarks/setup_llama_server.sh build`, then
+`TANDEM_CPU_ISA=avx2 python benchmarks/formats.py --llama-bin ~/.cache/tandem/llama.cpp/bin-avx2`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from tandem.models.catalog import resolve_model
 from tandem.models.gguf_blocks import NATIVE_TYPES
 
 CACHE = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
-BATCHED_BENCH = CACHE / "llama.cpp" / "bin" / "llama-batched-bench"
+LLAMA_BIN = CACHE / "llama.cpp" / "bin"
 MODELS = CACHE / "models"
 DEFAULT_FILES = [
     MODELS / "smollm2-135m-instruct-f32.gguf",
@@ -41,8 +45,9 @@ DEFAULT_FILES = [
 
 def llama_seconds(path: Path, batch: int, args: argparse.Namespace) -> float:
     command = [
-        str(BATCHED_BENCH), "-m", str(path), "-t", str(args.threads), "-npp", str(args.prompt),
-        "-ntg", str(args.output), "-npl", str(batch), "-c", str(batch * (args.prompt + args.output) + 64),
+        str(Path(args.llama_bin) / "llama-batched-bench"), "-m", str(path),
+        "-t", str(args.threads), "-npp", str(args.prompt), "-ntg", str(args.output),
+        "-npl", str(batch), "-c", str(batch * (args.prompt + args.output) + 64),
     ]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     row = next(line for line in out.splitlines() if re.match(rf"\|\s*{args.prompt}\s*\|", line))
@@ -68,8 +73,11 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--llama-bin", default=str(LLAMA_BIN), help="llama.cpp's binaries")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    isa = os.environ.get("TANDEM_CPU_ISA") or "native"
+    print(f"Tandem's kernels: TANDEM_CPU_ISA={isa}; llama.cpp: {args.llama_bin}")
     print(f"{'file':34} {'Tandem formats':18} {'batch':>5} {'Tandem s':>9} {'int8-act s':>10} "
           f"{'llama.cpp s':>11} {'ratio':>6} {'int8-act':>8}  (ratios: llama.cpp time / Tandem "
           "time; above 1, Tandem is faster)")  # fmt: skip

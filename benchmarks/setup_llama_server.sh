@@ -12,6 +12,10 @@
 #   bash benchmarks/setup_llama_server.sh          # build, then the GGUF files
 #   bash benchmarks/setup_llama_server.sh build    # only the binaries
 #   bash benchmarks/setup_llama_server.sh gguf     # only the GGUF files (needs the binary's sources)
+#   LLAMA_CPP_ISA=avx2 bash benchmarks/setup_llama_server.sh build   # into bin-avx2
+#
+# LLAMA_CPP_ISA=avx2 builds for AVX2 and FMA only (an AMD Zen 3's instructions): beside
+# TANDEM_CPU_ISA=avx2 it compares both engines' AVX2 paths on an AVX-512 machine.
 #
 # Every step is skipped when its output is already there, so running it again is cheap.
 # The build takes minutes (about 7 on 2 cores); it runs under `nice` so the machine stays usable.
@@ -23,7 +27,14 @@ LLAMA_CPP_DIR="${LLAMA_CPP_DIR:-$CACHE_DIR/llama.cpp}"
 MODEL_DIR="${MODEL_DIR:-$CACHE_DIR/models/smollm2-135m-instruct}"
 JOBS="${JOBS:-2}"
 PYTHON="${PYTHON:-python}"
-BIN_DIR="$LLAMA_CPP_DIR/bin"
+case "${LLAMA_CPP_ISA:-native}" in
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON); SUFFIX="" ;;
+    avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
+          SUFFIX="-avx2" ;;
+    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: expected native or avx2" >&2; exit 2 ;;
+esac
+BIN_DIR="$LLAMA_CPP_DIR/bin$SUFFIX"
+BUILD_DIR="$LLAMA_CPP_DIR/build$SUFFIX"
 SERVER_BIN="$BIN_DIR/llama-server"
 TARGETS=(llama-server llama-batched-bench llama-quantize llama-perplexity llama-tokenize)
 F32_GGUF="$MODEL_DIR-f32.gguf"
@@ -66,10 +77,10 @@ build_server() {
     fetch_sources
     # Static libraries, so the one binary can be copied out of the build tree and still run.
     # No web UI (its prebuilt copy would be downloaded) and no OpenSSL (local HTTP only).
-    log "configuring (Release, GGML_NATIVE=ON)"
-    nice -n 10 cmake -S "$SRC_DIR" -B "$LLAMA_CPP_DIR/build" \
+    log "configuring (Release, ${ISA_FLAGS[*]})"
+    nice -n 10 cmake -S "$SRC_DIR" -B "$BUILD_DIR" \
         -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON \
+        "${ISA_FLAGS[@]}" \
         -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_SERVER=ON \
@@ -80,11 +91,11 @@ build_server() {
         -DBUILD_SHARED_LIBS=OFF >&2
     log "building ${missing[*]} with $JOBS jobs"
     local start=$SECONDS
-    nice -n 10 cmake --build "$LLAMA_CPP_DIR/build" --config Release --target "${missing[@]}" \
+    nice -n 10 cmake --build "$BUILD_DIR" --config Release --target "${missing[@]}" \
         -j "$JOBS" >&2
     log "build took $((SECONDS - start)) s"
     mkdir -p "$BIN_DIR"
-    for target in "${missing[@]}"; do cp "$LLAMA_CPP_DIR/build/bin/$target" "$BIN_DIR/$target"; done
+    for target in "${missing[@]}"; do cp "$BUILD_DIR/bin/$target" "$BIN_DIR/$target"; done
 }
 
 # The converter imports `gguf`; the sdist's own gguf-py matches it, whatever version is installed.
