@@ -154,6 +154,17 @@ struct Groups {
   }
 };
 
+// A weight's groups as every kernel walks them; offsets null where none are stored (8-bit
+// codes, symmetric 4-bit ones: `quantized_linear` checks which).
+template <typename Scale>
+Groups<Scale> groups_of(const at::Tensor& values, const at::Tensor& scales,
+                        const at::Tensor& offsets) {
+  return {static_cast<const uint8_t*>(values.data_ptr()),
+          static_cast<const Scale*>(scales.data_ptr()),
+          present(offsets) ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
+          values.stride(0) * values.element_size(), scales.stride(0)};
+}
+
 // Calls f(j, columns) for the 32 columns of block b in P groups side by side, in the order every
 // kernel sums them (j: the column within the block; columns[p]: group p's codes there, as
 // floats: exact).
@@ -380,12 +391,7 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
       register_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
   const int64_t rows = x.size(0), x_stride = x.stride(0), groups = values.size(0);
   const int64_t blocks = values.size(1), n = out.size(1);
-  const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
-                             static_cast<const Scale*>(scales.data_ptr()),
-                             kFourBit && present(offsets)
-                                 ? static_cast<const Scale*>(offsets.data_ptr())
-                                 : nullptr,
-                             values.stride(0) * values.element_size(), scales.stride(0)};
+  const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
   const float* xp = x.data_ptr<float>();
   const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
   float* outp = out.data_ptr<float>();
@@ -644,10 +650,7 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   const QuantizedRows xq = quantize_rows(x);
   const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
   const int64_t n = out.size(1), k = x.size(1);
-  const Groups<Scale> weight{
-      static_cast<const uint8_t*>(values.data_ptr()), static_cast<const Scale*>(scales.data_ptr()),
-      kFourBit && !kSymmetric ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
-      values.stride(0), scales.stride(0)};
+  const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
   const int8_t* cp = xq.codes;
   const float* dp = xq.steps;
   float* outp = out.data_ptr<float>();
@@ -799,11 +802,7 @@ void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
       digit_kernels<Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
   const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
   const int64_t n = out.size(1), digit_stride = blocks * kDigits * kBlockCols;
-  const Groups<Scale> weight{static_cast<const uint8_t*>(values.data_ptr()),
-                             static_cast<const Scale*>(scales.data_ptr()),
-                             present(offsets) ? static_cast<const Scale*>(offsets.data_ptr())
-                                              : nullptr,
-                             values.stride(0) * values.element_size(), scales.stride(0)};
+  const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
   const DigitRows xd = digit_rows(x);
   const float* sums = block_sums_of_x(x);
   float* outp = out.data_ptr<float>();
