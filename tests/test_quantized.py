@@ -114,20 +114,26 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_float_activations_keep_float_precision_at_every_magnitude(kind):
-    """Rows from 1e-35 to 1e30 (on AVX-512 VNNI 4-bit codes meet the activations as integer
-    digits scaled per block: a scale must not lose them), each within float32 rounding of its
-    own float64 product; a block of zeros; an inf or a NaN spoils its own row only."""
+    """Rows from 1e-35 to 1e30 and one spanning 1e-30..1e30 (on AVX-512 VNNI 4-bit codes meet
+    the activations as integer digits scaled per block, on AVX2 a row of one as powers of two
+    per column: a scale must not lose them), each within float32 rounding of its own float64
+    product and the same bits alone as in the batch; a block of zeros; an inf or a NaN spoils
+    its own row only."""
     q = random_weight(kind, 48, 96)
     w = dequantize(q).double()
     magnitudes = torch.tensor([1e-35, 1e-30, 1e-3, 1.0, 1e3, 1e30], dtype=torch.float64)
     g = torch.Generator().manual_seed(5)
-    x64 = torch.randn(len(magnitudes), 96, generator=g, dtype=torch.float64) * magnitudes[:, None]
+    x64 = torch.randn(len(magnitudes) + 1, 96, generator=g, dtype=torch.float64)
+    x64[:-1] *= magnitudes[:, None]
+    x64[-1] *= 10.0 ** (torch.rand(96, generator=g, dtype=torch.float64) * 60 - 30)
     x64[3, 32:64] = 0
     x = x64.float()
     reference = x.double() @ w.T
-    out = quantized_linear(x, q).double()
+    out = quantized_linear(x, q)
     scale = reference.abs().amax(dim=1, keepdim=True)
-    assert ((out - reference).abs() <= 1e-5 * scale).all()
+    assert ((out.double() - reference).abs() <= 1e-5 * scale).all()
+    for r in range(len(x)):
+        assert torch.equal(quantized_linear(x[r : r + 1], q)[0], out[r]), r
     spoiled = torch.cat([x, x[:2]])
     spoiled[-2, 40], spoiled[-1, 7] = float("inf"), float("nan")
     out = quantized_linear(spoiled, q)

@@ -87,17 +87,29 @@ inline Words load_words(const uint8_t* p) {
 }
 
 // Code K of every row of a run, as floats. On AVX-512 a 16-entry table lookup (vpermps reads an
-// index's low 4 bits: no mask, no conversion); on AVX2 a mask and a conversion, in-lane either way.
-template <int64_t K>
+// index's low 4 bits: no mask, no conversion); on AVX2 a shift, a mask and a conversion.
+// kInPlace (AVX2, one row of x): no shift, the code masked where it lies and converted, code *
+// 16^K exactly (4 significant bits), to meet an x scaled by 16^-K (`in_place_row`): the same
+// product, one instruction fewer per code. Code 7 would set the sign bit: shifted down instead.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kScaledCodes = true;
+#else
+constexpr bool kScaledCodes = false;
+#endif
+
+template <int64_t K, bool kInPlace = false>
 inline Column code_column(const Words& w) {
   Column c;
 #if defined(__AVX512F__)
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   c[0] = (VecL)_mm512_permutexvar_ps(_mm512_srli_epi32((__m512i)w[0], 4 * K), values);
 #elif defined(__AVX2__)
-  const __m256i mask = _mm256_set1_epi32(15);
   for (int64_t v = 0; v < kVectors; ++v) {
-    const __m256i codes = _mm256_and_si256(_mm256_srli_epi32((__m256i)w[v], 4 * K), mask);
+    const __m256i word = (__m256i)w[v];
+    __m256i codes;
+    if constexpr (K == 7) codes = _mm256_srli_epi32(word, 28);
+    else if constexpr (kInPlace) codes = _mm256_and_si256(word, _mm256_set1_epi32(15 << (4 * K)));
+    else codes = _mm256_and_si256(_mm256_srli_epi32(word, 4 * K), _mm256_set1_epi32(15));
     c[v] = (VecL)_mm256_cvtepi32_ps(codes);
   }
 #else
@@ -168,7 +180,7 @@ Groups<Scale> groups_of(const at::Tensor& values, const at::Tensor& scales,
 // Calls f(j, columns) for the 32 columns of block b in P groups side by side, in the order every
 // kernel sums them (j: the column within the block; columns[p]: group p's codes there, as
 // floats: exact).
-template <bool kFourBit, int64_t P, typename Scale, typename F>
+template <bool kFourBit, bool kInPlace, int64_t P, typename Scale, typename F>
 inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
   Column w[P];
   if constexpr (kFourBit) {
@@ -180,7 +192,7 @@ inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
       for_each_code(
           [&](auto k) {
             constexpr int64_t K = decltype(k)::value;
-            for (int64_t p = 0; p < P; ++p) w[p] = code_column<K>(run[p]);
+            for (int64_t p = 0; p < P; ++p) w[p] = code_column<K, kInPlace>(run[p]);
             f((K % 2) * (kBlockCols / 2) + 4 * j + K / 2, w);
           },
           std::make_integer_sequence<int64_t, 8>{});
@@ -208,11 +220,13 @@ inline Column block_offsets(const Group<Scale>& g, int64_t b, const Column& scal
 // x_sum * offset for 4-bit). The one place a block's sum meets its scale, for every path.
 template <bool kFourBit, typename Scale, int64_t T, int64_t P>
 inline void add_block(const Group<Scale> (&g)[P], int64_t b, const Column (&sum)[T][P],
-                      const float* x_sums, int64_t x_sums_stride, float* out, int64_t out_stride) {
+                      const float* x_sums, int64_t x_sums_stride, float* out, int64_t out_stride,
+                      float sum_scale = 1.f) {
   for (int64_t p = 0; p < P; ++p) {
-    const Column s = load_scales(g[p].scales + b * kGroupRows);
+    Column s = load_scales(g[p].scales + b * kGroupRows);
     Column o{};
     if constexpr (kFourBit) o = block_offsets(g[p], b, s);
+    for (int64_t v = 0; v < kVectors; ++v) s[v] *= sum_scale;  // an in-place row's 2^-e
     for (int64_t t = 0; t < T; ++t) {
       float* row = out + t * out_stride + p * kGroupRows;
       for (int64_t v = 0; v < kVectors; ++v) {
@@ -246,6 +260,40 @@ const float* block_sums_of_x(const at::Tensor& x) {
   return sp;
 }
 
+// The power of two by which column j of a 4-bit block meets its in-place code: 16^-K for the
+// code K that holds it (column (K % 2) * 16 + 4j' + K / 2: the layout above), 1 for K = 7.
+inline int column_exponent(int64_t j) {
+  const int64_t k = 2 * (j % 4) + j / 16;
+  return k == 7 ? 0 : -4 * static_cast<int>(k);
+}
+
+// One row of x as the in-place codes meet it (AVX2, 4-bit weights): times 2^e, e from the
+// row's max |x| (so that every value times 16^-K, down to 2^-24, stays a normal float at any
+// magnitude), column j of each block times a further 2^column_exponent(j). The block scales take
+// 2^-e back (`add_block`): powers of two, exact, so each product, sum and rounding is the one the
+// shifted codes make on x itself (wherever none of theirs is subnormal), and a row has the same
+// bits alone as in a batch. The buffer is the calling thread's, reused from call to call.
+struct InPlaceRow {
+  const float* x;
+  float undo;  // 2^-e
+};
+
+InPlaceRow in_place_row(const float* row, int64_t k) {
+  thread_local std::vector<float> scaled;
+  scaled.resize(k);
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  int e = 0;  // an inf or a NaN (not counted by max) spoils its own row, unscaled
+  if (std::isfinite(amax) && amax > 0.f) {
+    std::frexp(amax, &e);              // amax < 2^e
+    e = std::clamp(64 - e, -64, 100);  // a block scale times 2^-e stays normal
+  }
+  std::array<float, kBlockCols> factors;
+  for (int64_t j = 0; j < kBlockCols; ++j) factors[j] = std::ldexp(1.f, e + column_exponent(j));
+  for (int64_t i = 0; i < k; ++i) scaled[i] = row[i] * factors[i % kBlockCols];
+  return {scaled.data(), std::ldexp(1.f, -e)};
+}
+
 // Groups side by side in a one-row tile of 4-bit weights, so that 4 independent sums are in
 // flight: a row's sum is a chain of dependent FMAs, two per byte of 4-bit codes, and a single
 // chain waits on their latency. 8-bit weights (one FMA per byte) are bound by reading them, and
@@ -266,9 +314,10 @@ inline int64_t groups_per_task(int64_t group_bytes, int64_t side) {
 // alone, steps of few rows waited on the codes' latency more than on their arithmetic. Past a
 // group's end it reads ahead into the next group (a prefetch never faults).
 constexpr int64_t kPrefetchBlocks = 4;
-// Groups side by side (4-bit, one row) each ask 2 blocks ahead: AVX-512's 4 walks together then
-// run 2 KiB ahead, and 4 blocks each (4 KiB) were 0.94x as fast there (level on AVX2's 2 walks).
-constexpr int64_t blocks_ahead(int64_t side) { return side > 1 ? 2 : kPrefetchBlocks; }
+// Groups side by side (4-bit, one row) ask 4 KiB ahead together, the next groups' first blocks
+// as they near their end (AVX2's 2 walks: 1.24x the speed of 1 KiB ahead without the next
+// groups; AVX-512's 4: level).
+constexpr int64_t blocks_ahead(int64_t side) { return side > 1 ? 16 / side : kPrefetchBlocks; }
 
 template <bool kFourBit, typename Scale>
 inline void prefetch_block(const Group<Scale>& g, int64_t b) {
@@ -284,20 +333,24 @@ inline void prefetch_block(const Group<Scale>& g, int64_t b) {
 template <bool kFourBit, typename Scale, int64_t T, int64_t P>
 void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float* x,
                          int64_t x_stride, const float* x_sums, int64_t x_sums_stride, float* out,
-                         int64_t out_stride) {
+                         int64_t out_stride, float sum_scale) {
   for (int64_t t = 0; t < T; ++t) std::fill_n(out + t * out_stride, P * kGroupRows, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlockCols;
-    for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit>(g[p], b + blocks_ahead(P));
+    // Past its group's end a walk reads ahead into the group it walks next: P groups on.
+    const int64_t ahead = b + blocks_ahead(P);
+    const int64_t next = ahead < blocks ? ahead : ahead + (P - 1) * blocks;
+    for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit>(g[p], next);
     Column sum[T][P] = {};
-    for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&w)[P]) {
+    for_each_column<kFourBit, kFourBit && kScaledCodes && T == 1>(
+        g, b, [&](int64_t j, const Column (&w)[P]) {
       for (int64_t t = 0; t < T; ++t) {
         const float xv = xb[t * x_stride + j];
         for (int64_t p = 0; p < P; ++p)
           for (int64_t v = 0; v < kVectors; ++v) sum[t][p][v] += xv * w[p][v];
       }
     });
-    add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride);
+    add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride, sum_scale);
   }
 }
 
@@ -306,7 +359,7 @@ void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float
 template <bool kFourBit, typename Scale, int64_t T>
 void tile_in_registers(const Groups<Scale>& groups, int64_t g0, int64_t g1, int64_t blocks,
                        const float* x, int64_t x_stride, const float* x_sums,
-                       int64_t x_sums_stride, float* out, int64_t out_stride) {
+                       int64_t x_sums_stride, float* out, int64_t out_stride, float sum_scale) {
   constexpr int64_t P = groups_per_tile(kFourBit, T);
   int64_t gi = g0;
   if constexpr (P > 1)
@@ -314,12 +367,12 @@ void tile_in_registers(const Groups<Scale>& groups, int64_t g0, int64_t g1, int6
       Group<Scale> side[P];
       for (int64_t p = 0; p < P; ++p) side[p] = groups[gi + p];
       groups_in_registers<kFourBit, Scale, T, P>(side, blocks, x, x_stride, x_sums, x_sums_stride,
-                                                 out + gi * kGroupRows, out_stride);
+                                                 out + gi * kGroupRows, out_stride, sum_scale);
     }
   for (; gi < g1; ++gi) {
     const Group<Scale> one[1] = {groups[gi]};
     groups_in_registers<kFourBit, Scale, T, 1>(one, blocks, x, x_stride, x_sums, x_sums_stride,
-                                               out + gi * kGroupRows, out_stride);
+                                               out + gi * kGroupRows, out_stride, sum_scale);
   }
 }
 
@@ -352,7 +405,7 @@ constexpr auto tile_kernels(std::integer_sequence<int64_t, T...>) {
 template <bool kFourBit, typename Scale, int64_t... T>
 constexpr auto register_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Groups<Scale>&, int64_t, int64_t, int64_t, const float*, int64_t,
-                          const float*, int64_t, float*, int64_t);
+                          const float*, int64_t, float*, int64_t, float);
   return std::array<Kernel, sizeof...(T)>{&tile_in_registers<kFourBit, Scale, T + 1>...};
 }
 
@@ -369,7 +422,7 @@ void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const floa
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_block<kFourBit>(g[0], b + kPrefetchBlocks);
     int64_t c = 0;
-    for_each_column<kFourBit>(g, b, [&](int64_t j, const Column (&col)[1]) {
+    for_each_column<kFourBit, false>(g, b, [&](int64_t j, const Column (&col)[1]) {
       order[c] = j;
       for (int64_t v = 0; v < kVectors; ++v)
         store_lanes(w + c * kGroupRows + v * kLanes, col[0][v]);
@@ -394,16 +447,23 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
   const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
   const float* xp = x.data_ptr<float>();
   const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
+  // A chunk of one row (the last) meets in-place codes (AVX2, 4-bit): its x scaled here.
+  constexpr bool kInPlace = kFourBit && kScaledCodes;
+  InPlaceRow last{};
+  if (kInPlace && rows % kChunkRows == 1)
+    last = in_place_row(xp + (rows - 1) * x_stride, x.size(1));
   float* outp = out.data_ptr<float>();
   const int64_t grain = groups_per_task(weight.group_bytes, groups_per_tile(kFourBit, 1));
   parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
       float* o = outp + m0 * n;
-      const float* xm = xp + m0 * x_stride;
+      const bool in_place = kInPlace && m == 1;
+      const float* xm = in_place ? last.x : xp + m0 * x_stride;
       const float* sm = kFourBit ? sums + m0 * blocks : nullptr;
       if (m <= kTileRows) {
-        in_registers[m - 1](weight, g0, g1, blocks, xm, x_stride, sm, blocks, o, n);
+        in_registers[m - 1](weight, g0, g1, blocks, xm, x_stride, sm, blocks, o, n,
+                            in_place ? last.undo : 1.f);
         continue;
       }
       for (int64_t gi = g0; gi < g1; ++gi) {
