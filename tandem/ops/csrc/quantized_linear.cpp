@@ -96,6 +96,10 @@ constexpr bool kScaledCodes = true;
 #else
 constexpr bool kScaledCodes = false;
 #endif
+// Whether a tile of `rows` rows of x meets in-place codes.
+constexpr bool in_place_codes(bool four_bit, int64_t rows) {
+  return four_bit && kScaledCodes && rows == 1;
+}
 
 template <int64_t K, bool kInPlace = false>
 inline Column code_column(const Words& w) {
@@ -329,7 +333,8 @@ inline void prefetch_block(const Group<Scale>& g, int64_t b) {
   if (g.offsets != nullptr) __builtin_prefetch(g.offsets + b * kGroupRows, 0, 3);
 }
 
-// T rows of x (T <= kTileRows) against P adjacent groups: each block's sums in registers.
+// T rows of x (T <= kTileRows) against P adjacent groups: each block's sums in registers, times
+// sum_scale where they meet the block scales (an in-place row's 2^-e, else 1).
 template <bool kFourBit, typename Scale, int64_t T, int64_t P>
 void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float* x,
                          int64_t x_stride, const float* x_sums, int64_t x_sums_stride, float* out,
@@ -342,8 +347,8 @@ void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float
     const int64_t next = ahead < blocks ? ahead : ahead + (P - 1) * blocks;
     for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit>(g[p], next);
     Column sum[T][P] = {};
-    for_each_column<kFourBit, kFourBit && kScaledCodes && T == 1>(
-        g, b, [&](int64_t j, const Column (&w)[P]) {
+    constexpr bool kInPlace = in_place_codes(kFourBit, T);
+    for_each_column<kFourBit, kInPlace>(g, b, [&](int64_t j, const Column (&w)[P]) {
       for (int64_t t = 0; t < T; ++t) {
         const float xv = xb[t * x_stride + j];
         for (int64_t p = 0; p < P; ++p)
@@ -448,9 +453,8 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
   const float* xp = x.data_ptr<float>();
   const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
   // A chunk of one row (the last) meets in-place codes (AVX2, 4-bit): its x scaled here.
-  constexpr bool kInPlace = kFourBit && kScaledCodes;
   InPlaceRow last{};
-  if (kInPlace && rows % kChunkRows == 1)
+  if (in_place_codes(kFourBit, rows % kChunkRows))
     last = in_place_row(xp + (rows - 1) * x_stride, x.size(1));
   float* outp = out.data_ptr<float>();
   const int64_t grain = groups_per_task(weight.group_bytes, groups_per_tile(kFourBit, 1));
@@ -458,7 +462,7 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
     for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
       const int64_t m = std::min(kChunkRows, rows - m0);
       float* o = outp + m0 * n;
-      const bool in_place = kInPlace && m == 1;
+      const bool in_place = in_place_codes(kFourBit, m);
       const float* xm = in_place ? last.x : xp + m0 * x_stride;
       const float* sm = kFourBit ? sums + m0 * blocks : nullptr;
       if (m <= kTileRows) {
