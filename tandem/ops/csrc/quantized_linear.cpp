@@ -90,7 +90,8 @@ inline Words load_words(const uint8_t* p) {
 // index's low 4 bits: no mask, no conversion); on AVX2 a shift, a mask and a conversion.
 // kInPlace (AVX2, one row of x): no shift, the code masked where it lies and converted, code *
 // 16^K exactly (4 significant bits), to meet an x scaled by 16^-K (`in_place_row`): the same
-// product, one instruction fewer per code. Code 7 would set the sign bit: shifted down instead.
+// product without the shift (codes 1-6; code 0 needs none). Code 7 would set the sign bit: it
+// is shifted down instead.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kScaledCodes = true;
 #else
@@ -319,8 +320,8 @@ inline int64_t groups_per_task(int64_t group_bytes, int64_t side) {
 // group's end it reads ahead into the next group (a prefetch never faults).
 constexpr int64_t kPrefetchBlocks = 4;
 // Groups side by side (4-bit, one row) ask 4 KiB ahead together, the next groups' first blocks
-// as they near their end (AVX2's 2 walks: 1.24x the speed of 1 KiB ahead without the next
-// groups; AVX-512's 4: level).
+// as they near their end: the distance that served AVX2's 2 walks best, and AVX-512's 4 as well
+// as any other (experiments.md).
 constexpr int64_t blocks_ahead(int64_t side) { return side > 1 ? 16 / side : kPrefetchBlocks; }
 
 template <bool kFourBit, typename Scale>
