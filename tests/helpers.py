@@ -17,9 +17,9 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-# A tiny model's cache: 64 MiB holds tens of thousands of its tokens. Each engine zeroes its
-# whole cache at start, and the 1 GiB default, for the suite's hundreds of engines, was a tenth
-# of its time.
+# A tiny model's cache: 64 MiB holds tens of thousands of its tokens, and each engine zeroes its
+# whole cache at start (the 1 GiB default, for each of the suite's hundreds of engines, costs a
+# tenth of the suite's time).
 TEST_KV_CACHE_GIB = 1 / 16
 
 
