@@ -21,7 +21,7 @@ MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 
 def make_llm(path, **options):
-    """A cache of 512 blocks unless the test sizes it: allocating the default 1 GiB is slow."""
+    """A cache of 512 blocks unless the test sizes it."""
     options.setdefault("num_kv_blocks", 512)
     return _make_llm(path, **options)
 

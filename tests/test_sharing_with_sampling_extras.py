@@ -30,7 +30,7 @@ MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 
 def make_llm(path, **options):
-    options.setdefault("num_kv_blocks", 256)  # the default 1 GiB cache is slow to allocate
+    options.setdefault("num_kv_blocks", 256)
     return _make_llm(path, **options)
 
 
