@@ -6,16 +6,18 @@ cache, so the kernel can be no faster than the memory streams. This times
 `--requests` contexts of each length, for the head shapes of real models, over as many layers'
 caches as make at least 256 MiB (far beyond the CPU's caches, as in a step). Blocks lie in one
 run per request, as the engine's block pool lays them out (`--random-blocks`: in random order).
+`--queries N` gives each request N rows at consecutive positions, as a verification of N - 1
+drafts lays them out (its block table row repeated, contexts up to the given length).
 
     python benchmarks/decode_attention.py [--shapes default,smollm2,llama8b]
-        [--contexts 1024,3072] [--requests 32] [--rounds 15] [--baseline DIR]
+        [--contexts 1024,3072] [--requests 32] [--queries 1] [--rounds 15] [--baseline DIR]
 
-Per shape and context: ms per layer (median of --rounds), GB/s of K/V read, and that rate over
-the machine's streaming rate (x.sum() over 256 MiB on torch's threads, measured before each
-shape and context). `--baseline DIR` builds another checkout's kernels beside these
-(benchmarks/baseline_kernels.py) and times both in alternation, each round once each, with the
-median of the rounds' ratios (baseline time / current time) and whether the two gave the same
-bits.
+Per shape and context: ms per layer (median of --rounds), GB/s of K/V read (each request's
+once, whatever its queries), and that rate over the machine's streaming rate (x.sum() over 256
+MiB on torch's threads, measured before each shape and context). `--baseline DIR` builds another
+checkout's kernels beside these (benchmarks/baseline_kernels.py) and times both in alternation,
+each round once each, with the median of the rounds' ratios (baseline time / current time) and
+whether the two gave the same bits.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="default,smollm2,llama8b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--contexts", default="1024,3072", help="comma-separated context lengths")
-    p.add_argument("--requests", type=int, default=32, help="decode queries, one per request")
+    p.add_argument("--requests", type=int, default=32, help="requests, each its own context")
+    p.add_argument("--queries", type=int, default=1, help="decode rows per request (1 + drafts)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--random-blocks", action="store_true", help="blocks in random order")
     p.add_argument("--baseline", metavar="DIR", help="a checkout whose kernels to time beside")
@@ -68,9 +71,11 @@ class Problem:
             for _ in range(self.layers)
         ]
         order = torch.randperm(blocks, generator=g) if args.random_blocks else torch.arange(blocks)
-        self.block_tables = order.view(requests, blocks_each).contiguous()
-        self.context_lens = torch.full((requests,), context, dtype=torch.int64)
-        self.q = torch.randn(requests, heads, self.dim, generator=g)
+        rows = args.queries  # a request's rows: its table row repeated, one position apart
+        tables = order.view(requests, 1, blocks_each).expand(-1, rows, -1)
+        self.block_tables = tables.reshape(requests * rows, blocks_each).contiguous()
+        self.context_lens = torch.arange(context - rows + 1, context + 1).repeat(requests)
+        self.q = torch.randn(requests * rows, heads, self.dim, generator=g)
         self.bytes_per_layer = 2 * requests * context * self.kv_heads * self.dim * 4
 
     def run(self, op, out: torch.Tensor) -> float:
@@ -92,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     isa = os.environ.get("TANDEM_CPU_ISA", "native")
     layout = "random order" if args.random_blocks else "one run per request"
     print(
-        f"TANDEM_CPU_ISA={isa}, {torch.get_num_threads()} torch threads, {args.requests} requests, "
-        f"blocks of {BLOCK_SIZE} in {layout}, median of {args.rounds} rounds"
+        f"TANDEM_CPU_ISA={isa}, {torch.get_num_threads()} torch threads, {args.requests} requests "
+        f"x {args.queries} queries, blocks of {BLOCK_SIZE} in {layout}, median of {args.rounds} "
+        "rounds"
     )
     print(
         f"{'shape':<9} {'context':>7} {'layers':>6} {'kernel':<9} {'ms/layer':>8} {'GB/s':>6} "

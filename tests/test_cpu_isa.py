@@ -40,6 +40,7 @@ AVX2_CHECKS = [
         "test_paged_decode_attention_reads_the_cache_in_place",
         "test_paged_decode_attention_on_long_contexts",
         "test_short_chunks_after_a_cached_context_attend_as_decodes",
+        "test_a_verifications_rows_are_each_the_decode_of_its_position",
         "test_fast_path_logits_stay_close_to_transformers",
         "test_fast_path_greedy_tokens_match_transformers",
         "test_gemm_equals_a_float64_linear",

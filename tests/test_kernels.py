@@ -264,6 +264,64 @@ def test_short_chunks_after_a_cached_context_attend_as_decodes(window, attention
             assert torch.equal(out[row], alone[0]), (seg, j)
 
 
+# (decode rows of one request, context of its last, blocks it shares with the request before):
+# verifications of 5, 8 and 3 rows whose contexts cross 8 and 16 (either build's group of rows),
+# a decode, two requests that share their first blocks (a cached prefix) with contexts one
+# apart, which may be read as one run, and one more a token further that shares none.
+VERIFICATION_RUNS = [
+    (5, 17, 0),
+    (1, 30, 0),
+    (8, 40, 0),
+    (3, 9, 0),
+    (1, 8, 0),
+    (1, 9, 2),
+    (1, 10, 0),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 48])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)])
+@pytest.mark.parametrize("copies", [1, 4])  # few runs: tasks per kv head and part; many: per run
+@pytest.mark.parametrize("window", [None, 12])
+def test_a_verifications_rows_are_each_the_decode_of_its_position(
+    head_dim, heads, kv_heads, copies, window, attention_kernel
+) -> None:
+    """A verification's rows (its request's block table row repeated, contexts one token apart)
+    are read as one run of queries; each row is still, bit for bit, the decode of its position
+    alone, and the portable op's result. A window that cuts some of a run's contexts (12) makes
+    their queries walk alone."""
+    g = torch.Generator().manual_seed(head_dim + heads + copies)
+    num_blocks, block_size = 160, 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    width = -(-max(context for _, context, _ in VERIFICATION_RUNS) // block_size)
+    tables, lens = [], []
+    for _ in range(copies):
+        for rows, context, shared in VERIFICATION_RUNS:
+            table = torch.randperm(num_blocks, generator=g)[:width]
+            if shared:
+                table[:shared] = tables[-1][:shared]
+            tables += [table] * rows
+            lens += range(context - rows + 1, context + 1)
+    tables, context = torch.stack(tables), torch.tensor(lens)
+    fused = torch.randn(len(lens), heads * head_dim + 8, generator=g)
+    q = fused[:, : heads * head_dim].view(len(lens), heads, head_dim)
+    out = torch.empty(len(lens), heads, head_dim)
+    torch.ops.tandem.paged_decode_attention(
+        out, q, k_cache, v_cache, tables, context, 0.3, window or 0
+    )
+    meta = AttentionMetadata(torch.zeros(0), tables, context, len(lens), width, [], block_size)
+    ref = _decode_attention(q, k_cache, v_cache, meta, 0.3, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for row in range(len(lens)):
+        alone = torch.empty(1, heads, head_dim)
+        torch.ops.tandem.paged_decode_attention(
+            alone, q[row : row + 1], k_cache, v_cache, tables[row : row + 1],
+            context[row : row + 1], 0.3, window or 0,
+        )  # fmt: skip
+        assert torch.equal(out[row], alone[0]), row
+
+
 @pytest.fixture(params=[2, 1])
 def torch_threads(request):
     """2: the work spreads over torch's OpenMP team; 1: over helpers from the inter-op pool."""

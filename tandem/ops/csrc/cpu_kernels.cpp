@@ -211,60 +211,72 @@ inline float exp_scores(float* s, int64_t n) {
   return 1.f / total;
 }
 
-// One query per request against its paged K/V, read in place through the block table.
-//   q [R, H, D] (any row stride), caches [blocks, block_size, Hkv, D] contiguous,
-//   block_tables [>=R, max_blocks] int64, context_lens [>=R] int64, out [R, H, D] contiguous.
-// The query heads of a group share each K/V row read; tasks are requests or (request, kv head).
+// Decode queries against their paged K/V, read in place through the block tables.
+//   q [N, H, D] (any row stride), caches [blocks, block_size, Hkv, D] contiguous, out [N, H, D]
+//   contiguous.
+// Queries come in runs: `queries` consecutive rows of one request at consecutive positions,
+// query i seeing the first len - (queries - 1 - i) tokens of the run's blocks. A decode is a run
+// of one; a verification's k + 1 rows, or a short chunk after a cached context, a longer one,
+// whose K/V rows are then read once for all its queries instead of once per query.
+struct QueryRun {
+  int64_t row;  // its first query's row of q and out
+  int64_t queries;
+  const int64_t* blocks;  // its block table row
+  int64_t len;  // the context its last query sees
+
+  int64_t len_of(int64_t i) const { return len - (queries - 1 - i); }
+};
+
 struct DecodeProblem {
   const float* q;
   const float* k;
   const float* v;
-  const int64_t* block_tables;
-  const int64_t* context_lens;
   float* out;
-  int64_t heads, kv_heads, group, block_size, q_stride, bt_stride, sliding_window;
+  int64_t heads, kv_heads, group, block_size, q_stride, sliding_window;
   float scale;
+
+  // Where the window starts for a query that sees `len` tokens (0 without a window).
+  int64_t first_of(int64_t len) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+  }
 };
 
-// Attention of request r's query heads of kv heads [h0, h1). DIM > 0 fixes the head size at
+// Query i of `run`, its query heads of kv heads [h0, h1). DIM > 0 fixes the head size at
 // compile time (unrolled dot products); 0 reads it from `dim`. Taking several kv heads at once
 // uses every byte of each cache line a token's K/V row spans (heads are interleaved per token).
 template <int64_t DIM>
-void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t dim,
-            std::vector<float>& scores, std::vector<float>& acc) {
+void attend(const DecodeProblem& p, const QueryRun& run, int64_t i, int64_t h0, int64_t h1,
+            int64_t dim, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t D = DIM > 0 ? DIM : dim;
   const int64_t G = p.group, token_stride = p.kv_heads * D, nh = (h1 - h0) * G;
-  const int64_t len = p.context_lens[r];
-  const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
-  const int64_t n = len - first;
+  const int64_t len = run.len_of(i), first = p.first_of(len), n = len - first;
   scores.resize(nh * n);
   acc.assign(nh * D, 0.f);
-  const float* qr = p.q + r * p.q_stride + h0 * G * D;  // the nh query heads, D apart
-  const int64_t* blocks = p.block_tables + r * p.bt_stride;
+  const float* qr = p.q + (run.row + i) * p.q_stride + h0 * G * D;  // nh query heads, D apart
   // Rows of K (then V) are visited block by block, each row serving every query head it feeds.
   auto for_each_row = [&](const float* cache, auto&& body) {
     for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
       const int64_t t0 = b * p.block_size;
       const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
-      const float* base = cache + (blocks[b] * p.block_size) * token_stride + h0 * D;
+      const float* base = cache + (run.blocks[b] * p.block_size) * token_stride + h0 * D;
       for (int64_t o = lo; o < hi; ++o) body(t0 + o - first, base + o * token_stride);
     }
   };
-  for_each_row(p.k, [&](int64_t i, const float* row) {
+  for_each_row(p.k, [&](int64_t t, const float* row) {
     for (int64_t j = 0; j < nh; ++j) {  // query head j reads kv head j / G of this row
       const float* qj = qr + j * D;
       const float* kj = row + (j / G) * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < D; ++d) s += qj[d] * kj[d];
-      scores[j * n + i] = s * p.scale;
+      scores[j * n + t] = s * p.scale;
     }
   });
   std::vector<float> inv_sums(nh);
   for (int64_t j = 0; j < nh; ++j) inv_sums[j] = exp_scores(scores.data() + j * n, n);
-  for_each_row(p.v, [&](int64_t i, const float* row) {
+  for_each_row(p.v, [&](int64_t t, const float* row) {
     for (int64_t j = 0; j < nh; ++j) {
-      const float w = scores[j * n + i];
+      const float w = scores[j * n + t];
       const float* vj = row + (j / G) * D;
       float* a = acc.data() + j * D;
 #pragma omp simd
@@ -272,7 +284,7 @@ void attend(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t d
     }
   });
   for (int64_t j = 0; j < nh; ++j) {
-    float* o = p.out + (r * p.heads + h0 * G + j) * D;
+    float* o = p.out + ((run.row + i) * p.heads + h0 * G + j) * D;
     const float* a = acc.data() + j * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv_sums[j];
@@ -371,37 +383,52 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
   return 1;
 }
 
-// Request r's query heads of kv heads [h0, h1); D is a multiple of kLanes, G query heads per kv
-// head. Rows are taken kLanes at a time, every kv head of a row together, so each block's rows
-// are read as one contiguous stretch. The kernel is bound by memory latency: each core keeps
-// only so many cache line misses in flight (its line-fill buffers), and a software prefetch
-// waits for a free one before it retires. So the prefetches are spread through the arithmetic,
-// a few lines before each query's scores and each V row, `distance` ahead: issued in a burst
-// (the same row of the next block, for every row gathered), they filled the buffers, stalled
-// retirement and left the arithmetic and the memory taking turns. The spacing matters: the same
-// lines issued a row at a time, back to back, lost the whole gain. Into L2 (prefetcht2), which
-// was faster than into L1; non-temporal prefetches were slower.
-template <int64_t D, int64_t G>
-void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
-                std::vector<float>& scores, std::vector<VecL>& acc) {
+// Queries [i0, i1) of `run`, their query heads of kv heads [h0, h1); D is a multiple of kLanes,
+// G query heads per kv head. Rows are taken kLanes at a time, every kv head of a row together,
+// so each block's rows are read as one contiguous stretch, and every query of the run is served
+// from a group of rows while it is in the L1 cache. Each query's arithmetic is what it would be
+// alone (a query with fewer tokens skips the groups past its context and masks the rest of its
+// last one), so its result is the same bits as its own decode's. (A window that cuts a
+// context comes one query at a time: each query's window starts elsewhere.)
+//
+// The kernel is bound by memory latency: each core keeps only so many cache line misses in
+// flight (its line-fill buffers), and a software prefetch waits for a free one before it
+// retires. So the prefetches are spread through the arithmetic, a few lines before each query
+// head's scores and each V row, `distance` ahead: issued in a burst (the same row of the next
+// block, for every row gathered), they filled the buffers, stalled retirement and left the
+// arithmetic and the memory taking turns. The spacing matters: the same lines issued a row at a
+// time, back to back, lost the whole gain. Into L2 (prefetcht2), which was faster than into L1;
+// non-temporal prefetches were slower.
+// kOne: a single query (a decode), compiled apart: its K pass keeps no mask of rows past a
+// query's context in a register, which had cost a decode a tenth of its speed (K/V in cache).
+template <int64_t D, int64_t G, bool kOne>
+void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1, int64_t i0,
+                int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
   constexpr int64_t W = kLanes, C = D / W, S = v_slice(C, G);
-  const int64_t token_stride = p.kv_heads * D, len = p.context_lens[r];
-  const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
-  const int64_t n = len - first, heads = h1 - h0, nh = heads * G;
-  const int64_t stride = (n + W - 1) / W * W;  // each head's scores, whole groups of W
-  scores.resize(nh * stride);
-  acc.assign(nh * C, VecL{});
-  // Each query head's softmax max and sum, W lanes each (reduced after their pass).
-  std::vector<VecL> lane_max(nh, VecL{} - std::numeric_limits<float>::infinity());
-  std::vector<VecL> lane_sum(nh, VecL{});
+  const int64_t token_stride = p.kv_heads * D, len = run.len_of(i1 - 1);
+  const int64_t first = p.first_of(run.len_of(i0)), n = len - first;
+  const int64_t nq = kOne ? 1 : i1 - i0, heads = h1 - h0, nh = heads * G, all = nq * nh;
+  const int64_t stride = (n + W - 1) / W * W;  // each query head's scores, whole groups of W
+  scores.resize(all * stride);
+  acc.assign(all * C, VecL{});
+  // Query x's head j is item x * nh + j. Its softmax max and sum, W lanes each (reduced after
+  // their pass), and the tokens it sees from the walk's start.
+  std::vector<VecL> lane_max(all, VecL{} - std::numeric_limits<float>::infinity());
+  std::vector<VecL> lane_sum(all, VecL{});
+  std::vector<int64_t> seen(kOne ? 0 : nq);  // a single query sees every row
+  for (int64_t x = 0; x < static_cast<int64_t>(seen.size()); ++x)
+    seen[x] = run.len_of(i0 + x) - first;
   LanesL lane_index;  // 0, 1, ..., W - 1
   for (int64_t l = 0; l < W; ++l) lane_index[l] = l;
-  const float* qr = p.q + r * p.q_stride + h0 * G * D;
-  const int64_t* blocks = p.block_tables + r * p.bt_stride;
+  auto query_heads = [&](int64_t x) {  // query x's nh query heads, D apart
+    return p.q + (run.row + i0 + x) * p.q_stride + h0 * G * D;
+  };
   const int64_t lines_per_row = heads * D / kLineFloats;
-  LinePrefetcher prefetch{nullptr, blocks, p.block_size, token_stride, h0 * D, len, lines_per_row};
-  // Lines per call, so that a group's calls cover its W rows: one call per query in the K pass,
-  // one per kv head, slice and row in the V pass.
+  LinePrefetcher prefetch{nullptr, run.blocks, p.block_size, token_stride, h0 * D, len,
+                          lines_per_row};
+  // Lines per call, so that a group's calls cover its W rows: one call per query head in the K
+  // pass, one per kv head, slice and row in the V pass (the run's last query's, which sees every
+  // row).
   const int64_t k_lines = (W * lines_per_row + nh - 1) / nh;
   const int64_t v_lines = (lines_per_row + heads * (C / S) - 1) / (heads * (C / S));
   // Calls body(rows, count, index) with up to W row pointers (kv head h0 of each token);
@@ -412,7 +439,7 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
     for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
       const int64_t t0 = b * p.block_size;
       const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
-      const float* base = cache + (blocks[b] * p.block_size) * token_stride + h0 * D;
+      const float* base = cache + (run.blocks[b] * p.block_size) * token_stride + h0 * D;
       for (int64_t o = lo; o < hi; ++o) {
         rows[count++] = base + o * token_stride;
         if (count == W) {
@@ -429,68 +456,93 @@ void attend_vec(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1,
   };
   const int64_t distance = std::max(kPrefetchLines, 2 * W * lines_per_row);
   prefetch.start(p.k, first, distance);
-  for_each_group(p.k, [&](const float* const* rows, int64_t /*count*/, int64_t index) {
+  for_each_group(p.k, [&](const float* const* rows, int64_t count, int64_t index) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t j = 0; j < G; ++j) {
         prefetch.ahead(k_lines);
-        const float* qj = qr + (h * G + j) * D;
-        VecL q[C];
-        for (int64_t c = 0; c < C; ++c) q[c] = load_lanes(qj + c * W);
-        VecL part[W];
-        for (int64_t t = 0; t < W; ++t) {
-          const float* k = rows[t] + h * D;
-          VecL a = q[0] * load_lanes(k);
-          for (int64_t c = 1; c < C; ++c) a += q[c] * load_lanes(k + c * W);
-          part[t] = a;
+        for (int64_t x = 0; x < nq; ++x) {
+          const int64_t real = kOne ? count : seen[x] - index;  // rows of the group x sees
+          if (!kOne && real <= 0) continue;
+          const float* qj = query_heads(x) + (h * G + j) * D;
+          VecL q[C];
+          for (int64_t c = 0; c < C; ++c) q[c] = load_lanes(qj + c * W);
+          VecL part[W];
+          for (int64_t t = 0; t < W; ++t) {
+            const float* k = rows[t] + h * D;
+            VecL a = q[0] * load_lanes(k);
+            for (int64_t c = 1; c < C; ++c) a += q[c] * load_lanes(k + c * W);
+            part[t] = a;
+          }
+          const VecL s = sum_lanes(part) * p.scale;
+          const int64_t item = x * nh + h * G + j;
+          store_lanes(scores.data() + item * stride + index, s);
+          // A short group's extra lanes repeat a real row; rows past the query's context are
+          // left out.
+          VecL& m = lane_max[item];
+          if (kOne || real >= count) {
+            m = s > m ? s : m;
+          } else {
+            const VecL seen_s = lane_index < static_cast<int32_t>(real) ? s : VecL{} - INFINITY;
+            m = seen_s > m ? seen_s : m;
+          }
         }
-        const VecL s = sum_lanes(part) * p.scale;
-        store_lanes(scores.data() + (h * G + j) * stride + index, s);
-        VecL& m = lane_max[h * G + j];  // a short group's extra lanes repeat a real row
-        m = s > m ? s : m;
       }
     }
   });
-  std::vector<float> head_max(nh);
-  for (int64_t j = 0; j < nh; ++j) {
-    head_max[j] = lane_max[j][0];
-    for (int l = 1; l < W; ++l) head_max[j] = std::max(head_max[j], lane_max[j][l]);
+  std::vector<float> head_max(all);
+  for (int64_t item = 0; item < all; ++item) {
+    head_max[item] = lane_max[item][0];
+    for (int l = 1; l < W; ++l) head_max[item] = std::max(head_max[item], lane_max[item][l]);
   }
   prefetch.start(p.v, first, distance);
   for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
     // The softmax's numerators of these W tokens, made here rather than in a pass of their own
     // so that the arithmetic overlaps the V rows' arrival.
-    for (int64_t j = 0; j < nh; ++j) {
-      float* w = scores.data() + j * stride + index;
-      const VecL e = fast_exp(load_lanes(w) - head_max[j]);
-      // Lanes past `count` hold no token.
-      const VecL numerators = lane_index < static_cast<int32_t>(count) ? e : VecL{};
-      store_lanes(w, numerators);
-      lane_sum[j] += numerators;
+    for (int64_t x = 0; x < nq; ++x) {
+      const int64_t real = kOne ? count : std::min(count, seen[x] - index);
+      if (!kOne && real <= 0) continue;
+      for (int64_t j = 0; j < nh; ++j) {
+        const int64_t item = x * nh + j;
+        float* w = scores.data() + item * stride + index;
+        const VecL e = fast_exp(load_lanes(w) - head_max[item]);
+        // Lanes past `real` hold no token of this query.
+        const VecL numerators = lane_index < static_cast<int32_t>(real) ? e : VecL{};
+        store_lanes(w, numerators);
+        lane_sum[item] += numerators;
+      }
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const float* w = scores.data() + h * G * stride + index;
       for (int64_t c0 = 0; c0 < C; c0 += S) {
-        VecL a[G][S];
-        for (int64_t j = 0; j < G; ++j)
-          for (int64_t c = 0; c < S; ++c) a[j][c] = acc[(h * G + j) * C + c0 + c];
-        for (int64_t t = 0; t < count; ++t) {  // each V slice is loaded once for the G queries
-          prefetch.ahead(v_lines);
-          VecL v[S];
-          for (int64_t c = 0; c < S; ++c) v[c] = load_lanes(rows[t] + h * D + (c0 + c) * W);
+        for (int64_t x = 0; x < nq; ++x) {
+          const int64_t real = kOne ? count : std::min(count, seen[x] - index);
+          if (!kOne && real <= 0) continue;
+          const int64_t item = x * nh + h * G;  // the kv head's G query heads
+          const float* w = scores.data() + item * stride + index;
+          VecL a[G][S];
           for (int64_t j = 0; j < G; ++j)
-            for (int64_t c = 0; c < S; ++c) a[j][c] += w[j * stride + t] * v[c];
+            for (int64_t c = 0; c < S; ++c) a[j][c] = acc[(item + j) * C + c0 + c];
+          for (int64_t t = 0; t < real; ++t) {  // each V slice is loaded once for the G queries
+            if (x == nq - 1) prefetch.ahead(v_lines);
+            VecL v[S];
+            for (int64_t c = 0; c < S; ++c) v[c] = load_lanes(rows[t] + h * D + (c0 + c) * W);
+            for (int64_t j = 0; j < G; ++j)
+              for (int64_t c = 0; c < S; ++c) a[j][c] += w[j * stride + t] * v[c];
+          }
+          for (int64_t j = 0; j < G; ++j)
+            for (int64_t c = 0; c < S; ++c) acc[(item + j) * C + c0 + c] = a[j][c];
         }
-        for (int64_t j = 0; j < G; ++j)
-          for (int64_t c = 0; c < S; ++c) acc[(h * G + j) * C + c0 + c] = a[j][c];
       }
     }
   });
-  for (int64_t j = 0; j < nh; ++j) {
-    float total = 0.f;
-    for (int l = 0; l < W; ++l) total += lane_sum[j][l];
-    const VecL inv = VecL{} + 1.f / total;
-    for (int64_t c = 0; c < C; ++c)
-      store_lanes(p.out + (r * p.heads + h0 * G + j) * D + c * W, acc[j * C + c] * inv);
+  for (int64_t x = 0; x < nq; ++x) {
+    for (int64_t j = 0; j < nh; ++j) {
+      const int64_t item = x * nh + j;
+      float total = 0.f;
+      for (int l = 0; l < W; ++l) total += lane_sum[item][l];
+      const VecL inv = VecL{} + 1.f / total;
+      float* out = p.out + ((run.row + i0 + x) * p.heads + h0 * G + j) * D;
+      for (int64_t c = 0; c < C; ++c) store_lanes(out + c * W, acc[item * C + c] * inv);
+    }
   }
 }
 
@@ -507,17 +559,24 @@ std::atomic<bool> portable_attention{false};
 
 bool set_generic_decode_attention(bool generic) { return portable_attention.exchange(generic); }
 
+template <int64_t D, int64_t G>
+void attend_queries(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1,
+                    int64_t i0, int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
+  if (i1 - i0 == 1) attend_vec<D, G, true>(p, run, h0, h1, i0, i1, scores, acc);
+  else attend_vec<D, G, false>(p, run, h0, h1, i0, i1, scores, acc);
+}
+
 // The vector kernel for this head size and group, or null where only the generic loop fits.
-using AttendVec = void (*)(const DecodeProblem&, int64_t, int64_t, int64_t, std::vector<float>&,
-                           std::vector<VecL>&);
+using AttendVec = void (*)(const DecodeProblem&, const QueryRun&, int64_t, int64_t, int64_t,
+                           int64_t, std::vector<float>&, std::vector<VecL>&);
 template <int64_t D>
 AttendVec vector_kernel_for_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_vec<D, 1>;
-    case 2: return &attend_vec<D, 2>;
-    case 3: return &attend_vec<D, 3>;
-    case 4: return &attend_vec<D, 4>;
-    case 8: return &attend_vec<D, 8>;
+    case 1: return &attend_queries<D, 1>;
+    case 2: return &attend_queries<D, 2>;
+    case 3: return &attend_queries<D, 3>;
+    case 4: return &attend_queries<D, 4>;
+    case 8: return &attend_queries<D, 8>;
     default: return nullptr;
   }
 }
@@ -530,23 +589,42 @@ AttendVec vector_kernel(int64_t dim, int64_t group) {
   }
 }
 
-void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale,
-                            int64_t sliding_window) {
-  check_float_rows(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [R, H, D], heads packed");
-  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1), "out must be shaped like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "block_tables and context_lens must be int64");
-  const int64_t reqs = q.size(0), dim = q.size(2), kv_heads = k_cache.size(2);
-  DecodeProblem p{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                  block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                  out.data_ptr<float>(), q.size(1), kv_heads, q.size(1) / kv_heads,
-                  k_cache.size(1), q.stride(0), block_tables.stride(0), sliding_window,
-                  (float)scale};
+// One request's decode rows as runs: row r joins the run before it when it is that run's next
+// position (one token more) over the same blocks, which is how a verification lays out its
+// k + 1 rows. Joining never changes a result: a query's result depends only on its row, its
+// length and the blocks that length covers, which the run's block table row holds.
+std::vector<QueryRun> decode_runs(const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  int64_t rows, int64_t block_size, int64_t sliding_window) {
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t bt_stride = block_tables.stride(0);
+  std::vector<QueryRun> runs;
+  runs.reserve(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t* blocks = tables + r * bt_stride;
+    if (!runs.empty()) {
+      QueryRun& last = runs.back();
+      const int64_t covered = (last.len + block_size - 1) / block_size;
+      // A window that cuts a context starts each query's elsewhere: such rows stay alone.
+      const bool windowless = sliding_window <= 0 || lens[r] <= sliding_window;
+      if (windowless && lens[r] == last.len + 1 &&
+          std::equal(blocks, blocks + covered, last.blocks)) {
+        last.queries += 1;
+        last.len = lens[r];
+        last.blocks = blocks;
+        continue;
+      }
+    }
+    runs.push_back({r, 1, blocks, lens[r]});
+  }
+  return runs;
+}
+
+// Attention of every query of `runs` (a window cuts no context of a run of several queries:
+// decode_runs). Tasks are runs, or (run, kv head) when runs are too few to share out by
+// themselves, and a run whose tasks would still leave a core idle splits its queries into parts
+// (each part reads the run's K/V once).
+void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun>& runs) {
   // Every core reads, whatever torch's thread count (tuned for the GEMMs): attention is bound by
   // memory bandwidth, which a second core nearly doubles. Where torch computes on one thread,
   // helpers come from its inter-op pool, whose threads sleep when idle (an OpenMP team would
@@ -556,31 +634,55 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   // Sleeping helpers pay from 2^18 floats of K (1 MiB; as fast as the best bound tried at short
   // and long contexts alike); the team, awake between the step's GEMMs, from 2^14 (64 KiB): at
   // one request a whole context of a few hundred tokens had been read by one core.
-  int64_t total_rows = 0;
-  for (int64_t r = 0; r < reqs; ++r) total_rows += p.context_lens[r];
+  const int64_t kv_heads = p.kv_heads;
+  int64_t total_rows = 0;  // K rows the queries read, each query its own
+  for (const QueryRun& run : runs) {
+    for (int64_t i = 0; i < run.queries; ++i) {
+      const int64_t len = run.len_of(i);
+      total_rows += len - p.first_of(len);
+    }
+  }
   const int64_t procs = omp_get_num_procs();
   const bool team = omp_get_max_threads() >= procs;
   const int64_t least = team ? int64_t{1} << 14 : int64_t{1} << 18;
   const int64_t threads = total_rows * kv_heads * dim < least ? 1 : procs;
+  const int64_t reqs = static_cast<int64_t>(runs.size());
   const int64_t heads_per_task = reqs >= 4 * threads ? kv_heads : 1;
-  const int64_t tasks_per_req = kv_heads / heads_per_task, items = reqs * tasks_per_req;
+  const int64_t tasks_per_run = kv_heads / heads_per_task;
+  const int64_t parts_wanted = (2 * threads + reqs * tasks_per_run - 1) / (reqs * tasks_per_run);
+  struct Task {
+    int64_t run, h0, i0, i1;
+  };
+  std::vector<Task> tasks;
+  tasks.reserve(reqs * tasks_per_run * std::min<int64_t>(parts_wanted, 8));
+  for (int64_t r = 0; r < reqs; ++r) {
+    const int64_t queries = runs[r].queries, parts = std::min(queries, parts_wanted);
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t i0 = queries * part / parts, i1 = queries * (part + 1) / parts;
+      for (int64_t h = 0; h < tasks_per_run; ++h) tasks.push_back({r, h * heads_per_task, i0, i1});
+    }
+  }
   const AttendVec fast = portable_attention ? nullptr : vector_kernel(dim, p.group);
+  const int64_t items = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   auto work = [&] {
     std::vector<float> scores, acc;
     std::vector<VecL> vec_acc;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
-      const int64_t r = item / tasks_per_req, h0 = (item % tasks_per_req) * heads_per_task;
-      const int64_t h1 = h0 + heads_per_task;
+      const Task& t = tasks[item];
+      const QueryRun& run = runs[t.run];
+      const int64_t h1 = t.h0 + heads_per_task;
       if (fast != nullptr) {
-        fast(p, r, h0, h1, scores, vec_acc);
+        fast(p, run, t.h0, h1, t.i0, t.i1, scores, vec_acc);
         continue;
       }
-      switch (dim) {
-        case 64: attend<64>(p, r, h0, h1, dim, scores, acc); break;
-        case 128: attend<128>(p, r, h0, h1, dim, scores, acc); break;
-        case 32: attend<32>(p, r, h0, h1, dim, scores, acc); break;
-        default: attend<0>(p, r, h0, h1, dim, scores, acc);
+      for (int64_t i = t.i0; i < t.i1; ++i) {
+        switch (dim) {
+          case 64: attend<64>(p, run, i, t.h0, h1, dim, scores, acc); break;
+          case 128: attend<128>(p, run, i, t.h0, h1, dim, scores, acc); break;
+          case 32: attend<32>(p, run, i, t.h0, h1, dim, scores, acc); break;
+          default: attend<0>(p, run, i, t.h0, h1, dim, scores, acc);
+        }
       }
     }
   };
@@ -602,6 +704,28 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
   work();
   helpers_done.wait();
+}
+
+// One query per row of q: row r against the context_lens[r] first tokens of block table row r
+// (rows that continue a request's run are read together: decode_runs).
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window) {
+  check_float_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [R, H, D], heads packed");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1), "out must be shaped like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.stride(1) == 1 && context_lens.is_contiguous(),
+              "block table rows and context_lens must be contiguous");
+  const int64_t reqs = q.size(0), dim = q.size(2), kv_heads = k_cache.size(2);
+  DecodeProblem p{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                  out.data_ptr<float>(), q.size(1), kv_heads, q.size(1) / kv_heads,
+                  k_cache.size(1), q.stride(0), sliding_window, (float)scale};
+  attend_runs(p, dim, decode_runs(block_tables, context_lens, reqs, p.block_size, sliding_window));
 }
 
 // ---------------------------------------------------------------------------------------------
