@@ -391,7 +391,7 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
 // last one), so its result is the same bits as its own decode's. (A window that cuts a
 // context comes one query at a time: each query's window starts elsewhere.)
 //
-// The kernel is bound by memory latency: each core keeps only so many cache line misses in
+// A decode is bound by memory latency: each core keeps only so many cache line misses in
 // flight (its line-fill buffers), and a software prefetch waits for a free one before it
 // retires. So the prefetches are spread through the arithmetic, a few lines before each query
 // head's scores and each V row, `distance` ahead: issued in a burst (the same row of the next
@@ -399,6 +399,7 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
 // arithmetic and the memory taking turns. The spacing matters: the same lines issued a row at a
 // time, back to back, lost the whole gain. Into L2 (prefetcht2), which was faster than into L1;
 // non-temporal prefetches were slower.
+//
 // kOne: a single query (a decode), compiled apart: its K pass keeps no mask of rows past a
 // query's context in a register, which had cost a decode a tenth of its speed (K/V in cache).
 template <int64_t D, int64_t G, bool kOne>
@@ -589,9 +590,8 @@ AttendVec vector_kernel(int64_t dim, int64_t group) {
   }
 }
 
-// One request's decode rows as runs: row r joins the run before it when it is that run's next
-// position (one token more) over the same blocks, which is how a verification lays out its
-// k + 1 rows. Joining never changes a result: a query's result depends only on its row, its
+// The decode rows as runs: row r joins the run before it when it is that run's next position
+// (one token more) over the same blocks, which is how a verification lays out its k + 1 rows. Joining never changes a result: a query's result depends only on its row, its
 // length and the blocks that length covers, which the run's block table row holds.
 std::vector<QueryRun> decode_runs(const at::Tensor& block_tables, const at::Tensor& context_lens,
                                   int64_t rows, int64_t block_size, int64_t sliding_window) {
@@ -654,7 +654,7 @@ void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun
     int64_t run, h0, i0, i1;
   };
   std::vector<Task> tasks;
-  tasks.reserve(reqs * tasks_per_run * std::min<int64_t>(parts_wanted, 8));
+  tasks.reserve(reqs * tasks_per_run);
   for (int64_t r = 0; r < reqs; ++r) {
     const int64_t queries = runs[r].queries, parts = std::min(queries, parts_wanted);
     for (int64_t part = 0; part < parts; ++part) {
