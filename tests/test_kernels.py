@@ -281,28 +281,31 @@ VERIFICATION_RUNS = [
 
 @pytest.mark.parametrize("head_dim", [64, 32, 128, 48])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)])
-@pytest.mark.parametrize("copies", [1, 4])  # few runs: tasks per kv head and part; many: per run
+# One run: its queries in two parts per kv head (two cores); some: a task per kv head; many: per
+# run.
+@pytest.mark.parametrize(
+    "runs", [[(8, 40, 0)], VERIFICATION_RUNS, VERIFICATION_RUNS * 4], ids=["one", "some", "many"]
+)
 @pytest.mark.parametrize("window", [None, 12])
 def test_a_verifications_rows_are_each_the_decode_of_its_position(
-    head_dim, heads, kv_heads, copies, window, attention_kernel
+    head_dim, heads, kv_heads, runs, window, attention_kernel
 ) -> None:
     """A verification's rows (its request's block table row repeated, contexts one token apart)
     are read as one run of queries; each row is still, bit for bit, the decode of its position
     alone, and the portable op's result. A window that cuts some of a run's contexts (12) makes
     their queries walk alone."""
-    g = torch.Generator().manual_seed(head_dim + heads + copies)
+    g = torch.Generator().manual_seed(head_dim + heads + len(runs))
     num_blocks, block_size = 160, 4
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    width = -(-max(context for _, context, _ in VERIFICATION_RUNS) // block_size)
+    width = -(-max(context for _, context, _ in runs) // block_size)
     tables, lens = [], []
-    for _ in range(copies):
-        for rows, context, shared in VERIFICATION_RUNS:
-            table = torch.randperm(num_blocks, generator=g)[:width]
-            if shared:
-                table[:shared] = tables[-1][:shared]
-            tables += [table] * rows
-            lens += range(context - rows + 1, context + 1)
+    for rows, context, shared in runs:
+        table = torch.randperm(num_blocks, generator=g)[:width]
+        if shared:
+            table[:shared] = tables[-1][:shared]
+        tables += [table] * rows
+        lens += range(context - rows + 1, context + 1)
     tables, context = torch.stack(tables), torch.tensor(lens)
     fused = torch.randn(len(lens), heads * head_dim + 8, generator=g)
     q = fused[:, : heads * head_dim].view(len(lens), heads, head_dim)
