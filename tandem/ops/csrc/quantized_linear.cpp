@@ -764,7 +764,7 @@ struct DigitRows {
 };
 
 // A block's max |x| and whether all its x are finite, 16 lanes at a time: a scalar running max
-// and the finiteness beside it were two chains of dependent compares, most of the digits' time.
+// and the finiteness beside it were two chains of dependent compares per value.
 // (Where every x is finite the max is exact in any order; otherwise only `false` is used.)
 inline bool block_max_abs(const float* v, float& amax) {
   static_assert(kBlockCols == 32, "a block is two vectors");
