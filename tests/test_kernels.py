@@ -74,6 +74,30 @@ def test_elementwise_kernels_match_portable_ops() -> None:
     )
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 1500])  # 1500: rows shared out to the threads
+def test_store_kv_writes_each_tokens_row_into_its_slot(tokens) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    blocks, block_size, heads, dim = 200, 16, 3, 8
+    qkv = torch.randn(tokens, (4 + 2 * heads) * dim, generator=g)  # k and v: strided views
+    k = qkv[:, 4 * dim : (4 + heads) * dim].view(-1, heads, dim)
+    v = qkv[:, (4 + heads) * dim :].view(-1, heads, dim)
+    slots = torch.randperm(blocks * block_size, generator=g)[: 2 * tokens : 2]  # a strided view
+    k_cache = torch.randn(blocks, block_size, heads, dim, generator=g)
+    v_cache = torch.randn(blocks, block_size, heads, dim, generator=g)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref.view(-1, heads, dim).index_copy_(0, slots, k)
+    v_ref.view(-1, heads, dim).index_copy_(0, slots, v)
+    cpu_elementwise.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+    for bad in (-1, blocks * block_size):  # refused before anything is written
+        wrong = slots.clone()
+        wrong[-1] = bad
+        with pytest.raises(RuntimeError, match=f"slot {bad} is outside the cache"):
+            cpu_elementwise.write_kv(k * 2, v * 2, k_cache, v_cache, wrong)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 def test_sampling_noise_kernel_is_the_portable_hash_bit_for_bit() -> None:
     """The sampler's noise decides every sampled token: the fused kernel must not move a bit."""
     from tandem.sampler.sampling import portable_uniform_noise, seed_key, uniform_noise

@@ -37,8 +37,8 @@ def write_kv(
 RotaryOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, ...) -> (q, k)
 
 
-def rotary_then_write_kv(rotary: RotaryOp) -> RotaryOp:
-    """An ops module's `rotary_and_cache` from its `rotary`: rotate q and k, then write the
+def rotary_then_write_kv(rotary: RotaryOp, write: Callable[..., None] = write_kv) -> RotaryOp:
+    """An ops module's `rotary_and_cache` from its `rotary`: rotate q and k, then `write` the
     step's K and V into the cache (CUDA's fused kernel does both in one launch)."""
 
     def rotary_and_cache(
@@ -53,7 +53,7 @@ def rotary_then_write_kv(rotary: RotaryOp) -> RotaryOp:
         slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = rotary(q, k, positions, cos, sin)
-        write_kv(k, v, k_cache, v_cache, slots)
+        write(k, v, k_cache, v_cache, slots)
         return q, k
 
     return rotary_and_cache

@@ -44,8 +44,22 @@ def rotary(
     return q, k
 
 
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """The step's keys and values into the paged cache, a row per token (as `index_copy_`)."""
+    heads, dim = k.shape[1:]
+    torch.ops.tandem.store_kv(
+        k, v, k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim), slots
+    )
+
+
 # rotary, then the step's K (rotated) and V written into the paged cache at the slots.
-rotary_and_cache = rotary_then_write_kv(rotary)
+rotary_and_cache = rotary_then_write_kv(rotary, write_kv)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -172,6 +172,40 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
   });
 }
 
+// Each token's K and V rows ([T, kv_heads, D], any token stride) into their cache slots
+// (caches [slots, kv_heads, D]), as `index_copy_` along the slots would. Why: a decode step
+// writes one row per layer, and index_copy_'s generic path cost more than the copy itself.
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_float_rows(k, "k");
+  check_float_rows(v, "v");
+  check_float_rows(k_cache, "k_cache");
+  check_float_rows(v_cache, "v_cache");
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2), slots = k_cache.size(0);
+  TORCH_CHECK(k.stride(1) == k.size(2) && v.stride(1) == v.size(2) && v.sizes() == k.sizes(),
+              "k and v must be [T, kv_heads, D] alike, heads packed");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.numel() == slots * row && v_cache.sizes() == k_cache.sizes(),
+              "the caches must be contiguous [slots, kv_heads, D] alike");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens,
+              "slot_mapping must be int64, one slot per token");
+  const at::Tensor slots_held = slot_mapping.contiguous();
+  const int64_t* slot = slots_held.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, tokens, grain_rows(2 * row), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * row, kp + t * ks, row * sizeof(float));
+      std::memcpy(vc + slot[t] * row, vp + t * vs, row * sizeof(float));
+    }
+  });
+}
+
 // [T, 2I] -> [T, I]: silu(gate) * up, the Llama MLP's activation in one pass.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_float_rows(x, "x");
@@ -967,8 +1001,8 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
   rotary_(q, positions, cos, sin);
   rotary_(k, positions, cos, sin);
   auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  k_cache.view({-1, s.kv_heads, s.head_dim}).index_copy_(0, slot_mapping, k);
-  v_cache.view({-1, s.kv_heads, s.head_dim}).index_copy_(0, slot_mapping, v);
+  store_kv(k, v, k_cache.view({-1, s.kv_heads, s.head_dim}),
+           v_cache.view({-1, s.kv_heads, s.head_dim}), slot_mapping);
   auto out = at::empty({h.size(0), s.heads, s.head_dim}, h.options());
   if (s.num_decodes > 0) {
     paged_decode_attention(out.narrow(0, 0, s.num_decodes), q.narrow(0, 0, s.num_decodes),
@@ -1292,6 +1326,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("uniform_noise(Tensor seed_keys, Tensor output_index, int vocab) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -1321,6 +1358,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_", &rotary_);
+  m.impl("store_kv", &store_kv);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("uniform_noise", &uniform_noise);
   m.impl("argmax_rows", &argmax_rows);
