@@ -6,7 +6,7 @@ plus a fresh tail of each --tails length, the median of --rounds, in one process
 `--baseline DIR` alternates this checkout with another (`git worktree add DIR <commit>`), one
 process each per --repeats, and prints both medians and their ratio (baseline over this).
 `--in-place-bounds A,B` compares, in one process with the rounds alternated, chunks of up to A
-and up to B queries attending in place as decodes (`DECODE_LIKE_TOKENS`; longer chunks gather
+and up to B queries attending in place as decodes (`cpu_kernels.decode_like_tokens`; longer ones gather
 their context for SDPA), which separate processes would blur with their own noise.
 
     python benchmarks/cached_tail.py [--model smollm2-135m-instruct] [--context 2000]
@@ -34,7 +34,7 @@ def measure(
     """Median ms per (tail length, in-place bound), the prefix cached before each timed request;
     the bounds (None: the module's own) alternate within each round, in turn first."""
     from tandem import LLM, SamplingParams
-    from tandem.ops import attention_metadata
+    from tandem.ops import cpu_kernels
 
     llm = LLM(model, max_model_len=context + max(tails) + 8, max_num_seqs=1)
     rng = random.Random(0)
@@ -42,18 +42,18 @@ def measure(
     prefix = [rng.randrange(10, vocab) for _ in range(context)]
     params = SamplingParams(max_tokens=1, temperature=0)
     bounds = bounds or [None]
-    own = attention_metadata.DECODE_LIKE_TOKENS
+    own = cpu_kernels.decode_like_tokens  # the build's bound, replaced per run below
     times: dict[tuple[int, int | None], list[float]] = {}
     for tail in tails:
         for r in range(rounds):
             for bound in bounds[r % len(bounds) :] + bounds[: r % len(bounds)]:
-                attention_metadata.DECODE_LIKE_TOKENS = own if bound is None else bound
+                cpu_kernels.decode_like_tokens = own if bound is None else lambda b=bound: b
                 llm.generate([prefix], params)  # the prefix cached (and its blocks recently used)
                 prompt = prefix + [rng.randrange(10, vocab) for _ in range(tail)]
                 start = time.perf_counter()
                 llm.generate([prompt], params)
                 times.setdefault((tail, bound), []).append(time.perf_counter() - start)
-    attention_metadata.DECODE_LIKE_TOKENS = own
+    cpu_kernels.decode_like_tokens = own
     llm.close()
     return {key: statistics.median(t) * 1e3 for key, t in times.items()}
 

@@ -23,7 +23,7 @@ from tandem.models import load_model
 from tandem.ops import cpu_elementwise, cpu_kernels
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention, portable_attention
-from tandem.ops.attention_metadata import DECODE_LIKE_TOKENS, AttentionMetadata, PrefillSegment
+from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 from tandem.ops.huge_pages import HUGE_PAGE
 from tandem.ops.linear import Linear, linear, pack_panels
 from tandem.ops.quantized import pack, quantized_linear
@@ -255,21 +255,23 @@ def test_paged_decode_attention_reads_the_cache_in_place(
 
 @pytest.mark.parametrize("window", [None, 7])
 def test_short_chunks_after_a_cached_context_attend_as_decodes(window, attention_kernel) -> None:
-    """One decode and five chunks: 4 queries after 31 cached tokens, 3 after 9 and 12 after 28
-    attend in place, as decodes; a chunk one query longer than DECODE_LIKE_TOKENS, and a fresh
-    prompt of 6, as the portable op. Every row is the
-    portable op's, and an in-place chunk's query j is, bit for bit, the decode of its token."""
+    """One decode and six chunks: 4 queries after 31 cached tokens, 3 after 9, 12 after 28 and
+    as many as the build's bound after 20 attend in place, as decodes; a chunk one query longer
+    than the bound, and a fresh prompt of 6, as the portable op. Every row is the portable op's,
+    and an in-place chunk's query j is, bit for bit, the decode of its token."""
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block_size, num_blocks = 6, 3, 64, 4, 128
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
     # (queries, context after them)
-    chunks = [(4, 35), (3, 12), (12, 40), (DECODE_LIKE_TOKENS + 1, 80), (6, 6)]
+    bound = cpu_kernels.decode_like_tokens()
+    assert bound >= 16  # 16 with 8 lanes, 64 with 16
+    chunks = [(4, 35), (3, 12), (12, 40), (bound, bound + 20), (bound + 1, bound + 30), (6, 6)]
     prefills, start = [], 1  # row 0: the decode
     for row, (tokens, context) in enumerate(chunks, start=1):
         prefills.append(PrefillSegment(start, tokens, context, row))
         start += tokens
-    assert [seg.attends_as_decodes for seg in prefills] == [True, True, True, False, False]
+    assert [seg.attends_as_decodes for seg in prefills] == [True] * 4 + [False] * 2
     context_lens = torch.tensor([23] + [context for _, context in chunks])
     width = -(-int(context_lens.max()) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in context_lens])
@@ -279,7 +281,7 @@ def test_short_chunks_after_a_cached_context_attend_as_decodes(window, attention
     ref = portable_attention(q, k, v, k_cache, v_cache, meta, 0.125, window)
     out = cpu_elementwise.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for seg in prefills[:3]:
+    for seg in prefills[:4]:
         for j in range(seg.num_tokens):
             row = seg.token_start + j
             alone = torch.empty(1, heads, dim)
@@ -406,11 +408,13 @@ def test_fast_path_logits_stay_close_to_transformers(tiny_checkpoints, arch) -> 
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])  # one call, op by op
-@pytest.mark.parametrize("tail", [4, 12])  # 12: its queries span groups of 8 and 16 rows
+# 12: its queries span groups of 8 and 16 rows; None: the build's bound, at most 30 (of 40)
+@pytest.mark.parametrize("tail", [4, 12, None])
 def test_a_short_chunk_after_a_cached_prefix_gives_its_decodes_logits(tiny_checkpoints, arch, tail):
     """A prompt's last tokens as one chunk after its cached prefix give, bit for bit, the
     logits of decoding them one step at a time: the chunk attends as decodes, and the fast
     path sums each row alike at any number of rows."""
+    tail = tail or min(cpu_kernels.decode_like_tokens(), 30)
     loaded = load_model(tiny_checkpoints[arch], torch.float32, torch.device("cpu"))
     model, spec = loaded.model, loaded.model.spec
     plan = fast_path.prepare(model, torch.device("cpu"), torch.float32, False)

@@ -7,12 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-# A chunk of at most this many queries after a cached context (a prompt's tail after a prefix
-# cache hit, the last piece of a chunked prompt) may attend as that many decodes of its request:
-# the decode kernel reads the context in place once for all of them. Against a gathered copy
-# through SDPA, chunks of 8-16 queries reach their first token 1.1-2.9x sooner with AVX-512
-# and level on AVX2, where 32-64 queries ran 0.92x (AVX-512 still gained there).
-DECODE_LIKE_TOKENS = 16
+from tandem.ops import cpu_kernels
 
 
 @dataclass
@@ -28,8 +23,12 @@ class PrefillSegment:
     def attends_as_decodes(self) -> bool:
         """Whether the CPU kernels read this chunk's context in place, query j as the decode of
         its token would (context up to its own position): a few queries after a cached context,
-        where gathering that context into a copy and masking it costs more than the queries."""
-        return self.num_tokens <= DECODE_LIKE_TOKENS and self.context_len > self.num_tokens
+        where gathering that context into a copy and masking it costs more than the queries
+        (up to the kernel build's bound, `cpu_kernels.decode_like_tokens`)."""
+        return (
+            self.num_tokens <= cpu_kernels.decode_like_tokens()
+            and self.context_len > self.num_tokens
+        )
 
 
 @dataclass

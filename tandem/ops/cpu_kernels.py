@@ -13,6 +13,7 @@ machine can check both paths (tests/test_cpu_isa.py); unset, or `native`, builds
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -92,6 +93,18 @@ def build_name() -> str:
 def loaded() -> bool:
     """Whether the kernels are loaded in this process (by `load()`; nothing is built here)."""
     return _loaded is not None and _loaded.available
+
+
+def decode_like_tokens() -> int:
+    """The longest chunk after a cached context that the loaded kernels attend to as decodes,
+    reading the context in place (the bound depends on the build's vector width: csrc); 0
+    without the kernels, whose portable ops always gather."""
+    return _decode_like_tokens() if loaded() else 0
+
+
+@functools.cache
+def _decode_like_tokens() -> int:
+    return int(torch.ops.tandem.decode_like_tokens())
 
 
 def release_openmp_threads() -> None:

@@ -589,6 +589,12 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
 // (OpenMP 5's soft pause: a later region builds a new one).
 bool release_openmp_threads() { return omp_pause_resource_all(omp_pause_soft) == 0; }
 
+// The longest chunk after a cached context that reads the context in place as decodes (each
+// query the decode of its token; a request's rows read K/V once as a run); longer ones gather
+// it for SDPA's GEMMs. With 16 lanes up to 64 queries reach their first token sooner in place;
+// with 8, a query's arithmetic costs more than SDPA's and 17-32 queries ran level or slower.
+int64_t decode_like_tokens() { return kLanes == 16 ? 64 : 16; }
+
 // Tests switch the vector kernels off to check the generic loop on a machine that has both.
 std::atomic<bool> portable_attention{false};
 
@@ -1346,6 +1352,7 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
   m.def("set_generic_decode_attention(bool generic) -> bool", &set_generic_decode_attention);
   m.def("release_openmp_threads() -> bool", &release_openmp_threads);
+  m.def("decode_like_tokens() -> int", &decode_like_tokens);
   m.def(
       "llama_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor[] weights, "
       "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
