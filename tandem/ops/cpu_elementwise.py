@@ -44,18 +44,9 @@ def rotary(
     return q, k
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    """The step's keys and values into the paged cache, a row per token (as `index_copy_`)."""
-    heads, dim = k.shape[1:]
-    torch.ops.tandem.store_kv(
-        k, v, k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim), slots
-    )
+def write_kv(*k_v_caches_slots: torch.Tensor) -> None:
+    """`attention.write_kv` in one kernel: a copy per token's row, not `index_copy_`'s path."""
+    torch.ops.tandem.store_kv(*k_v_caches_slots)
 
 
 # rotary, then the step's K (rotated) and V written into the paged cache at the slots.

@@ -172,21 +172,25 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
   });
 }
 
-// Each token's K and V rows ([T, kv_heads, D], any token stride) into their cache slots
-// (caches [slots, kv_heads, D]), as `index_copy_` along the slots would. Why: a decode step
-// writes one row per layer, and index_copy_'s generic path cost more than the copy itself.
+// Each token's K and V rows ([T, kv_heads, D], any token stride) into their cache slots (the
+// caches contiguous, a slot every kv_heads * D floats: [blocks, block_size, kv_heads, D]), as
+// `index_copy_` along the slots would. Why: a decode step writes one row per layer, and
+// index_copy_'s generic path cost more than the copy itself.
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
               const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   check_float_rows(k, "k");
   check_float_rows(v, "v");
   check_float_rows(k_cache, "k_cache");
   check_float_rows(v_cache, "v_cache");
-  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2), slots = k_cache.size(0);
-  TORCH_CHECK(k.stride(1) == k.size(2) && v.stride(1) == v.size(2) && v.sizes() == k.sizes(),
+  TORCH_CHECK(k.dim() == 3 && k.stride(1) == k.size(2) && v.sizes() == k.sizes() &&
+                  v.stride(1) == v.size(2),
               "k and v must be [T, kv_heads, D] alike, heads packed");
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t slots = row > 0 ? k_cache.numel() / row : 0;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.numel() == slots * row && v_cache.sizes() == k_cache.sizes(),
-              "the caches must be contiguous [slots, kv_heads, D] alike");
+                  k_cache.size(-1) == k.size(2) && k_cache.numel() == slots * row &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "the caches must be contiguous alike, in slots of kv_heads x D");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens,
               "slot_mapping must be int64, one slot per token");
   const at::Tensor slots_held = slot_mapping.contiguous();
@@ -1007,8 +1011,7 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
   rotary_(q, positions, cos, sin);
   rotary_(k, positions, cos, sin);
   auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  store_kv(k, v, k_cache.view({-1, s.kv_heads, s.head_dim}),
-           v_cache.view({-1, s.kv_heads, s.head_dim}), slot_mapping);
+  store_kv(k, v, k_cache, v_cache, slot_mapping);
   auto out = at::empty({h.size(0), s.heads, s.head_dim}, h.options());
   if (s.num_decodes > 0) {
     paged_decode_attention(out.narrow(0, 0, s.num_decodes), q.narrow(0, 0, s.num_decodes),
