@@ -265,7 +265,7 @@ def test_short_chunks_after_a_cached_context_attend_as_decodes(window, attention
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
     # (queries, context after them)
     bound = cpu_kernels.decode_like_tokens()
-    assert bound >= 16  # 16 with 8 lanes, 64 with 16
+    assert bound >= 16  # 16 with 8 lanes, 128 with 16
     chunks = [(4, 35), (3, 12), (12, 40), (bound, bound + 20), (bound + 1, bound + 30), (6, 6)]
     prefills, start = [], 1  # row 0: the decode
     for row, (tokens, context) in enumerate(chunks, start=1):

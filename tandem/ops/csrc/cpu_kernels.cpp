@@ -595,9 +595,9 @@ bool release_openmp_threads() { return omp_pause_resource_all(omp_pause_soft) ==
 
 // The longest chunk after a cached context that reads the context in place as decodes (each
 // query the decode of its token; a request's rows read K/V once as a run); longer ones gather
-// it for SDPA's GEMMs. With 16 lanes up to 64 queries reach their first token sooner in place;
+// it for SDPA's GEMMs. With 16 lanes up to 128 queries reach their first token sooner in place;
 // with 8, a query's arithmetic costs more than SDPA's and 17-32 queries ran level or slower.
-int64_t decode_like_tokens() { return kLanes == 16 ? 64 : 16; }
+int64_t decode_like_tokens() { return kLanes == 16 ? 128 : 16; }
 
 // Tests switch the vector kernels off to check the generic loop on a machine that has both.
 std::atomic<bool> portable_attention{false};
