@@ -6,8 +6,8 @@ plus a fresh tail of each --tails length, the median of --rounds, in one process
 `--baseline DIR` alternates this checkout with another (`git worktree add DIR <commit>`), one
 process each per --repeats, and prints both medians and their ratio (baseline over this).
 `--in-place-bounds A,B` compares, in one process with the rounds alternated, chunks of up to A
-and up to B queries attending in place as decodes (`cpu_kernels.decode_like_tokens`; longer ones gather
-their context for SDPA), which separate processes would blur with their own noise.
+and up to B queries attending in place as decodes (`cpu_kernels.decode_like_tokens`; longer ones
+gather their context for SDPA), which separate processes would blur with their own noise.
 
     python benchmarks/cached_tail.py [--model smollm2-135m-instruct] [--context 2000]
         [--tails 1,4,8,16] [--rounds 7] [--baseline DIR] [--repeats 2] [--in-place-bounds 4,64]

@@ -635,8 +635,9 @@ AttendVec vector_kernel(int64_t dim, int64_t group) {
 }
 
 // The decode rows as runs: row r joins the run before it when it is that run's next position
-// (one token more) over the same blocks, which is how a verification lays out its k + 1 rows. Joining never changes a result: a query's result depends only on its row, its
-// length and the blocks that length covers, which the run's block table row holds.
+// (one token more) over the same blocks, which is how a verification lays out its k + 1 rows.
+// Joining never changes a result: a query's result depends only on its row, its length and the
+// blocks that length covers, which the run's block table row holds.
 std::vector<QueryRun> decode_runs(const at::Tensor& block_tables, const at::Tensor& context_lens,
                                   int64_t rows, int64_t block_size, int64_t sliding_window) {
   const int64_t* tables = block_tables.data_ptr<int64_t>();
