@@ -112,8 +112,11 @@ class CPUStream:
     def _work(self) -> None:
         torch.set_grad_enabled(False)
         while (job := self._next_job()) is not None:
-            self._run(*job)
-            del job  # hold no reference to finished work (it pins the runner and its KV cache)
+            handle = self._run(*job)
+            # Finished work is let go before its waiter wakes: it pins the runner and its KV
+            # cache, which a caller that then drops the engine expects to be freed.
+            del job
+            self._finish(handle)
         self.wake_waiters()  # the last job, held back behind the stop
 
     def _next_job(self) -> tuple | None:
@@ -125,14 +128,19 @@ class CPUStream:
             cpu_kernels.release_openmp_threads()
             return self._queue.get()
 
-    def _run(self, fn: Callable[[], Any], handle: _CPUHandle) -> None:
+    def _run(self, fn: Callable[[], Any], handle: _CPUHandle) -> _CPUHandle:
         start = time.perf_counter()
         try:
             handle._result = fn()
         except BaseException as exc:  # handed to the waiter, never lost in the thread
             handle._error = exc
         handle._span = (start, time.perf_counter())
-        self.wake_waiters()  # the job before this one, if it was held back
+        return handle
+
+    def _finish(self, handle: _CPUHandle) -> None:
+        """Wake the waiters: the job before this one if it was held back, and this one's unless
+        the next job is queued (then it waits for that job's forward: `wake_waiters`)."""
+        self.wake_waiters()
         if self._queue.empty():
             handle._done.set()
         else:
