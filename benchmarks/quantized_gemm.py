@@ -41,6 +41,10 @@ An implementation whose first forward takes longer than --budget seconds gets th
 as its time (marked *) instead of the rounds, and no larger M. An op that is missing or fails
 is named with the reason and gets no row.
 
+Where the native build has AMX tiles (Intel Sapphire Rapids and later), "int4 tandem
+quantized_linear (no AMX)" is the same kernel with the tiles switched off around each call (the
+VNNI kernel), on the same prepared weights: its ratio line is what the tiles gain.
+
 `--baseline DIR` times a kernel change against the code before it in the same rounds: the CPU
 kernels of another checkout (say `git worktree add /tmp/before HEAD~1`) are built beside this
 one's, their ops under `torch.ops.tandem_baseline`, and each Tandem row gets a "(baseline)" twin
@@ -53,6 +57,7 @@ machine differ by more than most kernel changes do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -296,6 +301,34 @@ def tandem_gemm(baseline: bool = False) -> Impl:
 
 
 BASELINE = " (baseline)"
+NO_AMX = " (no AMX)"  # the same kernel with AMX tiles switched off: the VNNI kernel
+TWINS = (BASELINE, NO_AMX)
+
+
+def twin_of(name: str) -> str:
+    """The row a twin is timed against (its name without the twin's suffix), or the name."""
+    for suffix in TWINS:
+        name = name.removesuffix(suffix)
+    return name
+
+
+def without_amx() -> Impl:
+    """4-bit Tandem with AMX tiles switched off around each call (the VNNI kernel), where the
+    build and the CPU have them: the tiles' gain, timed in the same rounds on the same weights."""
+    from tandem.ops import cpu_kernels
+
+    impl = tandem_quantized(4)
+    if not cpu_kernels.amx_tiles():
+        raise RuntimeError("no AMX tiles in this build or on this CPU")
+
+    def run(x, qw):
+        before = torch.ops.tandem.set_amx_tiles(False)
+        try:
+            return impl.run(x, qw)
+        finally:
+            torch.ops.tandem.set_amx_tiles(before)
+
+    return dataclasses.replace(impl, name=impl.name + NO_AMX, run=run)
 
 
 def implementations(baseline: bool = False) -> list[Impl]:
@@ -330,6 +363,7 @@ def implementations(baseline: bool = False) -> list[Impl]:
         "int4 tandem quantized_linear": lambda: tandem_quantized(4),
         "int8 tandem quantized_linear xint8": lambda: tandem_quantized(8, True),
         "int4 tandem quantized_linear xint8": lambda: tandem_quantized(4, True),
+        "int4 tandem quantized_linear" + NO_AMX: without_amx,
     }
     if baseline:
         makers |= {
@@ -397,11 +431,11 @@ def main() -> int:
     if unknown:
         parser.error(f"--only: no implementation here is named {', '.join(sorted(unknown))}")
     for impl in available:
-        if only and impl.name.removesuffix(BASELINE) not in only:  # a row selects its twin
+        if only and twin_of(impl.name) not in only:  # a row selects its twins
             continue
         try:
             start = time.perf_counter()
-            twin = impl.name.removesuffix(BASELINE)
+            twin = twin_of(impl.name)
             if twin != impl.name and twin in prepared:  # the very same memory as its twin's
                 state = prepared[twin]
             else:
@@ -512,12 +546,16 @@ def main() -> int:
                 f"{gbs / stream:9.0%} {err:8.1e} {kern:8.1e}"
             )
         for name in times:  # each timed round holds every row, so rounds pair up
-            twin = name + BASELINE
-            if twin in times:
-                ratio = statistics.median(
-                    b / a for a, b in zip(times[name], times[twin], strict=True)
-                )
-                print(f"{name}: baseline / current {ratio:.3f} (median of the rounds' ratios)")
+            for suffix in TWINS:
+                twin = name + suffix
+                if twin in times:
+                    ratio = statistics.median(
+                        b / a for a, b in zip(times[name], times[twin], strict=True)
+                    )
+                    print(
+                        f"{name}: {suffix.strip(' ()')} / current {ratio:.3f} "
+                        "(median of the rounds' ratios)"
+                    )
     print(
         "\nMB: the format's weight bytes per forward (codes + scales); GB/s = MB / ms; spread: "
         "(max - min) / median over the rounds; of stream: GB/s / the streaming rate, a x.sum() "

@@ -13,9 +13,13 @@
 #   bash benchmarks/setup_llama_server.sh build    # only the binaries
 #   bash benchmarks/setup_llama_server.sh gguf     # only the GGUF files (needs the binary's sources)
 #   LLAMA_CPP_ISA=avx2 bash benchmarks/setup_llama_server.sh build   # into bin-avx2
+#   LLAMA_CPP_ISA=avx512 bash benchmarks/setup_llama_server.sh build # into bin-avx512: no AMX
 #
 # LLAMA_CPP_ISA=avx2 builds for AVX2 and FMA only (an AMD Zen 3's instructions): beside
 # TANDEM_CPU_ISA=avx2 it compares both engines' AVX2 paths on an AVX-512 machine.
+# LLAMA_CPP_ISA=avx512 builds for AVX-512 with VNNI and BF16 but without AMX, into bin-avx512: on
+# Sapphire Rapids the native build's AMX path segfaults in ggml_backend_amx_mul_mat
+# (llama.cpp issue 20824) unless run with --no-repack, which also turns off its AVX-512 repacking.
 #
 # Every step is skipped when its output is already there, so running it again is cheap.
 # The build takes minutes (about 7 on 2 cores); it runs under `nice` so the machine stays usable.
@@ -31,7 +35,11 @@ case "${LLAMA_CPP_ISA:-native}" in
     native) ISA_FLAGS=(-DGGML_NATIVE=ON); SUFFIX="" ;;
     avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
           SUFFIX="-avx2" ;;
-    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: expected native or avx2" >&2; exit 2 ;;
+    avx512) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                       -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+                       -DGGML_AVX512_BF16=ON)
+            SUFFIX="-avx512" ;;
+    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: expected native, avx2 or avx512" >&2; exit 2 ;;
 esac
 BIN_DIR="$LLAMA_CPP_DIR/bin$SUFFIX"
 BUILD_DIR="$LLAMA_CPP_DIR/build$SUFFIX"

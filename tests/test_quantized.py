@@ -5,6 +5,9 @@ its activations rounded the same way."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -96,20 +99,53 @@ def test_pack_and_unpack_are_inverse(kind):
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (160, 576)])
 def test_the_kernel_is_the_dequantized_product(kind, n, k):
     """Every row count the kernel treats apart (in registers up to a tile, through a buffered
-    block above it, chunks of 128 rows), with a bias and a strided x: within float32 rounding
-    of the float64 product, and each row the same bits alone as in any batch."""
+    block above it, chunks of 128 rows; 4-bit codes on AMX tiles from 8 rows, where the CPU has
+    them, and on VNNI alone), with a bias and a strided x: within float32 rounding of the float64
+    product, and each row the same bits alone as in any batch."""
     q = random_weight(kind, n, k)
     w = dequantize(q).double()
     bias = torch.randn(n)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 31, 130, 300):
-        x = torch.randn(rows, k + 8)[:, 4 : 4 + k]  # a row stride that is not k
-        out = quantized_linear(x, q, bias)
-        reference = x.double() @ w.T + bias.double()
-        scale = reference.abs().max().item()
-        assert (out.double() - reference).abs().max().item() <= 1e-5 * scale, rows
-        for r in (0, rows - 1):
-            alone = quantized_linear(x[r : r + 1], q, bias)
-            assert torch.equal(alone[0], out[r]), (rows, r)
+    for tiles in tile_settings():
+        for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 31, 130, 300):
+            x = torch.randn(rows, k + 8)[:, 4 : 4 + k]  # a row stride that is not k
+            with amx_tiles(tiles):
+                out = quantized_linear(x, q, bias)
+            reference = x.double() @ w.T + bias.double()
+            scale = reference.abs().max().item()
+            assert (out.double() - reference).abs().max().item() <= 1e-5 * scale, (tiles, rows)
+            for r in (0, rows - 1):
+                alone = quantized_linear(x[r : r + 1], q, bias)
+                assert torch.equal(alone[0], out[r]), (tiles, rows, r)
+
+
+def tile_settings() -> list[bool]:
+    """With AMX tiles, then without (the VNNI kernel at every row count), where the build and the
+    CPU have them; else without only."""
+    return [True, False] if cpu_kernels.amx_tiles() else [False]
+
+
+@contextlib.contextmanager
+def amx_tiles(use: bool):
+    before = torch.ops.tandem.set_amx_tiles(use)
+    try:
+        yield
+    finally:
+        torch.ops.tandem.set_amx_tiles(before)
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as info:
+        return next((set(line.split()) for line in info if line.startswith("flags")), set())
+
+
+def test_4_bit_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them():
+    """The native build on a CPU with AMX (Intel Sapphire Rapids and later) multiplies on its
+    tiles (the tests above then check them against the VNNI kernel, bit for bit); elsewhere, and
+    in the AVX2 build, it does not."""
+    expected = {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags() and (
+        os.environ.get("TANDEM_CPU_ISA", "native") == "native"
+    )
+    assert cpu_kernels.amx_tiles() == expected
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -129,15 +165,17 @@ def test_float_activations_keep_float_precision_at_every_magnitude(kind):
     x64[3, 32:64] = 0
     x = x64.float()
     reference = x.double() @ w.T
-    out = quantized_linear(x, q)
     scale = reference.abs().amax(dim=1, keepdim=True)
-    assert ((out.double() - reference).abs() <= 1e-5 * scale).all()
-    for r in range(len(x)):
-        assert torch.equal(quantized_linear(x[r : r + 1], q)[0], out[r]), r
     spoiled = torch.cat([x, x[:2]])
     spoiled[-2, 40], spoiled[-1, 7] = float("inf"), float("nan")
-    out = quantized_linear(spoiled, q)
-    assert not out[-2:].isfinite().any(dim=1).any() and out[:-2].isfinite().all()
+    for tiles in tile_settings():
+        with amx_tiles(tiles):
+            out = quantized_linear(x, q)
+            assert ((out.double() - reference).abs() <= 1e-5 * scale).all(), tiles
+            for r in range(len(x)):
+                assert torch.equal(quantized_linear(x[r : r + 1], q)[0], out[r]), (tiles, r)
+            out = quantized_linear(spoiled, q)
+        assert not out[-2:].isfinite().any(dim=1).any() and out[:-2].isfinite().all(), tiles
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)

@@ -107,6 +107,13 @@ def _decode_like_tokens() -> int:
     return int(torch.ops.tandem.decode_like_tokens())
 
 
+def amx_tiles() -> bool:
+    """Whether the loaded kernels multiply 4-bit weights and float activations on AMX tiles
+    (Intel Sapphire Rapids and later, on a kernel that grants the tile state); False without the
+    kernels."""
+    return loaded() and bool(torch.ops.tandem.amx_tiles())
+
+
 def release_openmp_threads() -> None:
     """Free the calling thread's OpenMP team, if the kernels are loaded (csrc explains why)."""
     if loaded():

@@ -1357,6 +1357,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("set_generic_decode_attention(bool generic) -> bool", &set_generic_decode_attention);
   m.def("release_openmp_threads() -> bool", &release_openmp_threads);
   m.def("decode_like_tokens() -> int", &decode_like_tokens);
+  m.def("amx_tiles() -> bool", &tandem::amx_tiles);
+  m.def("set_amx_tiles(bool use) -> bool", &tandem::set_amx_tiles);
   m.def(
       "llama_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor[] weights, "
       "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "

@@ -40,9 +40,12 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -812,6 +815,18 @@ DigitRows digit_rows(const at::Tensor& x) {
 // Only AVX-512 builds have VNNI here: a group's 16 rows are one vector.
 static_assert(kVectors == 1, "the digit kernels take a group as one vector");
 
+// A row's block from its three digit sums (one lane per output): acc += x . codes * scale +
+// (sum of x) * offset. The one place the sums meet the scales, for every path, so that a row has
+// the same bits on each.
+inline void add_digit_block(VecL& acc, const IVec (&sums)[kDigits], float x_max, float x_sum,
+                            VecL scale, VecL offset) {
+  const IVec upper = plus(shift_left8(sums[2]), sums[1]);
+  const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
+  const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
+  acc += x_dot_codes * scale;
+  acc += x_sum * offset;
+}
+
 // Rows per tile: per row three integer sums (six at one row: a chain per nibble, so that enough
 // independent dot products are in flight), plus the codes and broadcasts.
 constexpr int64_t kDigitTileRows = (kRegisters - 6) / 4;
@@ -853,11 +868,7 @@ void digit_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* digit
       IVec sums[kDigits];
       for (int64_t k = 0; k < kDigits; ++k)
         sums[k] = kChains == 2 ? plus(isum[t][k][0], isum[t][k][1]) : nibble_total(isum[t][k][0]);
-      const IVec upper = plus(shift_left8(sums[2]), sums[1]);
-      const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
-      const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
-      acc[t] += x_dot_codes * s;
-      acc[t] += x_sum * o;
+      add_digit_block(acc[t], sums, x_max, x_sum, s, o);
     }
   }
   for (int64_t t = 0; t < T; ++t) store_lanes(out + t * out_stride, acc[t]);
@@ -870,6 +881,141 @@ constexpr auto digit_kernels(std::integer_sequence<int64_t, T...>) {
   return std::array<Kernel, sizeof...(T)>{&digit_group_rows<Scale, T + 1>...};
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define TANDEM_AMX_DIGITS 1
+
+// ---- The same digit products on AMX tiles (Intel Sapphire Rapids and later) ----
+//
+// One tile multiply sums a block of a group for up to 16 rows of x at once (16 x 16 x 32
+// products, where VNNI takes 24 instructions per row), one per digit; the sums then meet the
+// scales in `add_digit_block`, so a row's bits are those of the VNNI kernel, alone or in any
+// batch. The tiles: 0-2 the digits' int32 sums [rows, 16], 3-5 the digits [rows, 32] (signed),
+// 6 the group's codes [8, 64] (unsigned: row j holds columns 4j..4j+3 of the 16 output rows,
+// the low nibbles of quad j for j < 4, the high ones of quad j - 4 after).
+
+// Whether this process may use the tiles: Linux grants their 8 KiB of state on request only.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr int kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+constexpr int64_t kAmxTileRows = 16;  // rows of x per tile multiply: the most a tile holds
+// From this many rows on, a call runs on the tiles. Each block costs the tiles a fixed latency
+// (loads, three products, stores) whatever the rows: below 8 rows VNNI is sooner (experiments.md).
+constexpr int64_t kAmxLeastRows = 8;
+
+// The calling thread's tile shapes for tiles of `rows` rows of x.
+void configure_tiles(int64_t rows) {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t row_bytes[16];
+    uint8_t rows[16];
+  } config{};
+  config.palette = 1;
+  for (int k = 0; k < kDigits; ++k) {
+    config.rows[k] = config.rows[3 + k] = static_cast<uint8_t>(rows);
+    config.row_bytes[k] = kGroupRows * sizeof(int32_t);
+    config.row_bytes[3 + k] = kBlockCols;
+  }
+  config.rows[6] = kBlockCols / 4;
+  config.row_bytes[6] = kQuadBytes;
+  _tile_loadconfig(&config);
+}
+
+// T rows (the tiles' shape) against one group of 4-bit codes, every block: out (the rows' first
+// column) = x . codes * scale + (sum of x) * offset. The group's codes are unpacked for the
+// tiles first, and each block's tile products are issued before the previous block's sums meet
+// their scales: the tile unit's latency then overlaps the vector work instead of stalling it.
+template <typename Scale, int64_t T>
+void amx_group_rows(const Group<Scale>& g, int64_t blocks, const uint8_t* codes,
+                    const int8_t* digits, const float* amax, const float* x_sums,
+                    int64_t row_blocks, float* out, int64_t out_stride) {
+  alignas(64) int32_t sums[2][kDigits][T][kGroupRows];
+  const int64_t digit_stride = row_blocks * kDigits * kBlockCols;
+  constexpr int64_t kCodeBytes = kBlockCols / 4 * kQuadBytes;
+  VecL acc[T] = {};
+  auto scale_block = [&](int64_t b) {
+    const VecL s = load_scales(g.scales + b * kGroupRows)[0];
+    const VecL o = block_offsets(g, b, {s})[0];
+    for (int64_t t = 0; t < T; ++t) {
+      IVec row[kDigits];
+      for (int64_t k = 0; k < kDigits; ++k) row[k] = _mm512_load_si512(sums[b % 2][k][t]);
+      add_digit_block(acc[t], row, amax[t * row_blocks + b], x_sums[t * row_blocks + b], s, o);
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* d = digits + b * kDigits * kBlockCols;
+    _tile_loadd(6, codes + b * kCodeBytes, kQuadBytes);
+    _tile_loadd(3, d, digit_stride);
+    _tile_loadd(4, d + kBlockCols, digit_stride);
+    _tile_loadd(5, d + 2 * kBlockCols, digit_stride);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_dpbsud(0, 3, 6);
+    _tile_dpbsud(1, 4, 6);
+    _tile_dpbsud(2, 5, 6);
+    _tile_stored(0, sums[b % 2][0], kGroupRows * sizeof(int32_t));
+    _tile_stored(1, sums[b % 2][1], kGroupRows * sizeof(int32_t));
+    _tile_stored(2, sums[b % 2][2], kGroupRows * sizeof(int32_t));
+    if (b > 0) scale_block(b - 1);
+  }
+  if (blocks > 0) scale_block(blocks - 1);
+  for (int64_t t = 0; t < T; ++t) store_lanes(out + t * out_stride, acc[t]);
+}
+
+// A group's 4-bit codes as the tiles take them, every block: [B, 8, 64] bytes, row j of a block
+// the low nibbles of quad j, row 4 + j the high ones. The buffer is the calling thread's.
+template <typename Scale>
+const uint8_t* unpack_group(const Group<Scale>& g, int64_t blocks) {
+  thread_local std::vector<IVec> unpacked;
+  unpacked.resize(blocks * 8);
+  for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_block<true>(g, b + kPrefetchBlocks);
+    for (int64_t j = 0; j < 4; ++j) {
+      const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes);
+      unpacked[b * 8 + j] = low_nibbles(packed);
+      unpacked[b * 8 + 4 + j] = high_nibbles(packed);
+    }
+  }
+  return reinterpret_cast<const uint8_t*>(unpacked.data());
+}
+
+template <typename Scale, int64_t... T>
+constexpr auto amx_kernels(std::integer_sequence<int64_t, T...>) {
+  using Kernel = void (*)(const Group<Scale>&, int64_t, const uint8_t*, const int8_t*,
+                          const float*, const float*, int64_t, float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&amx_group_rows<Scale, T + 1>...};
+}
+
+// The groups [g0, g1) for every row, a tile of rows at a time (the tiles reshaped only where
+// the rows of a tile change).
+template <typename Scale>
+void amx_groups(const Groups<Scale>& weight, int64_t g0, int64_t g1, int64_t rows,
+                int64_t blocks, const DigitRows& xd, const float* x_sums, float* out,
+                int64_t n) {
+  static constexpr auto tiles =
+      amx_kernels<Scale>(std::make_integer_sequence<int64_t, kAmxTileRows>{});
+  const int64_t digit_stride = blocks * kDigits * kBlockCols;
+  int64_t shape = 0;  // the rows the tiles are configured for
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const Group<Scale> g = weight[gi];
+    const uint8_t* codes = unpack_group(g, blocks);
+    for (int64_t r = 0; r < rows; r += kAmxTileRows) {
+      const int64_t t = std::min(kAmxTileRows, rows - r);
+      if (t != shape) configure_tiles(shape = t);
+      tiles[t - 1](g, blocks, codes, xd.digits + r * digit_stride, xd.amax + r * blocks,
+                   x_sums + r * blocks, blocks, out + r * n + gi * kGroupRows, n);
+    }
+  }
+  _tile_release();  // the thread's tile state back to init: cheaper to switch out
+}
+#endif
+
 template <typename Scale>
 void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                 const at::Tensor& offsets, at::Tensor& out) {
@@ -881,6 +1027,14 @@ void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   const DigitRows xd = digit_rows(x);
   const float* sums = block_sums_of_x(x);
   float* outp = out.data_ptr<float>();
+#if defined(TANDEM_AMX_DIGITS)
+  if (rows >= kAmxLeastRows && amx_tiles()) {
+    parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
+      amx_groups(weight, g0, g1, rows, blocks, xd, sums, outp, n);
+    });
+    return;
+  }
+#endif
   parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t r = 0; r < rows; r += kDigitTileRows)
@@ -892,6 +1046,19 @@ void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
 #endif
 
 }  // namespace
+
+// Benchmarks and tests switch the tiles off to run the VNNI kernel on a machine that has both.
+std::atomic<bool> amx_wanted{true};
+
+bool set_amx_tiles(bool use) { return amx_wanted.exchange(use); }
+
+bool amx_tiles() {
+#if defined(TANDEM_AMX_DIGITS)
+  return amx_wanted.load(std::memory_order_relaxed) && amx_granted();
+#else
+  return false;
+#endif
+}
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& bias) {
