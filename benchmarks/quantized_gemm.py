@@ -322,11 +322,8 @@ def without_amx() -> Impl:
         raise RuntimeError("no AMX tiles in this build or on this CPU")
 
     def run(x, qw):
-        before = torch.ops.tandem.set_amx_tiles(False)
-        try:
+        with cpu_kernels.using_amx_tiles(False):
             return impl.run(x, qw)
-        finally:
-            torch.ops.tandem.set_amx_tiles(before)
 
     return dataclasses.replace(impl, name=impl.name + NO_AMX, run=run)
 

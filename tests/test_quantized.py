@@ -5,7 +5,6 @@ its activations rounded the same way."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import gguf
@@ -108,7 +107,7 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
     for tiles in tile_settings():
         for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 31, 130, 300):
             x = torch.randn(rows, k + 8)[:, 4 : 4 + k]  # a row stride that is not k
-            with amx_tiles(tiles):
+            with cpu_kernels.using_amx_tiles(tiles):
                 out = quantized_linear(x, q, bias)
             reference = x.double() @ w.T + bias.double()
             scale = reference.abs().max().item()
@@ -124,28 +123,13 @@ def tile_settings() -> list[bool]:
     return [True, False] if cpu_kernels.amx_tiles() else [False]
 
 
-@contextlib.contextmanager
-def amx_tiles(use: bool):
-    before = torch.ops.tandem.set_amx_tiles(use)
-    try:
-        yield
-    finally:
-        torch.ops.tandem.set_amx_tiles(before)
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as info:
-        return next((set(line.split()) for line in info if line.startswith("flags")), set())
-
-
 def test_4_bit_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them():
     """The native build on a CPU with AMX (Intel Sapphire Rapids and later) multiplies on its
     tiles (the tests above then check them against the VNNI kernel, bit for bit); elsewhere, and
     in the AVX2 build, it does not."""
-    expected = {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags() and (
-        os.environ.get("TANDEM_CPU_ISA", "native") == "native"
-    )
-    assert cpu_kernels.amx_tiles() == expected
+    has_amx = {"amx_tile", "amx_int8", "avx512_vnni"} <= set(cpu_kernels._cpu_flags().split())
+    native = os.environ.get("TANDEM_CPU_ISA", "native") == "native"
+    assert cpu_kernels.amx_tiles() == (has_amx and native)
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -169,7 +153,7 @@ def test_float_activations_keep_float_precision_at_every_magnitude(kind):
     spoiled = torch.cat([x, x[:2]])
     spoiled[-2, 40], spoiled[-1, 7] = float("inf"), float("nan")
     for tiles in tile_settings():
-        with amx_tiles(tiles):
+        with cpu_kernels.using_amx_tiles(tiles):
             out = quantized_linear(x, q)
             assert ((out.double() - reference).abs() <= 1e-5 * scale).all(), tiles
             for r in range(len(x)):

@@ -13,6 +13,7 @@ machine can check both paths (tests/test_cpu_isa.py); unset, or `native`, builds
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -20,6 +21,7 @@ import os
 import platform
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +114,17 @@ def amx_tiles() -> bool:
     (Intel Sapphire Rapids and later, on a kernel that grants the tile state); False without the
     kernels."""
     return loaded() and bool(torch.ops.tandem.amx_tiles())
+
+
+@contextlib.contextmanager
+def using_amx_tiles(use: bool) -> Iterator[None]:
+    """Lets the loaded kernels use AMX tiles (where `amx_tiles` can be true) or not, within the
+    block: tests and benchmarks run the VNNI kernel on a machine that has both."""
+    before = torch.ops.tandem.set_amx_tiles(use)
+    try:
+        yield
+    finally:
+        torch.ops.tandem.set_amx_tiles(before)
 
 
 def release_openmp_threads() -> None:

@@ -881,6 +881,11 @@ constexpr auto digit_kernels(std::integer_sequence<int64_t, T...>) {
   return std::array<Kernel, sizeof...(T)>{&digit_group_rows<Scale, T + 1>...};
 }
 
+// From this many rows on, a call runs on AMX tiles where it can (below). Each block costs the
+// tiles a fixed latency (loads, three products, stores) whatever the rows: below 8 rows VNNI is
+// sooner (experiments.md).
+constexpr int64_t kAmxLeastRows = 8;
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define TANDEM_AMX_DIGITS 1
 
@@ -904,9 +909,6 @@ bool amx_granted() {
 }
 
 constexpr int64_t kAmxTileRows = 16;  // rows of x per tile multiply: the most a tile holds
-// From this many rows on, a call runs on the tiles. Each block costs the tiles a fixed latency
-// (loads, three products, stores) whatever the rows: below 8 rows VNNI is sooner (experiments.md).
-constexpr int64_t kAmxLeastRows = 8;
 
 // The calling thread's tile shapes for tiles of `rows` rows of x.
 void configure_tiles(int64_t rows) {
@@ -1027,15 +1029,11 @@ void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   const DigitRows xd = digit_rows(x);
   const float* sums = block_sums_of_x(x);
   float* outp = out.data_ptr<float>();
-#if defined(TANDEM_AMX_DIGITS)
-  if (rows >= kAmxLeastRows && amx_tiles()) {
-    parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
-      amx_groups(weight, g0, g1, rows, blocks, xd, sums, outp, n);
-    });
-    return;
-  }
-#endif
+  [[maybe_unused]] const bool on_tiles = rows >= kAmxLeastRows && amx_tiles();
   parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
+#if defined(TANDEM_AMX_DIGITS)
+    if (on_tiles) return amx_groups(weight, g0, g1, rows, blocks, xd, sums, outp, n);
+#endif
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t r = 0; r < rows; r += kDigitTileRows)
         tiles[std::min(kDigitTileRows, rows - r) - 1](
@@ -1048,7 +1046,7 @@ void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
 }  // namespace
 
 // Benchmarks and tests switch the tiles off to run the VNNI kernel on a machine that has both.
-std::atomic<bool> amx_wanted{true};
+static std::atomic<bool> amx_wanted{true};
 
 bool set_amx_tiles(bool use) { return amx_wanted.exchange(use); }
 
