@@ -41,7 +41,7 @@ An implementation whose first forward takes longer than --budget seconds gets th
 as its time (marked *) instead of the rounds, and no larger M. An op that is missing or fails
 is named with the reason and gets no row.
 
-Where the native build has AMX tiles (Intel Sapphire Rapids and later), "int4 tandem
+Where the native build has AMX tiles (Intel Sapphire Rapids and later), "int8 / int4 tandem
 quantized_linear (no AMX)" is the same kernel with the tiles switched off around each call (the
 VNNI kernel), on the same prepared weights: its ratio line is what the tiles gain.
 
@@ -312,12 +312,12 @@ def twin_of(name: str) -> str:
     return name
 
 
-def without_amx() -> Impl:
-    """4-bit Tandem with AMX tiles switched off around each call (the VNNI kernel), where the
-    build and the CPU have them: the tiles' gain, timed in the same rounds on the same weights."""
+def without_amx(bits: int) -> Impl:
+    """Tandem with AMX tiles switched off around each call (the VNNI kernel), where the build and
+    the CPU have them: the tiles' gain, timed in the same rounds on the same weights."""
     from tandem.ops import cpu_kernels
 
-    impl = tandem_quantized(4)
+    impl = tandem_quantized(bits)
     if not cpu_kernels.amx_tiles():
         raise RuntimeError("no AMX tiles in this build or on this CPU")
 
@@ -360,7 +360,8 @@ def implementations(baseline: bool = False) -> list[Impl]:
         "int4 tandem quantized_linear": lambda: tandem_quantized(4),
         "int8 tandem quantized_linear xint8": lambda: tandem_quantized(8, True),
         "int4 tandem quantized_linear xint8": lambda: tandem_quantized(4, True),
-        "int4 tandem quantized_linear" + NO_AMX: without_amx,
+        "int8 tandem quantized_linear" + NO_AMX: lambda: without_amx(8),
+        "int4 tandem quantized_linear" + NO_AMX: lambda: without_amx(4),
     }
     if baseline:
         makers |= {

@@ -52,7 +52,7 @@ AVX2_CHECKS = [
     "tests/test_quantized.py::test_the_kernel_is_the_dequantized_product",
     "tests/test_quantized.py::test_float_activations_keep_float_precision_at_every_magnitude",
     "tests/test_quantized.py::test_int8_activations_kernel_is_the_integer_reference",
-    "tests/test_quantized.py::test_4_bit_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them",
+    "tests/test_quantized.py::test_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them",
 ]
 # Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.
 RUN_PYTEST = (
@@ -183,9 +183,10 @@ def test_the_avx512_build_compiles(assemblies) -> None:
     for source in cpu_kernels.SOURCES:
         code = assemblies[source.name, "sapphirerapids"].result()
         assert "zmm" in code, source.name
-        if source.stem == "quantized_linear":  # and 4-bit digit products on AMX tiles
+        if source.stem == "quantized_linear":  # and digit products on AMX tiles (4-, 8-bit)
             assert "vpdpbusd" in code
-            assert all(op in code for op in ("ldtilecfg", "tileloadd", "tdpbsud", "tilestored"))
+            tile_ops = ("ldtilecfg", "tileloadd", "tdpbsud", "tdpbssd", "tilestored")
+            assert all(op in code for op in tile_ops)
 
 
 def test_the_avx512_build_without_vnni_compiles(assemblies) -> None:
@@ -193,4 +194,4 @@ def test_the_avx512_build_without_vnni_compiles(assemblies) -> None:
     take maddubs on 512-bit vectors."""
     code = assemblies["quantized_linear.cpp", "skylake-avx512"].result()
     assert "zmm" in code and "vpmaddubsw" in code and "vpdpbusd" not in code
-    assert "tdpbsud" not in code
+    assert "tdpbsud" not in code and "tdpbssd" not in code

@@ -82,11 +82,17 @@ def test_pack_and_unpack_are_inverse(kind):
         assert torch.equal(lane, codes[17, 36:40])
     else:  # the high nibbles hold the block's second half: columns 52-55
         assert torch.equal(lane & 15, codes[17, 36:40]) and torch.equal(lane >> 4, codes[17, 52:56])
-    if q.bits == 4:  # float activations: row 17's run 1 of block 1 as one word of 8 codes
-        assert q.values.dtype == torch.int32 and q.values.shape == (3, 3, 4, 16)
-        word = int(q.values[1, 1, 1, 1]) & 0xFFFFFFFF
+    # Float activations: the same bytes as words, row 17's run 1 of block 1 as one word.
+    assert q.values.dtype == torch.int32 and quads.values.data_ptr() == q.values.data_ptr()
+    word = int(q.values[1, 1, 1, 1]) & 0xFFFFFFFF
+    if q.bits == 4:  # 8 codes
+        assert q.values.shape == (3, 3, 4, 16)
         columns = [32 + 16 * (k % 2) + 4 + k // 2 for k in range(8)]  # 36, 52, 37, 53, ...
         assert [word >> (4 * k) & 15 for k in range(8)] == codes[17, columns].tolist()
+    else:  # 4 codes, signed bytes
+        assert q.values.shape == (3, 3, 8, 16)
+        signed = [(word >> (8 * k) & 255) - 256 * (word >> (8 * k + 7) & 1) for k in range(4)]
+        assert signed == codes[17, 36:40].tolist()
     w = dequantize(q)
     expected = codes.float() * scales.float().repeat_interleave(32, 1)
     if offsets is not None:
@@ -98,9 +104,9 @@ def test_pack_and_unpack_are_inverse(kind):
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (160, 576)])
 def test_the_kernel_is_the_dequantized_product(kind, n, k):
     """Every row count the kernel treats apart (in registers up to a tile, through a buffered
-    block above it, chunks of 128 rows; 4-bit codes on AMX tiles from 8 rows, where the CPU has
-    them, and on VNNI alone), with a bias and a strided x: within float32 rounding of the float64
-    product, and each row the same bits alone as in any batch."""
+    block above it, chunks of 128 rows; on VNNI as digits, and on AMX tiles from 4 rows of 8-bit
+    codes and 8 of 4-bit ones, where the CPU has them), with a bias and a strided x: within
+    float32 rounding of the float64 product, and each row the same bits alone as in any batch."""
     q = random_weight(kind, n, k)
     w = dequantize(q).double()
     bias = torch.randn(n)
@@ -109,21 +115,21 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
             x = torch.randn(rows, k + 8)[:, 4 : 4 + k]  # a row stride that is not k
             with cpu_kernels.using_amx_tiles(tiles):
                 out = quantized_linear(x, q, bias)
+                alone = [quantized_linear(x[r : r + 1], q, bias)[0] for r in (0, rows - 1)]
             reference = x.double() @ w.T + bias.double()
             scale = reference.abs().max().item()
             assert (out.double() - reference).abs().max().item() <= 1e-5 * scale, (tiles, rows)
-            for r in (0, rows - 1):
-                alone = quantized_linear(x[r : r + 1], q, bias)
-                assert torch.equal(alone[0], out[r]), (tiles, rows, r)
+            assert torch.equal(alone[0], out[0]) and torch.equal(alone[1], out[-1]), (tiles, rows)
 
 
 def tile_settings() -> list[bool]:
-    """With AMX tiles, then without (the VNNI kernel at every row count), where the build and the
-    CPU have them; else without only."""
+    """With AMX tiles, then without (the VNNI kernel at every row count, and 8-bit codes widened:
+    they meet the digits only where tiles run them), where the build and the CPU have them; else
+    without only."""
     return [True, False] if cpu_kernels.amx_tiles() else [False]
 
 
-def test_4_bit_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them():
+def test_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them():
     """The native build on a CPU with AMX (Intel Sapphire Rapids and later) multiplies on its
     tiles (the tests above then check them against the VNNI kernel, bit for bit); elsewhere, and
     in the AVX2 build, it does not."""
@@ -134,7 +140,7 @@ def test_4_bit_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them(
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_float_activations_keep_float_precision_at_every_magnitude(kind):
-    """Rows from 1e-35 to 1e30 and one spanning 1e-30..1e30 (on AVX-512 VNNI 4-bit codes meet
+    """Rows from 1e-35 to 1e30 and one spanning 1e-30..1e30 (on AVX-512 VNNI the codes meet
     the activations as integer digits scaled per block, on AVX2 a row of one as powers of two
     per column: a scale must not lose them), each within float32 rounding of its own float64
     product and the same bits alone as in the batch; a block of zeros; an inf or a NaN spoils
@@ -212,7 +218,8 @@ def test_activations_round_per_block_as_llama_cpp_q8_0():
 
 
 def test_a_fused_layer_takes_its_parts_rows_and_refuses_a_part_in_another_format():
-    """Q4_0 parts keep no offsets, Q4_1 parts do: a layer fused from both would be neither."""
+    """Q4_0 parts keep no offsets, Q4_1 parts do: a layer fused from both would be neither; Q8_0
+    parts keep none either, and their words are as wide."""
     layer = Linear(64, 48)
     symmetric = [random_weight("4-bit symmetric", 16, 64, seed=s) for s in (1, 2)]
     layer.load_quantized_rows(0, symmetric[0])
@@ -222,6 +229,8 @@ def test_a_fused_layer_takes_its_parts_rows_and_refuses_a_part_in_another_format
     assert torch.equal(rows[16:32], dequantize(symmetric[1]))
     with pytest.raises(ValueError, match="two formats"):
         layer.load_quantized_rows(32, random_weight("4-bit f16", 16, 64))
+    with pytest.raises(ValueError, match="two formats"):
+        layer.load_quantized_rows(32, random_weight("8-bit", 16, 64))
 
 
 def test_bad_operands_are_refused():
@@ -234,14 +243,18 @@ def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="rows in 16s"):
         pack(torch.zeros(10, 32, dtype=torch.int8), torch.ones(10, 1), None, "int8")
     four_bit = random_weight("4-bit f16", 16, 64)
-    bytes_not_words = four_bit.values.view(torch.uint8).reshape(1, 2, 16, 16)
-    with pytest.raises(RuntimeError, match="4-bit float-activation weights are int32 words"):
-        torch.ops.tandem.quantized_linear(torch.randn(2, 64), bytes_not_words,
+    bytes_in_rows = four_bit.values.view(torch.uint8).reshape(1, 2, 16, 16)
+    with pytest.raises(RuntimeError, match=r"values must be \[groups, blocks, 4 or 8, 64\]"):
+        torch.ops.tandem.quantized_linear(torch.randn(2, 64), bytes_in_rows,
                                           *four_bit.flat()[1:], torch.empty(0))  # fmt: skip
     quads = for_int8_activations(four_bit)
-    with pytest.raises(RuntimeError, match=r"values must be \[groups, blocks, 4, 64\]"):
+    with pytest.raises(RuntimeError, match=r"values must be \[groups, blocks, 4 or 8, 64\]"):
         torch.ops.tandem.quantized_linear(torch.randn(2, 64), quads.values[:, :, :3].contiguous(),
                                           *quads.flat()[1:], torch.empty(0))  # fmt: skip
+    eight_bit_as_uint8 = for_int8_activations(q).values.view(torch.uint8)
+    with pytest.raises(RuntimeError, match="quads are int8 for 8-bit codes, uint8 for 4-bit"):
+        torch.ops.tandem.quantized_linear(torch.randn(2, 64), eight_bit_as_uint8, *q.flat()[1:],
+                                          torch.empty(0))  # fmt: skip
 
 
 @pytest.mark.parametrize("tensor_type", NATIVE_TYPES)

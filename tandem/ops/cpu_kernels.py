@@ -110,7 +110,7 @@ def _decode_like_tokens() -> int:
 
 
 def amx_tiles() -> bool:
-    """Whether the loaded kernels multiply 4-bit weights and float activations on AMX tiles
+    """Whether the loaded kernels multiply quantized weights and float activations on AMX tiles
     (Intel Sapphire Rapids and later, on a kernel that grants the tile state); False without the
     kernels."""
     return loaded() and bool(torch.ops.tandem.amx_tiles())

@@ -197,7 +197,8 @@ class Linear(nn.Module):
                      (part.values, part.scales, part.offsets)]  # fmt: skip
             self.quantized = QuantizedWeight(*whole, part.source)
         q = self.quantized
-        same = part.values.dtype == q.values.dtype and part.scales.dtype == q.scales.dtype
+        same = part.bits == q.bits and part.values.dtype == q.values.dtype
+        same = same and part.scales.dtype == q.scales.dtype
         if not same or (part.offsets is None) != (q.offsets is None):
             raise ValueError(f"parts of one layer in two formats ({q.source}, {part.source})")
         group = first_row // GROUP_ROWS

@@ -4,17 +4,18 @@ A quantized weight [N, K] is codes with a scale (and, for 4-bit codes, an offset
 block of 32 columns: weight = code * scale + offset. GGUF's Q8_0 (8-bit, float16 scales), Q4_0,
 Q4_1 (4-bit, float16 scales and offsets) and Q4_K (4-bit, float32: its scales are products of
 two) are all exactly this, and so is per-channel int8 (one float32 scale per row, repeated per
-block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each block's
-columns one at a time, so `pack` lays them out that way (4-bit codes as one 32-bit word per row
-and run of 8 codes, which a shift turns into a column); `dequantize` is the float32 weight,
-whose product the kernels reproduce up to float32 rounding (they scale each block's sum of x *
-code rather than each code).
+block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each
+block's columns in runs of 4 per row, the 16 rows' runs side by side, so `pack` lays them out that
+way: with float activations a row's run as one 32-bit word (4 8-bit codes, or 8 4-bit codes: the
+low nibbles one run, the high ones the run 16 columns on), which a shift turns into a column, or
+which integer dot products take as it is; `dequantize` is the float32 weight, whose product the
+kernels reproduce up to float32 rounding (they scale each block's sum of x * code rather than
+each code).
 
-With int8 activations (`for_int8_activations`, llama.cpp's numerics) the codes are laid out in
-runs of 4 columns per row instead ("quads": for 4-bit codes the words' very bytes), and the
-kernels quantize each row of x per block of 32 (`quantize_activations`) and multiply codes by
-codes in integers: several times fewer instructions per weight, at the cost of rounding the
-activations (`int8_activation_linear` is the reference).
+With int8 activations (`for_int8_activations`, llama.cpp's numerics) the same bytes are typed as
+bytes ("quads"), and the kernels quantize each row of x per block of 32
+(`quantize_activations`) and multiply codes by codes in integers: fewer instructions per weight,
+at the cost of rounding the activations (`int8_activation_linear` is the reference).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ QUAD_BYTES = RUN * GROUP_ROWS  # csrc: kQuadBytes
 class QuantizedWeight:
     """Packed codes, scales and offsets of one [out_features, in_features] weight."""
 
-    # float activations: columns int8 [G, B, 32, 16] (8-bit) or words int32 [G, B, 4, 16] (4-bit:
-    # the quads' bytes, a row's run as one word of 8 codes); quads (int8 activations): int8
-    # [G, B, 8, 64] or uint8 [G, B, 4, 64]
+    # float activations: words int32 [G, B, 8, 16] (8-bit) or [G, B, 4, 16] (4-bit), a row's run
+    # as one word; int8 activations: the same bytes as quads, int8 [G, B, 8, 64] or uint8
+    # [G, B, 4, 64]
     values: torch.Tensor
     scales: torch.Tensor  # [G, B, 16] float16 or float32
     # 4-bit: like scales; 8-bit: None. 4-bit weights without offsets are symmetric (GGUF's Q4_0):
@@ -48,7 +49,7 @@ class QuantizedWeight:
 
     @property
     def bits(self) -> int:
-        return 4 if self.values.dtype in (torch.uint8, torch.int32) else 8
+        return 4 if self.values.shape[2] == BLOCK_COLS // 8 else 8
 
     @property
     def int8_activations(self) -> bool:
@@ -82,20 +83,17 @@ def pack(
     quads: bool = False,
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
-    -> the kernels' layout: columns (8-bit) or words (4-bit) for float activations, or `quads`
-    for int8 activations. Offsets that are -8 * scale (Q4_0's) are not stored: a tenth of a
-    4-bit weight's bytes, which a one-row step spends its time reading."""
+    -> the kernels' layout: words for float activations, or `quads` for int8 activations.
+    Offsets that are -8 * scale (Q4_0's) are not stored: a tenth of a 4-bit weight's bytes, which
+    a one-row step spends its time reading."""
     n, k = codes.shape
     if not can_quantize(n, k):
         raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
     groups, blocks = n // GROUP_ROWS, k // BLOCK_COLS
-    grouped = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS)
+    # [G, B, runs, 16 rows, 4 columns]: a row's run of 4 in one 32-bit lane
+    runs = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS // RUN, RUN)
+    grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
     nibbles = codes.dtype == torch.uint8
-    if quads or nibbles:  # [G, B, runs, 16 rows, 4 columns]: a row's run of 4 in one 32-bit lane
-        runs = grouped.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS // RUN, RUN)
-        grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
-    else:  # [G, B, 32 columns, 16 rows]
-        grouped = grouped.permute(0, 2, 3, 1)
     if nibbles and offsets is not None and torch.equal(offsets, scales * -8):
         offsets = None  # symmetric: the kernels make the offsets from the scales
     if not nibbles:
@@ -103,8 +101,8 @@ def pack(
     else:  # the high nibbles hold the block's second half of 16 columns (runs 4-7)
         half = grouped.shape[2] // 2
         values = (grouped[:, :, :half] | (grouped[:, :, half:] << 4)).contiguous()
-        if not quads:  # words: a row's 8 codes of a run, [G, B, 4, 16] int32
-            values = values.view(torch.int32)
+    if not quads:  # words: a row's run of codes as one 32-bit word, [G, B, runs, 16] int32
+        values = values.view(torch.int32)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous()
@@ -115,8 +113,12 @@ def pack(
 
 
 def for_int8_activations(q: QuantizedWeight) -> QuantizedWeight:
-    """The same weight laid out for the kernels' integer products (int8 activations)."""
-    return q if q.int8_activations else pack(*unpack(q), q.source, quads=True)
+    """The same weight laid out for the kernels' integer products (int8 activations): the words'
+    very bytes, typed as bytes."""
+    if q.int8_activations:
+        return q
+    values = q.values.view(torch.uint8 if q.bits == 4 else torch.int8)
+    return QuantizedWeight(values, q.scales, q.offsets, q.source)
 
 
 def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -125,13 +127,10 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     groups, blocks = q.values.shape[:2]
     n, k = q.shape
     nibbles = q.bits == 4
-    values = q.values.view(torch.uint8) if q.values.dtype == torch.int32 else q.values
+    values = q.values.view(torch.uint8 if nibbles else torch.int8)
     grouped = torch.cat((values & 15, values >> 4), dim=2) if nibbles else values
-    if q.int8_activations or nibbles:
-        runs = grouped.reshape(groups, blocks, BLOCK_COLS // RUN, GROUP_ROWS, RUN)
-        codes = runs.permute(0, 3, 1, 2, 4).reshape(n, k)
-    else:
-        codes = grouped.permute(0, 3, 1, 2).reshape(n, k)
+    runs = grouped.reshape(groups, blocks, BLOCK_COLS // RUN, GROUP_ROWS, RUN)
+    codes = runs.permute(0, 3, 1, 2, 4).reshape(n, k)
 
     def per_row(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(n, blocks)

@@ -1,18 +1,21 @@
 // Linear layers over quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K; per-channel int8), in two
 // numerics: float32 activations against the codes widened to float in registers (on AVX-512
-// VNNI, 4-bit codes against the activations' three integer digits instead: the last section), or
+// VNNI, 4-bit codes, and 8-bit ones where AMX runs them, against the activations' three integer
+// digits instead: the last sections), or
 // activations quantized to int8 per block of 32 and multiplied with integer dot products
 // (llama.cpp's numerics: several times fewer instructions per weight).
 //
-// Float layouts (tandem/ops/quantized.py packs them all): the N output rows in groups of 16, the
-// K inputs in blocks of 32. For group g and block b:
-//   8-bit  "columns", values int8 [G, B, 32, 16]: values[g, b, i, n] is row 16g+n, column 32b+i
-//   4-bit  "words", values int32 [G, B, 4, 16]: values[g, b, j, n] holds row 16g+n's 8 codes of
-//          run j, code k (bits 4k..4k+3) column 32b + 4j + k/2 (k even) or 32b + 16 + 4j + k/2
-//          (k odd): the quads' bytes below, a row's run read as one word
+// One layout (tandem/ops/quantized.py packs it): the N output rows in groups of 16, the K inputs
+// in blocks of 32, each row's columns in runs of 4 and the 16 rows' runs side by side, so that
+// one 32-bit lane is one row's run. For group g and block b:
+//   8-bit  [G, B, 8, 64] bytes: values[g, b, j, 4n + t] is row 16g+n, column 32b+4j+t
+//   4-bit  [G, B, 4, 64] bytes: the low nibble is column 32b+4j+t, the high one 32b+16+4j+t
 //   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset,
 //   none stored for symmetric codes (Q4_0's: offset = -8 * scale, made from the scale)
-// So one column of a block is the 16 rows' codes in adjacent lanes (a 4-bit column: a shift of
+// The values' type tells the numerics: int32 "words" (a row's run read as one word: [G, B, 8, 16]
+// or [G, B, 4, 16]) for float activations, int8 or uint8 "quads" for int8 activations.
+//
+// Float activations: one column of a block is the 16 rows' codes in adjacent lanes (a shift of
 // the run's words, no widening across lanes), and the product is a sum of outer products (x
 // broadcast, codes as vectors): no reduction across lanes, every weight byte read once, in
 // order. The scale and offset are taken out of each block's sum:
@@ -22,11 +25,8 @@
 // dequantized model's product; every output is summed in the same order whatever the number of
 // rows, so a row's result does not depend on the batch it is in.
 //
-// Integer layout ("quads"): each row's columns in runs of 4, the 16 rows' runs side by side, so
-// one 32-bit lane is one row's 4 codes and a dot-product instruction (maddubs + madd, or VNNI's
-// dpbusd) sums 4 products per lane against 4 activation codes broadcast:
-//   8-bit  values int8  [G, B, 8, 64]: values[g, b, j, 4n + t] is row 16g+n, column 32b+4j+t
-//   4-bit  values uint8 [G, B, 4, 64]: the low nibble is column 32b+4j+t, the high one 32b+16+4j+t
+// Integer products: a dot-product instruction (maddubs + madd, or VNNI's dpbusd) sums a lane's
+// 4 products against 4 activation codes broadcast.
 // Per row r, output n and block b: integer sum S of code * x code (exact in int32), then
 //   out += S * (scale * dx) + offset * (dx * sum of x codes)
 // or, for symmetric 4-bit weights (Q4_0: no offsets stored, weight = (code - 8) * scale),
@@ -66,21 +66,7 @@ constexpr int64_t kChunkRows = 128;
 
 using Column = std::array<VecL, kVectors>;  // one column of a group: 16 rows' weights
 
-inline Column widen_i8(const int8_t* p) {
-  Column c;
-#if defined(__AVX512F__)
-  c[0] = (VecL)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)
-  c[0] = (VecL)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  c[1] = (VecL)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-#else
-  for (int64_t v = 0; v < kVectors; ++v)
-    for (int64_t l = 0; l < kLanes; ++l) c[v][l] = p[v * kLanes + l];
-#endif
-  return c;
-}
-
-// One run of a group's 4-bit words: 16 rows' words of 8 codes.
+// One run of a group's words: 16 rows' words of 4 8-bit or 8 4-bit codes.
 using Words = std::array<LanesL, kVectors>;
 
 inline Words load_words(const uint8_t* p) {
@@ -125,6 +111,27 @@ inline Column code_column(const Words& w) {
   for (int64_t v = 0; v < kVectors; ++v)
     for (int64_t l = 0; l < kLanes; ++l) c[v][l] = (static_cast<uint32_t>(w[v][l]) >> (4 * K)) & 15;
 #endif
+  return c;
+}
+
+// 8-bit code K of every row of a run, as floats: shifted to the top byte, then down with its sign.
+template <int64_t K>
+inline Column byte_column(const Words& w) {
+  Column c;
+  for (int64_t v = 0; v < kVectors; ++v) {
+#if defined(__AVX512F__)
+    const __m512i word = (__m512i)w[v];
+    const __m512i top = K == 3 ? word : _mm512_slli_epi32(word, 24 - 8 * K);
+    c[v] = (VecL)_mm512_cvtepi32_ps(_mm512_srai_epi32(top, 24));
+#elif defined(__AVX2__)
+    const __m256i word = (__m256i)w[v];
+    const __m256i top = K == 3 ? word : _mm256_slli_epi32(word, 24 - 8 * K);
+    c[v] = (VecL)_mm256_cvtepi32_ps(_mm256_srai_epi32(top, 24));
+#else
+    for (int64_t l = 0; l < kLanes; ++l)
+      c[v][l] = static_cast<int8_t>(static_cast<uint32_t>(w[v][l]) >> (8 * K));
+#endif
+  }
   return c;
 }
 
@@ -191,13 +198,14 @@ Groups<Scale> groups_of(const at::Tensor& values, const at::Tensor& scales,
 // floats: exact).
 template <bool kFourBit, bool kInPlace, int64_t P, typename Scale, typename F>
 inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
+  constexpr int64_t kRuns = kFourBit ? kBlockCols / 8 : kBlockCols / 4;  // of 64 bytes a block
+  constexpr int64_t kRunBytes = 4 * kGroupRows;
   Column w[P];
-  if constexpr (kFourBit) {
-    constexpr int64_t kRunBytes = 4 * kGroupRows;
-    for (int64_t j = 0; j < kBlockCols / 8; ++j) {
-      Words run[P];
-      for (int64_t p = 0; p < P; ++p)
-        run[p] = load_words(g[p].values + (b * (kBlockCols / 8) + j) * kRunBytes);
+  for (int64_t j = 0; j < kRuns; ++j) {
+    Words run[P];
+    for (int64_t p = 0; p < P; ++p)
+      run[p] = load_words(g[p].values + (b * kRuns + j) * kRunBytes);
+    if constexpr (kFourBit) {
       for_each_code(
           [&](auto k) {
             constexpr int64_t K = decltype(k)::value;
@@ -205,13 +213,14 @@ inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
             f((K % 2) * (kBlockCols / 2) + 4 * j + K / 2, w);
           },
           std::make_integer_sequence<int64_t, 8>{});
-    }
-  } else {
-    const int64_t first = b * kBlockCols * kGroupRows;
-    for (int64_t i = 0; i < kBlockCols; ++i) {
-      for (int64_t p = 0; p < P; ++p)
-        w[p] = widen_i8(reinterpret_cast<const int8_t*>(g[p].values) + first + i * kGroupRows);
-      f(i, w);
+    } else {
+      for_each_code(
+          [&](auto k) {
+            constexpr int64_t K = decltype(k)::value;
+            for (int64_t p = 0; p < P; ++p) w[p] = byte_column<K>(run[p]);
+            f(4 * j + K, w);
+          },
+          std::make_integer_sequence<int64_t, 4>{});
     }
   }
 }
@@ -740,30 +749,45 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
   });
 }
 
-// ---- Float activations as three integer digits (4-bit weights, AVX-512 VNNI) ----
+// ---- Float activations as three integer digits (AVX-512 VNNI) ----
 //
 // A row's block of 32 activations is held as integers X = x / step, step = max|x| / kDigitMax,
 // and X as three signed bytes, X = d2 * 65536 + d1 * 256 + d0. The block's sum of x * code is
 // then three integer dot products of the codes with the digits (exact in int32, 4 products per
-// instruction), put together in float: ((sum d2 * 256 + sum d1, exact in int32 and in float) *
-// 256 + sum d0) / kDigitMax * max|x| (the step never formed, so that tiny activations do not
-// make it subnormal). Rounding x to a multiple of the step moves it by at most step / 2,
-// 2^-24 of the block's largest |x|: no more than float32 rounds that activation itself. So the
-// product stays within float32 rounding of the dequantized model's, and a row's result still
-// does not depend on its batch, while a code costs three quarters of a VNNI instruction per row
-// instead of a widening and an FMA. Only where VNNI sums 4 products in one instruction: AVX2's
-// three-instruction dot products lose to widening once a step has more than one row.
+// instruction), put together in float: ((sum d2 * 256 + sum d1, exact in int32) * 256 + sum d0)
+// / kDigitMax * max|x| (the step never formed, so that tiny activations do not make it
+// subnormal). Rounding x to a multiple of the step moves it by at most step / 2, 2^-24 of the
+// block's largest |x|: no more than float32 rounds that activation itself. So the product stays
+// within float32 rounding of the dequantized model's, and a row's result still does not depend
+// on its batch, while a code costs three quarters of a VNNI instruction per row instead of a
+// widening and an FMA. dpbusd multiplies unsigned bytes by signed ones: 8-bit codes go in
+// offset by 128 (their sign bit flipped), and each sum starts at -128 times the block's sum of
+// its digit, which takes the offset back out, exactly. Only where VNNI sums 4 products in one
+// instruction: AVX2's three-instruction dot products lose to widening once a step has more than
+// one row; and 8-bit codes only where AMX tiles run the products from 8 rows.
 #if defined(TANDEM_INTEGER_VECTORS) && defined(__AVX512VNNI__)
 #define TANDEM_DIGIT_PRODUCTS 1
 
 constexpr int64_t kDigits = 3;
 constexpr int32_t kDigitMax = 127 * (65536 + 256 + 1);  // the largest |X|: every digit <= 127
 
-// Each row's blocks as digits [M, B, 3, 32] (d0's 32 columns, then d1's, d2's) and max|x|
-// [M, B]. The buffers are the calling thread's, reused from call to call.
+// Each row's blocks as digits, for rows [r, M) where a view starts at row r. The buffers are the
+// calling thread's, reused from call to call.
 struct DigitRows {
-  const int8_t* digits;
-  const float* amax;
+  const int8_t* digits;       // [M, B, 3, 32]: a block's d0, then its d1, then its d2
+  const float* amax;          // [M, B]: max |x|
+  const int32_t* digit_sums;  // [M, B, 3]: each digit's sum over the block (8-bit codes' offset)
+  int64_t blocks;
+
+  DigitRows from_row(int64_t r) const {
+    return {digits + r * blocks * kDigits * kBlockCols, amax + r * blocks,
+            digit_sums + r * blocks * kDigits, blocks};
+  }
+  // Row t's digit k of block b: 32 bytes.
+  const int8_t* digit(int64_t t, int64_t b, int64_t k) const {
+    return digits + ((t * blocks + b) * kDigits + k) * kBlockCols;
+  }
+  int64_t row_bytes() const { return blocks * kDigits * kBlockCols; }
 };
 
 // A block's max |x| and whether all its x are finite, 16 lanes at a time: a scalar running max
@@ -779,112 +803,165 @@ inline bool block_max_abs(const float* v, float& amax) {
   return ok == 0xFFFF;
 }
 
+// A block's 32 activations as three digits each (d: [3, 32]) and each digit's sum:
+// X = nearest-even(x * inverse) in double (the rounding mode's default), clamped to kDigitMax,
+// then balanced base 256, each digit in [-128, 127]. 16 lanes at a time.
+inline void block_digits(const float* v, double inverse, int8_t* d, int32_t* sums) {
+  const __m512d scale = _mm512_set1_pd(inverse);
+  const __m512i top = _mm512_set1_epi32(kDigitMax), bottom = _mm512_set1_epi32(-kDigitMax);
+  __m512i total[kDigits] = {};
+  for (int64_t h = 0; h < kBlockCols; h += 16) {
+    const __m512 x = _mm512_loadu_ps(v + h);
+    const __m512d first = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d second = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
+    const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(first, scale));
+    const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(second, scale));
+    __m512i rest = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    rest = _mm512_min_epi32(_mm512_max_epi32(rest, bottom), top);
+    for (int64_t k = 0; k < kDigits; ++k) {
+      const __m512i digit = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);  // the low byte
+      const __m128i bytes = _mm512_cvtepi32_epi8(digit);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k * kBlockCols + h), bytes);
+      total[k] = _mm512_add_epi32(total[k], digit);
+      rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, digit), 8);
+    }
+  }
+  for (int64_t k = 0; k < kDigits; ++k) sums[k] = _mm512_reduce_add_epi32(total[k]);
+}
+
 DigitRows digit_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), blocks = x.size(1) / kBlockCols, stride = x.stride(0);
   thread_local std::vector<int8_t> digits;
   thread_local std::vector<float> amaxes;
+  thread_local std::vector<int32_t> sums;
   digits.resize(rows * blocks * kDigits * kBlockCols);
   amaxes.resize(rows * blocks);
-  const float* xp = x.data_ptr<float>();
+  sums.resize(rows * blocks * kDigits);
+  // Pointers, not the vectors, inside the tasks: a thread_local names the running thread's own.
   int8_t* dp = digits.data();
   float* ap = amaxes.data();
-  at::parallel_for(0, rows * blocks, 256, [&](int64_t i0, int64_t i1) {
+  int32_t* sp = sums.data();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows * blocks, 1024, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* v = xp + (i / blocks) * stride + (i % blocks) * kBlockCols;
       int8_t* d = dp + i * kDigits * kBlockCols;
       float amax;
       const bool finite = block_max_abs(v, amax);
-      // In double, so that a block of tiny activations does not overflow the inverse; a block
-      // with an inf or a NaN gets a NaN max, which its outputs then carry, as a float product's.
-      const double inverse = finite && amax > 0.f ? kDigitMax / static_cast<double>(amax) : 0.0;
+      // A block with an inf or a NaN gets a NaN max, which its outputs then carry, as a float
+      // product's; it and an all-zero block get zero digits.
       ap[i] = finite ? amax : std::nanf("");
-      for (int64_t j = 0; j < kBlockCols; ++j) {
-        int32_t rest = inverse > 0.0 ? static_cast<int32_t>(std::nearbyint(v[j] * inverse)) : 0;
-        rest = std::clamp(rest, -kDigitMax, kDigitMax);
-        for (int64_t k = 0; k < kDigits; ++k) {  // balanced base 256: each digit in [-128, 127]
-          const auto digit = static_cast<int8_t>(rest & 255);
-          d[k * kBlockCols + j] = digit;
-          rest = (rest - digit) >> 8;
-        }
+      if (finite && amax > 0.f) {  // in double, so that tiny activations do not overflow it
+        block_digits(v, kDigitMax / static_cast<double>(amax), d, sp + i * kDigits);
+      } else {
+        std::fill_n(d, kDigits * kBlockCols, int8_t{0});
+        std::fill_n(sp + i * kDigits, kDigits, 0);
       }
     }
   });
-  return {dp, ap};
+  return {dp, ap, sp, blocks};
 }
 
 // Only AVX-512 builds have VNNI here: a group's 16 rows are one vector.
 static_assert(kVectors == 1, "the digit kernels take a group as one vector");
 
-// A row's block from its three digit sums (one lane per output): acc += x . codes * scale +
-// (sum of x) * offset. The one place the sums meet the scales, for every path, so that a row has
-// the same bits on each.
+// A row's block from its three digit sums (one lane per output): acc += x . codes * scale (+
+// (sum of x) * offset, 4-bit). The one place the sums meet the scales, for every path, so that a
+// row has the same bits on each.
+template <bool kFourBit>
 inline void add_digit_block(VecL& acc, const IVec (&sums)[kDigits], float x_max, float x_sum,
                             VecL scale, VecL offset) {
   const IVec upper = plus(shift_left8(sums[2]), sums[1]);
   const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
   const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
   acc += x_dot_codes * scale;
-  acc += x_sum * offset;
+  if constexpr (kFourBit) acc += x_sum * offset;
 }
 
-// Rows per tile: per row three integer sums (six at one row: a chain per nibble, so that enough
+// A block's 16 scales and (4-bit) offsets as the digit kernels meet them.
+template <bool kFourBit, typename Scale>
+inline std::pair<VecL, VecL> digit_scales(const Group<Scale>& g, int64_t b) {
+  const VecL s = load_scales(g.scales + b * kGroupRows)[0];
+  if constexpr (kFourBit) return {s, block_offsets(g, b, {s})[0]};
+  return {s, VecL{}};
+}
+
+// Runs of 64 code bytes per block.
+constexpr int64_t runs_per_block(bool four_bit) {
+  return four_bit ? kBlockCols / 8 : kBlockCols / 4;
+}
+
+// Rows per tile: per row three integer sums (six at one row: two chains, so that enough
 // independent dot products are in flight), plus the codes and broadcasts.
 constexpr int64_t kDigitTileRows = (kRegisters - 6) / 4;
 
-// T rows against one group of 4-bit codes: out (the rows' first column) = x . codes * scale +
-// (sum of x) * offset, each block's integer sums in registers.
-template <typename Scale, int64_t T>
-void digit_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* digits,
-                      const float* amax, const float* x_sums, int64_t row_blocks, float* out,
+// T rows against one group: out (the rows' first column) = x . codes * scale (+ (sum of x) *
+// offset, 4-bit), each block's integer sums in registers.
+template <bool kFourBit, typename Scale, int64_t T>
+void digit_group_rows(const Group<Scale>& g, const DigitRows& x, const float* x_sums, float* out,
                       int64_t out_stride) {
   constexpr int64_t kChains = T == 1 ? 2 : 1;
+  constexpr int64_t kRuns = runs_per_block(kFourBit);
+  const int64_t blocks = x.blocks;
   VecL acc[T] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_block<true>(g, b + kPrefetchBlocks);
+    prefetch_block<kFourBit>(g, b + kPrefetchBlocks);
     IVec isum[T][kDigits][kChains];
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < kDigits; ++k)
-        for (int64_t c = 0; c < kChains; ++c) isum[t][k][c] = zero_ints();
-    for (int64_t j = 0; j < 4; ++j) {
-      const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes);
-      const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
-      for (int64_t t = 0; t < T; ++t) {
-        const int8_t* d = digits + (t * row_blocks + b) * kDigits * kBlockCols + 4 * j;
-        for (int64_t k = 0; k < kDigits; ++k) {
-          const IVec dl = broadcast4(d + k * kBlockCols), dh = broadcast4(d + k * kBlockCols + 16);
-          if constexpr (kChains == 2) {
-            isum[t][k][0] = dot4(isum[t][k][0], lo, dl);
-            isum[t][k][1] = dot4(isum[t][k][1], hi, dh);
-          } else {
-            isum[t][k][0] = nibble_dot8(isum[t][k][0], lo, dl, hi, dh);
+      for (int64_t k = 0; k < kDigits; ++k) {
+        // 8-bit codes come offset by 128: the first chain starts at -128 * the digits' sum.
+        const int32_t start = kFourBit ? 0 : -128 * x.digit_sums[(t * blocks + b) * kDigits + k];
+        for (int64_t c = 0; c < kChains; ++c)
+          isum[t][k][c] = c == 0 ? _mm512_set1_epi32(start) : zero_ints();
+      }
+    for (int64_t j = 0; j < kRuns; ++j) {
+      const IVec packed = load_codes(g.values + (b * kRuns + j) * kQuadBytes);
+      if constexpr (kFourBit) {
+        const IVec lo = low_nibbles(packed), hi = high_nibbles(packed);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t k = 0; k < kDigits; ++k) {
+            const int8_t* d = x.digit(t, b, k) + 4 * j;
+            const IVec dl = broadcast4(d), dh = broadcast4(d + 16);
+            if constexpr (kChains == 2) {
+              isum[t][k][0] = dot4(isum[t][k][0], lo, dl);
+              isum[t][k][1] = dot4(isum[t][k][1], hi, dh);
+            } else {
+              isum[t][k][0] = nibble_dot8(isum[t][k][0], lo, dl, hi, dh);
+            }
+          }
+        }
+      } else {
+        const IVec offset = _mm512_xor_si512(packed, _mm512_set1_epi8(-128));  // code + 128
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t k = 0; k < kDigits; ++k) {
+            IVec& sum = isum[t][k][j % kChains];
+            sum = dot4(sum, offset, broadcast4(x.digit(t, b, k) + 4 * j));
           }
         }
       }
     }
-    const VecL s = load_scales(g.scales + b * kGroupRows)[0];
-    const VecL o = block_offsets(g, b, {s})[0];
+    const auto [s, o] = digit_scales<kFourBit>(g, b);
     for (int64_t t = 0; t < T; ++t) {
-      const float x_max = amax[t * row_blocks + b], x_sum = x_sums[t * row_blocks + b];
+      const float x_sum = kFourBit ? x_sums[t * blocks + b] : 0.f;
       IVec sums[kDigits];
       for (int64_t k = 0; k < kDigits; ++k)
         sums[k] = kChains == 2 ? plus(isum[t][k][0], isum[t][k][1]) : nibble_total(isum[t][k][0]);
-      add_digit_block(acc[t], sums, x_max, x_sum, s, o);
+      add_digit_block<kFourBit>(acc[t], sums, x.amax[t * blocks + b], x_sum, s, o);
     }
   }
   for (int64_t t = 0; t < T; ++t) store_lanes(out + t * out_stride, acc[t]);
 }
 
-template <typename Scale, int64_t... T>
+template <bool kFourBit, typename Scale, int64_t... T>
 constexpr auto digit_kernels(std::integer_sequence<int64_t, T...>) {
-  using Kernel = void (*)(const Group<Scale>&, int64_t, const int8_t*, const float*, const float*,
-                          int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&digit_group_rows<Scale, T + 1>...};
+  using Kernel = void (*)(const Group<Scale>&, const DigitRows&, const float*, float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&digit_group_rows<kFourBit, Scale, T + 1>...};
 }
 
 // From this many rows on, a call runs on AMX tiles where it can (below). Each block costs the
-// tiles a fixed latency (loads, three products, stores) whatever the rows: below 8 rows VNNI is
-// sooner (experiments.md).
-constexpr int64_t kAmxLeastRows = 8;
+// tiles a fixed latency (loads, three products, stores) whatever the rows: below 8 rows of 4-bit
+// codes (unpacked for the tiles first) and 4 of 8-bit ones VNNI is sooner (experiments.md).
+constexpr int64_t amx_least_rows(bool four_bit) { return four_bit ? 8 : 4; }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define TANDEM_AMX_DIGITS 1
@@ -895,8 +972,9 @@ constexpr int64_t kAmxLeastRows = 8;
 // products, where VNNI takes 24 instructions per row), one per digit; the sums then meet the
 // scales in `add_digit_block`, so a row's bits are those of the VNNI kernel, alone or in any
 // batch. The tiles: 0-2 the digits' int32 sums [rows, 16], 3-5 the digits [rows, 32] (signed),
-// 6 the group's codes [8, 64] (unsigned: row j holds columns 4j..4j+3 of the 16 output rows,
-// the low nibbles of quad j for j < 4, the high ones of quad j - 4 after).
+// 6 the group's codes [8, 64] (row j holds columns 4j..4j+3 of the 16 output rows: 8-bit codes
+// as they are stored, signed; 4-bit ones unpacked, unsigned, the low nibbles of quad j for
+// j < 4, the high ones of quad j - 4 after).
 
 // Whether this process may use the tiles: Linux grants their 8 KiB of state on request only.
 bool amx_granted() {
@@ -910,7 +988,9 @@ bool amx_granted() {
 
 constexpr int64_t kAmxTileRows = 16;  // rows of x per tile multiply: the most a tile holds
 
-// The calling thread's tile shapes for tiles of `rows` rows of x.
+// The calling thread's tile shapes for tiles of `rows` rows of x. A compiler barrier keeps the
+// configuration's stores: GCC 12's _tile_loadconfig tells the compiler it reads 8 of the 64
+// bytes, so it dropped the rest as dead stores where the function was inlined.
 void configure_tiles(int64_t rows) {
   struct alignas(64) {
     uint8_t palette, start_row, reserved[14];
@@ -925,55 +1005,64 @@ void configure_tiles(int64_t rows) {
   }
   config.rows[6] = kBlockCols / 4;
   config.row_bytes[6] = kQuadBytes;
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
-// T rows (the tiles' shape) against one group of 4-bit codes, every block: out (the rows' first
-// column) = x . codes * scale + (sum of x) * offset. The group's codes are unpacked for the
-// tiles first, and each block's tile products are issued before the previous block's sums meet
-// their scales: the tile unit's latency then overlaps the vector work instead of stalling it.
-template <typename Scale, int64_t T>
-void amx_group_rows(const Group<Scale>& g, int64_t blocks, const uint8_t* codes,
-                    const int8_t* digits, const float* amax, const float* x_sums,
-                    int64_t row_blocks, float* out, int64_t out_stride) {
-  alignas(64) int32_t sums[2][kDigits][T][kGroupRows];
-  const int64_t digit_stride = row_blocks * kDigits * kBlockCols;
-  constexpr int64_t kCodeBytes = kBlockCols / 4 * kQuadBytes;
+constexpr int64_t kTileCodeBytes = kBlockCols / 4 * kQuadBytes;  // a block's codes as tile 6
+
+// T rows (the tiles' shape) against one group, every block: out (the rows' first column) = x .
+// codes * scale (+ (sum of x) * offset, 4-bit), `codes` a block per kTileCodeBytes. Each block's
+// tile products are issued before the previous block's sums meet their scales: the tile unit's
+// latency then overlaps the vector work instead of stalling it.
+template <bool kFourBit, typename Scale, int64_t T>
+void amx_group_rows(const Group<Scale>& g, const uint8_t* codes, const DigitRows& x,
+                    const float* x_sums, float* out, int64_t out_stride) {
+  alignas(64) int32_t sums[kDigits][T][kGroupRows];
+  const int64_t blocks = x.blocks;
   VecL acc[T] = {};
   auto scale_block = [&](int64_t b) {
-    const VecL s = load_scales(g.scales + b * kGroupRows)[0];
-    const VecL o = block_offsets(g, b, {s})[0];
+    const auto [s, o] = digit_scales<kFourBit>(g, b);
     for (int64_t t = 0; t < T; ++t) {
       IVec row[kDigits];
-      for (int64_t k = 0; k < kDigits; ++k) row[k] = _mm512_load_si512(sums[b % 2][k][t]);
-      add_digit_block(acc[t], row, amax[t * row_blocks + b], x_sums[t * row_blocks + b], s, o);
+      for (int64_t k = 0; k < kDigits; ++k) row[k] = _mm512_load_si512(sums[k][t]);
+      const float x_sum = kFourBit ? x_sums[t * blocks + b] : 0.f;
+      add_digit_block<kFourBit>(acc[t], row, x.amax[t * blocks + b], x_sum, s, o);
     }
   };
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* d = digits + b * kDigits * kBlockCols;
-    _tile_loadd(6, codes + b * kCodeBytes, kQuadBytes);
-    _tile_loadd(3, d, digit_stride);
-    _tile_loadd(4, d + kBlockCols, digit_stride);
-    _tile_loadd(5, d + 2 * kBlockCols, digit_stride);
+    if constexpr (!kFourBit) prefetch_block<false>(g, b + kPrefetchBlocks);
+    _tile_loadd(6, codes + b * kTileCodeBytes, kQuadBytes);
+    _tile_loadd(3, x.digit(0, b, 0), x.row_bytes());
+    _tile_loadd(4, x.digit(0, b, 1), x.row_bytes());
+    _tile_loadd(5, x.digit(0, b, 2), x.row_bytes());
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
-    _tile_dpbsud(0, 3, 6);
-    _tile_dpbsud(1, 4, 6);
-    _tile_dpbsud(2, 5, 6);
-    _tile_stored(0, sums[b % 2][0], kGroupRows * sizeof(int32_t));
-    _tile_stored(1, sums[b % 2][1], kGroupRows * sizeof(int32_t));
-    _tile_stored(2, sums[b % 2][2], kGroupRows * sizeof(int32_t));
+    if constexpr (kFourBit) {  // signed digits by unsigned codes
+      _tile_dpbsud(0, 3, 6);
+      _tile_dpbsud(1, 4, 6);
+      _tile_dpbsud(2, 5, 6);
+    } else {  // by signed codes
+      _tile_dpbssd(0, 3, 6);
+      _tile_dpbssd(1, 4, 6);
+      _tile_dpbssd(2, 5, 6);
+    }
     if (b > 0) scale_block(b - 1);
+    _tile_stored(0, sums[0], kGroupRows * sizeof(int32_t));
+    _tile_stored(1, sums[1], kGroupRows * sizeof(int32_t));
+    _tile_stored(2, sums[2], kGroupRows * sizeof(int32_t));
   }
   if (blocks > 0) scale_block(blocks - 1);
   for (int64_t t = 0; t < T; ++t) store_lanes(out + t * out_stride, acc[t]);
 }
 
-// A group's 4-bit codes as the tiles take them, every block: [B, 8, 64] bytes, row j of a block
-// the low nibbles of quad j, row 4 + j the high ones. The buffer is the calling thread's.
-template <typename Scale>
-const uint8_t* unpack_group(const Group<Scale>& g, int64_t blocks) {
+// A group's codes as the tiles take them, every block: 8-bit codes as stored; 4-bit ones
+// unpacked into [B, 8, 64] bytes, row j of a block the low nibbles of quad j, row 4 + j the high
+// ones, in the calling thread's buffer.
+template <bool kFourBit, typename Scale>
+const uint8_t* tile_codes(const Group<Scale>& g, int64_t blocks) {
+  if constexpr (!kFourBit) return g.values;
   thread_local std::vector<IVec> unpacked;
   unpacked.resize(blocks * 8);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -987,58 +1076,55 @@ const uint8_t* unpack_group(const Group<Scale>& g, int64_t blocks) {
   return reinterpret_cast<const uint8_t*>(unpacked.data());
 }
 
-template <typename Scale, int64_t... T>
+template <bool kFourBit, typename Scale, int64_t... T>
 constexpr auto amx_kernels(std::integer_sequence<int64_t, T...>) {
-  using Kernel = void (*)(const Group<Scale>&, int64_t, const uint8_t*, const int8_t*,
-                          const float*, const float*, int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&amx_group_rows<Scale, T + 1>...};
+  using Kernel = void (*)(const Group<Scale>&, const uint8_t*, const DigitRows&, const float*,
+                          float*, int64_t);
+  return std::array<Kernel, sizeof...(T)>{&amx_group_rows<kFourBit, Scale, T + 1>...};
 }
 
 // The groups [g0, g1) for every row, a tile of rows at a time (the tiles reshaped only where
 // the rows of a tile change).
-template <typename Scale>
+template <bool kFourBit, typename Scale>
 void amx_groups(const Groups<Scale>& weight, int64_t g0, int64_t g1, int64_t rows,
-                int64_t blocks, const DigitRows& xd, const float* x_sums, float* out,
-                int64_t n) {
+                const DigitRows& x, const float* x_sums, float* out, int64_t n) {
   static constexpr auto tiles =
-      amx_kernels<Scale>(std::make_integer_sequence<int64_t, kAmxTileRows>{});
-  const int64_t digit_stride = blocks * kDigits * kBlockCols;
+      amx_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kAmxTileRows>{});
   int64_t shape = 0;  // the rows the tiles are configured for
   for (int64_t gi = g0; gi < g1; ++gi) {
     const Group<Scale> g = weight[gi];
-    const uint8_t* codes = unpack_group(g, blocks);
+    const uint8_t* codes = tile_codes<kFourBit>(g, x.blocks);
     for (int64_t r = 0; r < rows; r += kAmxTileRows) {
       const int64_t t = std::min(kAmxTileRows, rows - r);
       if (t != shape) configure_tiles(shape = t);
-      tiles[t - 1](g, blocks, codes, xd.digits + r * digit_stride, xd.amax + r * blocks,
-                   x_sums + r * blocks, blocks, out + r * n + gi * kGroupRows, n);
+      const float* sums = kFourBit ? x_sums + r * x.blocks : nullptr;
+      tiles[t - 1](g, codes, x.from_row(r), sums, out + r * n + gi * kGroupRows, n);
     }
   }
   _tile_release();  // the thread's tile state back to init: cheaper to switch out
 }
 #endif
 
-template <typename Scale>
+template <bool kFourBit, typename Scale>
 void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                 const at::Tensor& offsets, at::Tensor& out) {
   static constexpr auto tiles =
-      digit_kernels<Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
-  const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
-  const int64_t n = out.size(1), digit_stride = blocks * kDigits * kBlockCols;
+      digit_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
+  const int64_t rows = x.size(0), groups = values.size(0), n = out.size(1);
   const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
   const DigitRows xd = digit_rows(x);
-  const float* sums = block_sums_of_x(x);
+  const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;  // 4-bit offsets'
   float* outp = out.data_ptr<float>();
-  [[maybe_unused]] const bool on_tiles = rows >= kAmxLeastRows && amx_tiles();
+  [[maybe_unused]] const bool on_tiles = rows >= amx_least_rows(kFourBit) && amx_tiles();
   parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
 #if defined(TANDEM_AMX_DIGITS)
-    if (on_tiles) return amx_groups(weight, g0, g1, rows, blocks, xd, sums, outp, n);
+    if (on_tiles) return amx_groups<kFourBit>(weight, g0, g1, rows, xd, sums, outp, n);
 #endif
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t r = 0; r < rows; r += kDigitTileRows)
         tiles[std::min(kDigitTileRows, rows - r) - 1](
-            weight[gi], blocks, xd.digits + r * digit_stride, xd.amax + r * blocks,
-            sums + r * blocks, blocks, outp + r * n + gi * kGroupRows, n);
+            weight[gi], xd.from_row(r), kFourBit ? sums + r * xd.blocks : nullptr,
+            outp + r * n + gi * kGroupRows, n);
   });
 }
 #endif
@@ -1063,25 +1149,26 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1,
               "x must be float32 [M, K] with contiguous rows");
+  // Words (int32) for float activations, quads (int8 or uint8 bytes) for int8 activations;
+  // 4-bit codes in 4 runs of 64 bytes a block, 8-bit ones in 8.
   const bool words = values.scalar_type() == at::kInt;
-  const bool four_bit = words || values.scalar_type() == at::kByte;
-  TORCH_CHECK(four_bit || values.scalar_type() == at::kChar, "values must be int8, uint8 or int32");
-  // The layout is told by the type and the last dimension: 8-bit columns (int8, 16 rows), 4-bit
-  // words (int32, 16 rows), or quads (int8 or uint8, 16 rows' runs of 4 bytes).
-  const bool quads = !words && values.dim() == 4 && values.size(3) == kQuadBytes;
-  TORCH_CHECK(!four_bit || quads || words, "4-bit float-activation weights are int32 words");
-  const int64_t runs = four_bit ? kBlockCols / 8 : quads ? kBlockCols / 4 : kBlockCols;
-  const int64_t last = quads ? kQuadBytes : kGroupRows;
+  TORCH_CHECK(words || values.scalar_type() == at::kChar || values.scalar_type() == at::kByte,
+              "values must be int32 (words), int8 or uint8 (quads)");
+  const int64_t last = words ? kGroupRows : kQuadBytes;
   TORCH_CHECK(values.is_contiguous() && values.dim() == 4 && values.size(3) == last &&
-                  values.size(2) == runs,
-              "values must be [groups, blocks, ", runs, ", ", last, "]");
+                  (values.size(2) == 4 || values.size(2) == 8),
+              "values must be [groups, blocks, 4 or 8, ", last, "]");
+  const bool four_bit = values.size(2) == 4;
+  TORCH_CHECK(words || four_bit == (values.scalar_type() == at::kByte),
+              "quads are int8 for 8-bit codes, uint8 for 4-bit ones");
   const int64_t groups = values.size(0), blocks = values.size(1);
   TORCH_CHECK(x.size(1) == blocks * kBlockCols, "x has ", x.size(1), " columns, the weight ",
               blocks * kBlockCols);
   const auto scale_type = scales.scalar_type();
   TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, "scales must be float16/32");
-  TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({groups, blocks, kGroupRows}),
-              "scales must be [groups, blocks, ", kGroupRows, "]");
+  const bool shaped = scales.sizes() == at::IntArrayRef({groups, blocks, kGroupRows});
+  TORCH_CHECK(scales.is_contiguous() && shaped, "scales must be [groups, blocks, ", kGroupRows,
+              "]");
   // 4-bit weights have offsets, except symmetric ones; 8-bit ones none.
   const bool symmetric = four_bit && !present(offsets);
   TORCH_CHECK(four_bit || !present(offsets), "4-bit weights may have offsets, 8-bit ones none");
@@ -1094,21 +1181,27 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
   const bool half = scale_type == at::kHalf;
-  if (quads && symmetric && half) run_integer<true, true, c10::Half>(x, values, scales, offsets, out);
-  else if (quads && symmetric) run_integer<true, true, float>(x, values, scales, offsets, out);
-  else if (quads && four_bit && half) run_integer<true, false, c10::Half>(x, values, scales, offsets, out);
-  else if (quads && four_bit) run_integer<true, false, float>(x, values, scales, offsets, out);
-  else if (quads && half) run_integer<false, false, c10::Half>(x, values, scales, offsets, out);
-  else if (quads) run_integer<false, false, float>(x, values, scales, offsets, out);
+  const at::Tensor& o = offsets;
+  const at::Tensor& v = values;
+  if (!words && symmetric && half) run_integer<true, true, c10::Half>(x, v, scales, o, out);
+  else if (!words && symmetric) run_integer<true, true, float>(x, v, scales, o, out);
+  else if (!words && four_bit && half) run_integer<true, false, c10::Half>(x, v, scales, o, out);
+  else if (!words && four_bit) run_integer<true, false, float>(x, v, scales, o, out);
+  else if (!words && half) run_integer<false, false, c10::Half>(x, v, scales, o, out);
+  else if (!words) run_integer<false, false, float>(x, v, scales, o, out);
 #if defined(TANDEM_DIGIT_PRODUCTS)
-  else if (four_bit && half) run_digits<c10::Half>(x, values, scales, offsets, out);
-  else if (four_bit) run_digits<float>(x, values, scales, offsets, out);
+  else if (four_bit && half) run_digits<true, c10::Half>(x, values, scales, o, out);
+  else if (four_bit) run_digits<true, float>(x, values, scales, o, out);
+  // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
+  // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
+  else if (amx_tiles() && half) run_digits<false, c10::Half>(x, values, scales, o, out);
+  else if (amx_tiles()) run_digits<false, float>(x, values, scales, o, out);
 #else
-  else if (four_bit && half) run<true, c10::Half>(x, values, scales, offsets, out);
-  else if (four_bit) run<true, float>(x, values, scales, offsets, out);
+  else if (four_bit && half) run<true, c10::Half>(x, values, scales, o, out);
+  else if (four_bit) run<true, float>(x, values, scales, o, out);
 #endif
-  else if (half) run<false, c10::Half>(x, values, scales, offsets, out);
-  else run<false, float>(x, values, scales, offsets, out);
+  else if (half) run<false, c10::Half>(x, values, scales, o, out);
+  else run<false, float>(x, values, scales, o, out);
   if (present(bias)) out.add_(bias);
   return out;
 }
