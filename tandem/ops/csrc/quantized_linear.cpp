@@ -762,26 +762,38 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
 // on its batch, while a code costs three quarters of a VNNI instruction per row instead of a
 // widening and an FMA. dpbusd multiplies unsigned bytes by signed ones: 8-bit codes go in
 // offset by 128 (their sign bit flipped), and each sum starts at -128 times the block's sum of
-// its digit, which takes the offset back out, exactly. Only where VNNI sums 4 products in one
+// its digit, which takes the offset back out, exactly; symmetric 4-bit codes (Q4_0's) start at
+// -8 times it, so that the sums are of code - 8, the weight over its scale, and no offset term
+// is left to round. Only where VNNI sums 4 products in one
 // instruction: AVX2's three-instruction dot products lose to widening once a step has more than
-// one row; and 8-bit codes only where AMX tiles run the products from 8 rows.
+// one row; and 8-bit codes only where AMX tiles run the products from 4 rows.
 #if defined(TANDEM_INTEGER_VECTORS) && defined(__AVX512VNNI__)
 #define TANDEM_DIGIT_PRODUCTS 1
 
 constexpr int64_t kDigits = 3;
 constexpr int32_t kDigitMax = 127 * (65536 + 256 + 1);  // the largest |X|: every digit <= 127
 
+// How a weight's codes meet the digits: weight = code * scale (8-bit, signed), (code - 8) *
+// scale (symmetric 4-bit), or code * scale + offset (4-bit with stored offsets).
+enum class Codes { kEightBit, kSymmetric, kOffsets };
+constexpr bool four_bit(Codes c) { return c != Codes::kEightBit; }
+// What VNNI's unsigned side adds to a code, taken back out of each sum: 128 (8-bit codes go in
+// with their sign bit flipped), 8 (symmetric 4-bit: the sums are of code - 8), or 0.
+constexpr int32_t code_bias(Codes c) {
+  return c == Codes::kEightBit ? 128 : c == Codes::kSymmetric ? 8 : 0;
+}
+
 // Each row's blocks as digits, for rows [r, M) where a view starts at row r. The buffers are the
 // calling thread's, reused from call to call.
 struct DigitRows {
   const int8_t* digits;       // [M, B, 3, 32]: a block's d0, then its d1, then its d2
   const float* amax;          // [M, B]: max |x|
-  const int32_t* digit_sums;  // [M, B, 3]: each digit's sum over the block (8-bit codes' offset)
+  const int32_t* starts;      // [M, B, 3]: -code_bias times each digit's sum over the block
   int64_t blocks;
 
   DigitRows from_row(int64_t r) const {
     return {digits + r * blocks * kDigits * kBlockCols, amax + r * blocks,
-            digit_sums + r * blocks * kDigits, blocks};
+            starts + r * blocks * kDigits, blocks};
   }
   // Row t's digit k of block b: 32 bytes.
   const int8_t* digit(int64_t t, int64_t b, int64_t k) const {
@@ -803,10 +815,11 @@ inline bool block_max_abs(const float* v, float& amax) {
   return ok == 0xFFFF;
 }
 
-// A block's 32 activations as three digits each (d: [3, 32]) and each digit's sum:
-// X = nearest-even(x * inverse) in double (the rounding mode's default), clamped to kDigitMax,
-// then balanced base 256, each digit in [-128, 127]. 16 lanes at a time.
-inline void block_digits(const float* v, double inverse, int8_t* d, int32_t* sums) {
+// A block's 32 activations as three digits each (d: [3, 32]) and each digit's sum times
+// -bias: X = nearest-even(x * inverse) in double (the rounding mode's default), clamped to
+// kDigitMax, then balanced base 256, each digit in [-128, 127]. 16 lanes at a time.
+inline void block_digits(const float* v, double inverse, int32_t bias, int8_t* d,
+                         int32_t* starts) {
   const __m512d scale = _mm512_set1_pd(inverse);
   const __m512i top = _mm512_set1_epi32(kDigitMax), bottom = _mm512_set1_epi32(-kDigitMax);
   __m512i total[kDigits] = {};
@@ -826,10 +839,11 @@ inline void block_digits(const float* v, double inverse, int8_t* d, int32_t* sum
       rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, digit), 8);
     }
   }
-  for (int64_t k = 0; k < kDigits; ++k) sums[k] = _mm512_reduce_add_epi32(total[k]);
+  for (int64_t k = 0; k < kDigits; ++k) starts[k] = -bias * _mm512_reduce_add_epi32(total[k]);
 }
 
-DigitRows digit_rows(const at::Tensor& x) {
+// x's digits for codes with the given bias (code_bias).
+DigitRows digit_rows(const at::Tensor& x, int32_t bias) {
   const int64_t rows = x.size(0), blocks = x.size(1) / kBlockCols, stride = x.stride(0);
   thread_local std::vector<int8_t> digits;
   thread_local std::vector<float> amaxes;
@@ -852,7 +866,8 @@ DigitRows digit_rows(const at::Tensor& x) {
       // product's; it and an all-zero block get zero digits.
       ap[i] = finite ? amax : std::nanf("");
       if (finite && amax > 0.f) {  // in double, so that tiny activations do not overflow it
-        block_digits(v, kDigitMax / static_cast<double>(amax), d, sp + i * kDigits);
+        const double inverse = kDigitMax / static_cast<double>(amax);
+        block_digits(v, inverse, bias, d, sp + i * kDigits);
       } else {
         std::fill_n(d, kDigits * kBlockCols, int8_t{0});
         std::fill_n(sp + i * kDigits, kDigits, 0);
@@ -866,23 +881,23 @@ DigitRows digit_rows(const at::Tensor& x) {
 static_assert(kVectors == 1, "the digit kernels take a group as one vector");
 
 // A row's block from its three digit sums (one lane per output): acc += x . codes * scale (+
-// (sum of x) * offset, 4-bit). The one place the sums meet the scales, for every path, so that a
-// row has the same bits on each.
-template <bool kFourBit>
+// (sum of x) * offset where offsets are stored). The one place the sums meet the scales, for
+// every path, so that a row has the same bits on each.
+template <Codes C>
 inline void add_digit_block(VecL& acc, const IVec (&sums)[kDigits], float x_max, float x_sum,
                             VecL scale, VecL offset) {
   const IVec upper = plus(shift_left8(sums[2]), sums[1]);
   const VecL total = to_float(upper) * 256.f + to_float(sums[0]);
   const VecL x_dot_codes = total * (1.f / kDigitMax) * x_max;
   acc += x_dot_codes * scale;
-  if constexpr (kFourBit) acc += x_sum * offset;
+  if constexpr (C == Codes::kOffsets) acc += x_sum * offset;
 }
 
-// A block's 16 scales and (4-bit) offsets as the digit kernels meet them.
-template <bool kFourBit, typename Scale>
+// A block's 16 scales and stored offsets as the digit kernels meet them.
+template <Codes C, typename Scale>
 inline std::pair<VecL, VecL> digit_scales(const Group<Scale>& g, int64_t b) {
   const VecL s = load_scales(g.scales + b * kGroupRows)[0];
-  if constexpr (kFourBit) return {s, block_offsets(g, b, {s})[0]};
+  if constexpr (C == Codes::kOffsets) return {s, load_scales(g.offsets + b * kGroupRows)[0]};
   return {s, VecL{}};
 }
 
@@ -896,11 +911,12 @@ constexpr int64_t runs_per_block(bool four_bit) {
 constexpr int64_t kDigitTileRows = (kRegisters - 6) / 4;
 
 // T rows against one group: out (the rows' first column) = x . codes * scale (+ (sum of x) *
-// offset, 4-bit), each block's integer sums in registers.
-template <bool kFourBit, typename Scale, int64_t T>
+// offset), each block's integer sums in registers.
+template <Codes C, typename Scale, int64_t T>
 void digit_group_rows(const Group<Scale>& g, const DigitRows& x, const float* x_sums, float* out,
                       int64_t out_stride) {
   constexpr int64_t kChains = T == 1 ? 2 : 1;
+  constexpr bool kFourBit = four_bit(C);
   constexpr int64_t kRuns = runs_per_block(kFourBit);
   const int64_t blocks = x.blocks;
   VecL acc[T] = {};
@@ -909,8 +925,8 @@ void digit_group_rows(const Group<Scale>& g, const DigitRows& x, const float* x_
     IVec isum[T][kDigits][kChains];
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < kDigits; ++k) {
-        // 8-bit codes come offset by 128: the first chain starts at -128 * the digits' sum.
-        const int32_t start = kFourBit ? 0 : -128 * x.digit_sums[(t * blocks + b) * kDigits + k];
+        // The first chain starts where the codes' bias is taken back out.
+        const int32_t start = x.starts[(t * blocks + b) * kDigits + k];
         for (int64_t c = 0; c < kChains; ++c)
           isum[t][k][c] = c == 0 ? _mm512_set1_epi32(start) : zero_ints();
       }
@@ -940,22 +956,22 @@ void digit_group_rows(const Group<Scale>& g, const DigitRows& x, const float* x_
         }
       }
     }
-    const auto [s, o] = digit_scales<kFourBit>(g, b);
+    const auto [s, o] = digit_scales<C>(g, b);
     for (int64_t t = 0; t < T; ++t) {
-      const float x_sum = kFourBit ? x_sums[t * blocks + b] : 0.f;
+      const float x_sum = C == Codes::kOffsets ? x_sums[t * blocks + b] : 0.f;
       IVec sums[kDigits];
       for (int64_t k = 0; k < kDigits; ++k)
         sums[k] = kChains == 2 ? plus(isum[t][k][0], isum[t][k][1]) : nibble_total(isum[t][k][0]);
-      add_digit_block<kFourBit>(acc[t], sums, x.amax[t * blocks + b], x_sum, s, o);
+      add_digit_block<C>(acc[t], sums, x.amax[t * blocks + b], x_sum, s, o);
     }
   }
   for (int64_t t = 0; t < T; ++t) store_lanes(out + t * out_stride, acc[t]);
 }
 
-template <bool kFourBit, typename Scale, int64_t... T>
+template <Codes C, typename Scale, int64_t... T>
 constexpr auto digit_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Group<Scale>&, const DigitRows&, const float*, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&digit_group_rows<kFourBit, Scale, T + 1>...};
+  return std::array<Kernel, sizeof...(T)>{&digit_group_rows<C, Scale, T + 1>...};
 }
 
 // From this many rows on, a call runs on AMX tiles where it can (below). Each block costs the
@@ -973,8 +989,8 @@ constexpr int64_t amx_least_rows(bool four_bit) { return four_bit ? 8 : 4; }
 // scales in `add_digit_block`, so a row's bits are those of the VNNI kernel, alone or in any
 // batch. The tiles: 0-2 the digits' int32 sums [rows, 16], 3-5 the digits [rows, 32] (signed),
 // 6 the group's codes [8, 64] (row j holds columns 4j..4j+3 of the 16 output rows: 8-bit codes
-// as they are stored, signed; 4-bit ones unpacked, unsigned, the low nibbles of quad j for
-// j < 4, the high ones of quad j - 4 after).
+// as they are stored, signed; 4-bit ones unpacked, the low nibbles of quad j for j < 4, the
+// high ones of quad j - 4 after, unsigned, or less 8 and signed where symmetric).
 
 // Whether this process may use the tiles: Linux grants their 8 KiB of state on request only.
 bool amx_granted() {
@@ -1012,26 +1028,26 @@ void configure_tiles(int64_t rows) {
 constexpr int64_t kTileCodeBytes = kBlockCols / 4 * kQuadBytes;  // a block's codes as tile 6
 
 // T rows (the tiles' shape) against one group, every block: out (the rows' first column) = x .
-// codes * scale (+ (sum of x) * offset, 4-bit), `codes` a block per kTileCodeBytes. Each block's
+// codes * scale (+ (sum of x) * offset), `codes` a block per kTileCodeBytes (`tile_codes`). Each block's
 // tile products are issued before the previous block's sums meet their scales: the tile unit's
 // latency then overlaps the vector work instead of stalling it.
-template <bool kFourBit, typename Scale, int64_t T>
+template <Codes C, typename Scale, int64_t T>
 void amx_group_rows(const Group<Scale>& g, const uint8_t* codes, const DigitRows& x,
                     const float* x_sums, float* out, int64_t out_stride) {
   alignas(64) int32_t sums[kDigits][T][kGroupRows];
   const int64_t blocks = x.blocks;
   VecL acc[T] = {};
   auto scale_block = [&](int64_t b) {
-    const auto [s, o] = digit_scales<kFourBit>(g, b);
+    const auto [s, o] = digit_scales<C>(g, b);
     for (int64_t t = 0; t < T; ++t) {
       IVec row[kDigits];
       for (int64_t k = 0; k < kDigits; ++k) row[k] = _mm512_load_si512(sums[k][t]);
-      const float x_sum = kFourBit ? x_sums[t * blocks + b] : 0.f;
-      add_digit_block<kFourBit>(acc[t], row, x.amax[t * blocks + b], x_sum, s, o);
+      const float x_sum = C == Codes::kOffsets ? x_sums[t * blocks + b] : 0.f;
+      add_digit_block<C>(acc[t], row, x.amax[t * blocks + b], x_sum, s, o);
     }
   };
   for (int64_t b = 0; b < blocks; ++b) {
-    if constexpr (!kFourBit) prefetch_block<false>(g, b + kPrefetchBlocks);
+    if constexpr (C == Codes::kEightBit) prefetch_block<false>(g, b + kPrefetchBlocks);
     _tile_loadd(6, codes + b * kTileCodeBytes, kQuadBytes);
     _tile_loadd(3, x.digit(0, b, 0), x.row_bytes());
     _tile_loadd(4, x.digit(0, b, 1), x.row_bytes());
@@ -1039,11 +1055,11 @@ void amx_group_rows(const Group<Scale>& g, const uint8_t* codes, const DigitRows
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
-    if constexpr (kFourBit) {  // signed digits by unsigned codes
+    if constexpr (C == Codes::kOffsets) {  // signed digits by unsigned codes
       _tile_dpbsud(0, 3, 6);
       _tile_dpbsud(1, 4, 6);
       _tile_dpbsud(2, 5, 6);
-    } else {  // by signed codes
+    } else {  // by signed codes (8-bit; symmetric 4-bit codes less 8)
       _tile_dpbssd(0, 3, 6);
       _tile_dpbssd(1, 4, 6);
       _tile_dpbssd(2, 5, 6);
@@ -1059,45 +1075,46 @@ void amx_group_rows(const Group<Scale>& g, const uint8_t* codes, const DigitRows
 
 // A group's codes as the tiles take them, every block: 8-bit codes as stored; 4-bit ones
 // unpacked into [B, 8, 64] bytes, row j of a block the low nibbles of quad j, row 4 + j the high
-// ones, in the calling thread's buffer.
-template <bool kFourBit, typename Scale>
+// ones (less 8 where symmetric), in the calling thread's buffer.
+template <Codes C, typename Scale>
 const uint8_t* tile_codes(const Group<Scale>& g, int64_t blocks) {
-  if constexpr (!kFourBit) return g.values;
+  if constexpr (C == Codes::kEightBit) return g.values;
   thread_local std::vector<IVec> unpacked;
   unpacked.resize(blocks * 8);
+  const IVec bias = _mm512_set1_epi8(static_cast<char>(code_bias(C)));
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_block<true>(g, b + kPrefetchBlocks);
     for (int64_t j = 0; j < 4; ++j) {
       const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes);
-      unpacked[b * 8 + j] = low_nibbles(packed);
-      unpacked[b * 8 + 4 + j] = high_nibbles(packed);
+      unpacked[b * 8 + j] = _mm512_sub_epi8(low_nibbles(packed), bias);
+      unpacked[b * 8 + 4 + j] = _mm512_sub_epi8(high_nibbles(packed), bias);
     }
   }
   return reinterpret_cast<const uint8_t*>(unpacked.data());
 }
 
-template <bool kFourBit, typename Scale, int64_t... T>
+template <Codes C, typename Scale, int64_t... T>
 constexpr auto amx_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Group<Scale>&, const uint8_t*, const DigitRows&, const float*,
                           float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&amx_group_rows<kFourBit, Scale, T + 1>...};
+  return std::array<Kernel, sizeof...(T)>{&amx_group_rows<C, Scale, T + 1>...};
 }
 
 // The groups [g0, g1) for every row, a tile of rows at a time (the tiles reshaped only where
 // the rows of a tile change).
-template <bool kFourBit, typename Scale>
+template <Codes C, typename Scale>
 void amx_groups(const Groups<Scale>& weight, int64_t g0, int64_t g1, int64_t rows,
                 const DigitRows& x, const float* x_sums, float* out, int64_t n) {
   static constexpr auto tiles =
-      amx_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kAmxTileRows>{});
+      amx_kernels<C, Scale>(std::make_integer_sequence<int64_t, kAmxTileRows>{});
   int64_t shape = 0;  // the rows the tiles are configured for
   for (int64_t gi = g0; gi < g1; ++gi) {
     const Group<Scale> g = weight[gi];
-    const uint8_t* codes = tile_codes<kFourBit>(g, x.blocks);
+    const uint8_t* codes = tile_codes<C>(g, x.blocks);
     for (int64_t r = 0; r < rows; r += kAmxTileRows) {
       const int64_t t = std::min(kAmxTileRows, rows - r);
       if (t != shape) configure_tiles(shape = t);
-      const float* sums = kFourBit ? x_sums + r * x.blocks : nullptr;
+      const float* sums = C == Codes::kOffsets ? x_sums + r * x.blocks : nullptr;
       tiles[t - 1](g, codes, x.from_row(r), sums, out + r * n + gi * kGroupRows, n);
     }
   }
@@ -1105,25 +1122,25 @@ void amx_groups(const Groups<Scale>& weight, int64_t g0, int64_t g1, int64_t row
 }
 #endif
 
-template <bool kFourBit, typename Scale>
+template <Codes C, typename Scale>
 void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                 const at::Tensor& offsets, at::Tensor& out) {
   static constexpr auto tiles =
-      digit_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
+      digit_kernels<C, Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
   const int64_t rows = x.size(0), groups = values.size(0), n = out.size(1);
   const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
-  const DigitRows xd = digit_rows(x);
-  const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;  // 4-bit offsets'
+  const DigitRows xd = digit_rows(x, code_bias(C));
+  const float* sums = C == Codes::kOffsets ? block_sums_of_x(x) : nullptr;  // the offsets'
   float* outp = out.data_ptr<float>();
-  [[maybe_unused]] const bool on_tiles = rows >= amx_least_rows(kFourBit) && amx_tiles();
+  [[maybe_unused]] const bool on_tiles = rows >= amx_least_rows(four_bit(C)) && amx_tiles();
   parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
 #if defined(TANDEM_AMX_DIGITS)
-    if (on_tiles) return amx_groups<kFourBit>(weight, g0, g1, rows, xd, sums, outp, n);
+    if (on_tiles) return amx_groups<C>(weight, g0, g1, rows, xd, sums, outp, n);
 #endif
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t r = 0; r < rows; r += kDigitTileRows)
         tiles[std::min(kDigitTileRows, rows - r) - 1](
-            weight[gi], xd.from_row(r), kFourBit ? sums + r * xd.blocks : nullptr,
+            weight[gi], xd.from_row(r), sums != nullptr ? sums + r * xd.blocks : nullptr,
             outp + r * n + gi * kGroupRows, n);
   });
 }
@@ -1190,12 +1207,14 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   else if (!words && half) run_integer<false, false, c10::Half>(x, v, scales, o, out);
   else if (!words) run_integer<false, false, float>(x, v, scales, o, out);
 #if defined(TANDEM_DIGIT_PRODUCTS)
-  else if (four_bit && half) run_digits<true, c10::Half>(x, values, scales, o, out);
-  else if (four_bit) run_digits<true, float>(x, values, scales, o, out);
+  else if (symmetric && half) run_digits<Codes::kSymmetric, c10::Half>(x, v, scales, o, out);
+  else if (symmetric) run_digits<Codes::kSymmetric, float>(x, v, scales, o, out);
+  else if (four_bit && half) run_digits<Codes::kOffsets, c10::Half>(x, v, scales, o, out);
+  else if (four_bit) run_digits<Codes::kOffsets, float>(x, v, scales, o, out);
   // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
   // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
-  else if (amx_tiles() && half) run_digits<false, c10::Half>(x, values, scales, o, out);
-  else if (amx_tiles()) run_digits<false, float>(x, values, scales, o, out);
+  else if (amx_tiles() && half) run_digits<Codes::kEightBit, c10::Half>(x, v, scales, o, out);
+  else if (amx_tiles()) run_digits<Codes::kEightBit, float>(x, v, scales, o, out);
 #else
   else if (four_bit && half) run<true, c10::Half>(x, values, scales, o, out);
   else if (four_bit) run<true, float>(x, values, scales, o, out);
