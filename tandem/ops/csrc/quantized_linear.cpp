@@ -668,7 +668,8 @@ void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int
         for (int64_t t = 0; t < T; ++t)
           for (int64_t v = 0; v < kVectors; ++v) {
             isum[t][v] = nibble_total(isum[t][v]);
-            if constexpr (kSymmetric) isum[t][v] = minus(isum[t][v], 8 * code_sums[t * step_stride + b]);
+            if constexpr (kSymmetric)
+              isum[t][v] = minus(isum[t][v], 8 * code_sums[t * step_stride + b]);
           }
       } else {
         const uint8_t* q = g.values + b * 8 * kQuadBytes;
@@ -710,7 +711,8 @@ void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int
     }
   }
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
+    for (int64_t v = 0; v < kVectors; ++v)
+      store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
 }
 
 template <bool kFourBit, bool kSymmetric, typename Scale, int64_t... T>
@@ -1028,9 +1030,9 @@ void configure_tiles(int64_t rows) {
 constexpr int64_t kTileCodeBytes = kBlockCols / 4 * kQuadBytes;  // a block's codes as tile 6
 
 // T rows (the tiles' shape) against one group, every block: out (the rows' first column) = x .
-// codes * scale (+ (sum of x) * offset), `codes` a block per kTileCodeBytes (`tile_codes`). Each block's
-// tile products are issued before the previous block's sums meet their scales: the tile unit's
-// latency then overlaps the vector work instead of stalling it.
+// codes * scale (+ (sum of x) * offset), `codes` a block per kTileCodeBytes (`tile_codes`).
+// Each block's tile products are issued before the previous block's sums meet their scales, and
+// stored after: the tile unit's latency then overlaps the vector work instead of stalling it.
 template <Codes C, typename Scale, int64_t T>
 void amx_group_rows(const Group<Scale>& g, const uint8_t* codes, const DigitRows& x,
                     const float* x_sums, float* out, int64_t out_stride) {
