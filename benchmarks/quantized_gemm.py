@@ -42,8 +42,9 @@ as its time (marked *) instead of the rounds, and no larger M. An op that is mis
 is named with the reason and gets no row.
 
 Where the native build has AMX tiles (Intel Sapphire Rapids and later), "int8 / int4 tandem
-quantized_linear (no AMX)" is the same kernel with the tiles switched off around each call (the
-VNNI kernel), on the same prepared weights: its ratio line is what the tiles gain.
+quantized_linear (no AMX)" is the same kernel with the tiles switched off for its forwards
+(once per forward: the VNNI kernel, 8-bit codes widened), on the same prepared weights: its
+ratio line is what the tiles gain.
 
 `--baseline DIR` times a kernel change against the code before it in the same rounds: the CPU
 kernels of another checkout (say `git worktree add /tmp/before HEAD~1`) are built beside this
@@ -57,6 +58,7 @@ machine differ by more than most kernel changes do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -64,6 +66,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +149,9 @@ class Impl:
     run: Callable[[torch.Tensor, object], torch.Tensor]  # x [M, K] fp32 -> y [M, N]
     held: Callable[[torch.Tensor, object], torch.Tensor | None]  # the weights the format holds
     nbytes: Callable[[int, int], float]  # (N, K) -> codes + scales: what a forward must read
+    # What its calls run within: a kernel setting switched once per forward, not per call (whose
+    # Python would weigh on a forward of few rows)
+    setting: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
 
 
 def int8_pack(dtype: torch.dtype) -> Impl:
@@ -313,19 +319,16 @@ def twin_of(name: str) -> str:
 
 
 def without_amx(bits: int) -> Impl:
-    """Tandem with AMX tiles switched off around each call (the VNNI kernel), where the build and
-    the CPU have them: the tiles' gain, timed in the same rounds on the same weights."""
+    """Tandem with AMX tiles switched off for its forwards (the VNNI kernel; 8-bit codes
+    widened), where the build and the CPU have them: the tiles' gain, timed in the same rounds
+    on the same weights."""
     from tandem.ops import cpu_kernels
 
     impl = tandem_quantized(bits)
     if not cpu_kernels.amx_tiles():
         raise RuntimeError("no AMX tiles in this build or on this CPU")
-
-    def run(x, qw):
-        with cpu_kernels.using_amx_tiles(False):
-            return impl.run(x, qw)
-
-    return dataclasses.replace(impl, name=impl.name + NO_AMX, run=run)
+    setting = functools.partial(cpu_kernels.using_amx_tiles, False)
+    return dataclasses.replace(impl, name=impl.name + NO_AMX, setting=setting)
 
 
 def implementations(baseline: bool = False) -> list[Impl]:
@@ -439,7 +442,8 @@ def main() -> int:
             else:
                 state = {key: impl.prepare(base[key[0]]) for key in forward_shapes()}
             for name, (_, k) in shapes.items():  # does it run, and with the right shape?
-                y = impl.run(torch.randn(1, k), state[(name, 0)])
+                with impl.setting():
+                    y = impl.run(torch.randn(1, k), state[(name, 0)])
                 assert y.shape == (1, shapes[name][0]), f"output shape {tuple(y.shape)}"
         except Exception as e:
             print(f"not available: {impl.name}: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -463,10 +467,11 @@ def main() -> int:
         def forward(impl: Impl, xs: dict[int, torch.Tensor] = xs) -> float:
             run, state = impl.run, prepared[impl.name]
             calls = [(xs[shapes[key[0]][1]], state[key]) for key in forward_shapes()]
-            start = time.perf_counter()
-            for x, st in calls:
-                run(x, st)
-            return time.perf_counter() - start
+            with impl.setting():
+                start = time.perf_counter()
+                for x, st in calls:
+                    run(x, st)
+                return time.perf_counter() - start
 
         # A round whose CPUs other processes shared (over --busy of them) is run again, until
         # --rounds quiet ones or --patience seconds; then the noisy ones count too. So is a
@@ -530,7 +535,8 @@ def main() -> int:
             err = kern = 0.0
             for name in check:
                 state = prepared[impl.name][(name, 0)]
-                y = impl.run(xs[shapes[name][1]], state).double()
+                with impl.setting():
+                    y = impl.run(xs[shapes[name][1]], state).double()
                 err = max(err, (y - ref[name]).abs().max().item())
                 held = impl.held(base[name], state)
                 if held is None:
