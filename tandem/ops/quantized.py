@@ -80,10 +80,9 @@ def pack(
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     source: str,
-    quads: bool = False,
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
-    -> the kernels' layout: words for float activations, or `quads` for int8 activations.
+    -> the kernels' words, for float activations (`for_int8_activations` types them as bytes).
     Offsets that are -8 * scale (Q4_0's) are not stored: a tenth of a 4-bit weight's bytes, which
     a one-row step spends its time reading."""
     n, k = codes.shape
@@ -101,8 +100,7 @@ def pack(
     else:  # the high nibbles hold the block's second half of 16 columns (runs 4-7)
         half = grouped.shape[2] // 2
         values = (grouped[:, :, :half] | (grouped[:, :, half:] << 4)).contiguous()
-    if not quads:  # words: a row's run of codes as one 32-bit word, [G, B, runs, 16] int32
-        values = values.view(torch.int32)
+    values = values.view(torch.int32)  # words: a row's run of codes as one, [G, B, runs, 16]
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous()

@@ -766,9 +766,9 @@ void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor
 // offset by 128 (their sign bit flipped), and each sum starts at -128 times the block's sum of
 // its digit, which takes the offset back out, exactly; symmetric 4-bit codes (Q4_0's) start at
 // -8 times it, so that the sums are of code - 8, the weight over its scale, and no offset term
-// is left to round. Only where VNNI sums 4 products in one
-// instruction: AVX2's three-instruction dot products lose to widening once a step has more than
-// one row; and 8-bit codes only where AMX tiles run the products from 4 rows.
+// is left to round. Only where VNNI sums 4 products in one instruction: AVX2's
+// three-instruction dot products lose to widening once a step has more than one row; and 8-bit
+// codes only where AMX tiles run the products from 4 rows.
 #if defined(TANDEM_INTEGER_VECTORS) && defined(__AVX512VNNI__)
 #define TANDEM_DIGIT_PRODUCTS 1
 
@@ -1083,13 +1083,16 @@ const uint8_t* tile_codes(const Group<Scale>& g, int64_t blocks) {
   if constexpr (C == Codes::kEightBit) return g.values;
   thread_local std::vector<IVec> unpacked;
   unpacked.resize(blocks * 8);
-  const IVec bias = _mm512_set1_epi8(static_cast<char>(code_bias(C)));
+  auto tile_code = [](IVec nibbles) {
+    if constexpr (C == Codes::kSymmetric) return _mm512_sub_epi8(nibbles, _mm512_set1_epi8(8));
+    return nibbles;
+  };
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_block<true>(g, b + kPrefetchBlocks);
     for (int64_t j = 0; j < 4; ++j) {
       const IVec packed = load_codes(g.values + (b * 4 + j) * kQuadBytes);
-      unpacked[b * 8 + j] = _mm512_sub_epi8(low_nibbles(packed), bias);
-      unpacked[b * 8 + 4 + j] = _mm512_sub_epi8(high_nibbles(packed), bias);
+      unpacked[b * 8 + j] = tile_code(low_nibbles(packed));
+      unpacked[b * 8 + 4 + j] = tile_code(high_nibbles(packed));
     }
   }
   return reinterpret_cast<const uint8_t*>(unpacked.data());
@@ -1202,6 +1205,9 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   const bool half = scale_type == at::kHalf;
   const at::Tensor& o = offsets;
   const at::Tensor& v = values;
+  // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
+  // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
+  [[maybe_unused]] const bool eight_bit_digits = !four_bit && amx_tiles();
   if (!words && symmetric && half) run_integer<true, true, c10::Half>(x, v, scales, o, out);
   else if (!words && symmetric) run_integer<true, true, float>(x, v, scales, o, out);
   else if (!words && four_bit && half) run_integer<true, false, c10::Half>(x, v, scales, o, out);
@@ -1213,10 +1219,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   else if (symmetric) run_digits<Codes::kSymmetric, float>(x, v, scales, o, out);
   else if (four_bit && half) run_digits<Codes::kOffsets, c10::Half>(x, v, scales, o, out);
   else if (four_bit) run_digits<Codes::kOffsets, float>(x, v, scales, o, out);
-  // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
-  // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
-  else if (amx_tiles() && half) run_digits<Codes::kEightBit, c10::Half>(x, v, scales, o, out);
-  else if (amx_tiles()) run_digits<Codes::kEightBit, float>(x, v, scales, o, out);
+  else if (eight_bit_digits && half) run_digits<Codes::kEightBit, c10::Half>(x, v, scales, o, out);
+  else if (eight_bit_digits) run_digits<Codes::kEightBit, float>(x, v, scales, o, out);
 #else
   else if (four_bit && half) run<true, c10::Half>(x, values, scales, o, out);
   else if (four_bit) run<true, float>(x, values, scales, o, out);

@@ -34,8 +34,8 @@ inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& bias);
 
-// Whether 4-bit weights with float activations multiply on AMX tiles here (the build has them
-// and the kernel granted the process their state).
+// Whether quantized weights with float activations multiply on AMX tiles here (the build has
+// them and the kernel granted the process their state).
 bool amx_tiles();
 // Lets the tiles be used (where `amx_tiles` can be true) or not; returns the previous setting.
 bool set_amx_tiles(bool use);
