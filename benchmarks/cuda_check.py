@@ -374,7 +374,7 @@ def speculative_speed(output_len: int) -> dict[str, float]:
 def speculative_run(engine, work, spec: dict | None, name: str, output_len: int) -> float:
     """One configured run after a warm-up on the same workload (a step of a new row count
     compiles Triton kernels once); its figures recorded, its tokens/s returned."""
-    from tandem.bench import run_workload
+    from tandem.bench.run import run_workload
 
     batch = len(work.prompts)
     run_workload(engine, work, 0.0, None, "warmup")
@@ -497,7 +497,7 @@ def gemm_suffix(gemm: str) -> str:
 
 
 def blog_workload(output_len: int, vocab_size: int, max_model_len: int):
-    from tandem.bench import make_workload
+    from tandem.bench.workloads import make_workload
 
     shape = SimpleNamespace(
         workload="llama8b-32x8k", num_requests=32, prompt_len=32, output_len=output_len, len_spread=0.5,
@@ -516,8 +516,9 @@ def blog_experiment(
     With `hf_len`, async with graphs also runs the shorter workload transformers runs. Other
     `gemms` than the default run with graphs on only."""
     from tandem import Engine, EngineConfig
-    from tandem.bench import profile_window, run_workload
     from tandem.bench.roofline import ceilings
+    from tandem.bench.run import run_workload
+    from tandem.bench.workloads import profile_window
 
     rates = {}
     bandwidth = ceilings(torch.device(DEVICE))
@@ -576,8 +577,8 @@ def fp8_experiment(output_len: int, gemms: tuple[str, ...] = ("default",)) -> di
     tokens; under each of `gemms`, whose bf16 outputs are compared with the default's too.
     Returns tokens/s by weights (and GEMMs)."""
     from tandem import Engine, EngineConfig, SamplingParams
-    from tandem.bench import run_workload
     from tandem.bench.roofline import ceilings
+    from tandem.bench.run import run_workload
 
     bandwidth = ceilings(torch.device(DEVICE))
     max_model_len = 64 + max(output_len, FP8_PROMPT_LEN + FP8_GREEDY_TOKENS) + 16

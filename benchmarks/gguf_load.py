@@ -57,7 +57,7 @@ def child(kind: str) -> dict[str, float]:
         from transformers import AutoModelForCausalLM
     else:
         from tandem import LLM
-        from tandem.models import load_model
+        from tandem.models.loader import load_model
     import_s = time.perf_counter() - start
 
     gguf = gguf_path()

@@ -16,7 +16,7 @@ import random
 import numpy as np
 
 from tandem import EngineConfig, SamplingParams
-from tandem.engine import Engine
+from tandem.engine.engine import Engine
 
 FEATURES = {
     "plain": {},

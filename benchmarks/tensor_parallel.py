@@ -16,9 +16,11 @@ import statistics
 import sys
 from types import SimpleNamespace
 
-from tandem.bench import layout_text, make_workload, run_workload
+from tandem.bench.cli import layout_text
+from tandem.bench.run import run_workload
+from tandem.bench.workloads import make_workload
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.engine.engine import Engine
 
 CONFIGS = {  # name -> engine options
     "tp1-2threads": {"tensor_parallel_size": 1, "cpu_threads": 2},

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import TextIO
 
-from tandem.engine import Engine
 from tandem.engine.chat_template import chat_template_problem, render_chat_ids
+from tandem.engine.engine import Engine
 from tandem.request import RequestOutput, SamplingParams
 
 Message = dict[str, str]

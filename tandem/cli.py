@@ -8,8 +8,7 @@ import sys
 from dataclasses import fields
 
 from tandem.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
-from tandem.models.generation_defaults import SAMPLING_FIELDS
-from tandem.request import SamplingParams
+from tandem.request import SAMPLING_FIELDS, SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from tandem.chat import run_chat
-    from tandem.engine import Engine
+    from tandem.engine.engine import Engine
 
     sampling_params(args)  # before loading the model: bad flags fail fast
     engine = Engine(engine_config(args))
@@ -159,14 +158,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tandem.bench import run_bench
+    from tandem.bench.cli import run_bench
 
     return run_bench(args, engine_config(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tandem.server import serve
-    from tandem.server.serve import EngineFailure
+    from tandem.server.serve import EngineFailure, serve
 
     try:
         serve(
@@ -226,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "throughput and latency side by side. With --speculative-config, "
                            "each loop runs with speculation off and on (n-gram drafts, and the "
                            "draft model when the config names one).")  # fmt: skip
-    from tandem.bench import add_bench_args
+    from tandem.bench.args import add_bench_args
 
     add_bench_args(bench)
     add_engine_args(bench)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.engine.engine import Engine
 from tandem.request import CompletionOutput, RequestOutput, SamplingParams
 
 Prompt = str | list[int]

@@ -71,6 +71,10 @@ class StructuredOutputsParams:
         return kind, getattr(self, kind)
 
 
+# The sampling fields a checkpoint's defaults may set (generation_config.json's names too).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request; named and defaulted as in vLLM. Invalid values raise ValueError."""

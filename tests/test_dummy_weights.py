@@ -20,10 +20,10 @@ import torch
 from tandem import SamplingParams
 from tandem.bench.workloads import MODELS_DIR
 from tandem.cli import main
-from tandem.models import SUPPORTED_ARCHITECTURES
 from tandem.models.dummy import dummy_tensors
 from tandem.models.llama import LlamaModel
 from tandem.models.loader import (
+    SUPPORTED_ARCHITECTURES,
     ModelLoadError,
     _inv_freq,
     build_model,

@@ -20,16 +20,15 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.cli import main as cli_main
-from tandem.models import load_model
 from tandem.models.catalog import PACKAGED_MODELS, PackagedModel, resolve_model
 from tandem.models.errors import ModelLoadError
 from tandem.models.gguf_blocks import NATIVE_TYPES
-from tandem.models.loader import build_model, read_config
+from tandem.models.loader import build_model, load_model, read_config
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.ops.linear import Linear
 
 from gguf_files import K_QUANTS, TENSOR_TYPES, tiny_hf_folder, write_gguf
-from helpers import greedy
+from helpers import greedy, packaged_model
 
 CPU = torch.device("cpu")
 OPTIONS = {"max_model_len": 256, "num_kv_blocks": 64, "cpu_threads": 1}
@@ -282,6 +281,37 @@ def test_broken_files_are_refused_naming_the_file(llama_folder, tmp_path):
         LLM(str(wrong))
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "absent.gguf"))
+
+
+def test_metadata_reads_as_gguf_s_own_reader(llama_folder, tmp_path):
+    """Tandem reads a file's metadata arrays in one pass (strings as slices of the mapping, not
+    a numpy view each): every field, tensor and offset as gguf's reader gives them, for arrays
+    of every kind and the real model's 49152-token vocabulary; a vocabulary cut short refused."""
+    from tandem.models.gguf_checkpoint import open_gguf
+
+    arrays = {
+        "test.strings": ["", "a", "é✓", "x" * 300],
+        "test.floats": [0.5, -1.25, float("inf")],
+        "test.ints": gguf.GGUFValue([1, -2, 3], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT64),
+        "test.bools": [True, False, True],
+    }
+    written = write_gguf(llama_folder, tmp_path / "arrays.gguf", metadata_overrides=arrays)
+    real = packaged_model("smollm2-135m-instruct", "SmolLM2-135M-Instruct")
+    for path in (written, real):
+        ours, theirs = open_gguf(path).reader, gguf.GGUFReader(path)
+        assert list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            assert ours.fields[name].types == field.types, name
+            assert ours.fields[name].contents() == field.contents(), name
+        assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+            (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors
+        ]
+    assert open_gguf(written).field("test.strings") == arrays["test.strings"]
+    tokens = gguf.GGUFReader(real).fields["tokenizer.ggml.tokens"]
+    cut = tmp_path / "cut-vocabulary.gguf"
+    cut.write_bytes(real.read_bytes()[: tokens.offset + 100_000])  # a third of the way through
+    with pytest.raises(ModelLoadError, match=rf"{cut} is not a readable.*past the end of the file"):
+        open_gguf(cut)
 
 
 # ----------------------------------------------------------------- generation defaults

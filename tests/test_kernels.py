@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tandem.execution import fast_path
-from tandem.models import load_model
+from tandem.models.loader import load_model
 from tandem.ops import cpu_elementwise, cpu_kernels
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention, portable_attention

@@ -8,8 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tandem.models import SUPPORTED_ARCHITECTURES, load_model
-from tandem.models.loader import ModelLoadError
+from tandem.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, load_model
 
 CPU = torch.device("cpu")
 

@@ -31,10 +31,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, EngineConfig, SamplingParams
-from tandem.server import create_app, wire
+from tandem.server import wire
+from tandem.server.app import create_app
 from tandem.server.core import CoreOptions, spawn_core, stop_core
 from tandem.server.core_client import CoreClient, CoreEndpoint
-from tandem.server.served_model import ServedModel
+from tandem.server.served_model import ServedModel, load_tokenizer
 from tandem.server.service import GenerationService
 
 ENGINE_OPTIONS = {
@@ -92,7 +93,8 @@ def start_core(
     parent = os.getpid() if start_method == "spawn" else 0  # a forked core's parent: the server
     core = spawn_core(CoreOptions(config, address, parent_pid=parent), start_method)
     client = CoreClient([CoreEndpoint(address, core.pid)])
-    return core, client, ServedModel(client.connect(timeout_s=120), config.model)
+    ready = client.connect(timeout_s=120)
+    return core, client, ServedModel(ready, load_tokenizer(ready.model_path), config.model)
 
 
 def start_server(
@@ -703,7 +705,7 @@ def test_a_drained_front_end_stops_accepting_before_it_exits() -> None:
     """The drain's end: this process's listening socket closes first, and the server exits
     ACCEPTED_LINGER_S later, so a connection accepted just before still gets its 503 (uvicorn's
     shutdown closes connections whose request has not arrived)."""
-    from tandem.server.serve import ACCEPTED_LINGER_S, GracefulServer
+    from tandem.server.frontend import ACCEPTED_LINGER_S, GracefulServer
 
     events = []
 
@@ -733,7 +735,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = (
-        "from tandem.server import serve; from tandem import EngineConfig; "
+        "from tandem.server.serve import serve; from tandem import EngineConfig; "
         f"serve(EngineConfig(model={str(tiny_llama)!r}, dtype='float32', device='cpu', "
         f"num_kv_blocks=64, max_model_len=512), port={port}, grace_period=20)"
     )

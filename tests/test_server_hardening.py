@@ -574,7 +574,7 @@ FAULTY_SERVE = """
 import sys, threading
 
 from tandem import EngineConfig
-from tandem.server import serve
+from tandem.server.serve import serve
 
 port, model = int(sys.argv[1]), sys.argv[2]
 try:

@@ -678,3 +678,36 @@ def test_core_that_fails_to_start_says_why(tiny_llama: Path, tmp_path: Path) -> 
         assert "failed to start" in summary and "safetensors" in summary, out
     finally:
         clean_up(server)
+
+
+# Per process, what its first imports bring in: a module that must be there, and what must not.
+IMPORTS = {
+    "import tandem": ((), ("torch", "transformers", "fastapi", "tandem.engine.engine")),
+    # The command line's parser: torch (its config checks the device), no model code.
+    "from tandem.cli import build_parser; build_parser()": (
+        ("torch",),
+        ("transformers", "fastapi", "tandem.engine.engine", "tandem.models.loader"),
+    ),
+    # What `tandem serve` imports before it spawns the cores: the front end comes after.
+    "import tandem.server.serve": (
+        ("tandem.server.core",),
+        ("transformers", "fastapi", "uvicorn", "tandem.engine.engine", "tandem.server.frontend"),
+    ),
+    # A spawned core unpickles its target: no HTTP stack in the engine's process.
+    "import tandem.server.core": ((), ("fastapi", "uvicorn", "tandem.server.app")),
+}
+
+
+@pytest.mark.parametrize("statement", list(IMPORTS))
+def test_each_process_imports_only_what_it_needs(statement: str) -> None:
+    """A server's start is its processes' imports one after another: `tandem serve` spawns the
+    engine cores after importing little (no model code, no HTTP stack), then imports the front
+    end while they load; the cores import no HTTP stack."""
+    needed, unwanted = IMPORTS[statement]
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    modules = set(done.stdout.split())
+    assert set(needed) <= modules, statement
+    assert not set(unwanted) & modules, (statement, set(unwanted) & modules)

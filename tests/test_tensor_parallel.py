@@ -36,9 +36,8 @@ from test_server import (
 
 from tandem import SamplingParams
 from tandem.execution.executor import WorkerFailure
-from tandem.models import SUPPORTED_ARCHITECTURES
 from tandem.models.default_model import build_checkpoint
-from tandem.models.loader import build_model, read_config
+from tandem.models.loader import SUPPORTED_ARCHITECTURES, build_model, read_config
 from tandem.models.parallel import SINGLE, Shard, TensorParallel, check_shardable
 
 from conftest import hf_greedy_reference_allowing_near_ties, random_prompts

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from tandem.models import load_model
+from tandem.models.loader import load_model
 from tandem.ops import attention, elementwise, fp8, triton_attention, triton_elementwise
 
 from conftest import random_prompts

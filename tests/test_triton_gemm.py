@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tandem.execution.fast_path import ExecutionPlan
-from tandem.models import load_model
+from tandem.models.loader import load_model
 from tandem.ops import triton_gemm
 from tandem.ops.fp8 import Fp8Gemm, fp8_linear, fp8_product, quantize_fp8, to_fp8
 from tandem.ops.linear import FewRowsGemm, Linear

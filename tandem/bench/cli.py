@@ -46,22 +46,12 @@ from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
 from tandem.bench.run import Run, run_workload
 from tandem.bench.workloads import (
-    BLOG_CUDA_MODEL,
-    BLOG_NUM_REQUESTS,
-    BLOG_OUTPUT_LEN,
     BLOG_PRESET,
-    BLOG_PROMPT_LEN,
-    CHAT_OUTPUT_LEN,
     CHAT_PRESET,
-    COPY_INSTRUCTION,
     COPY_JSON_PRESET,
-    COPY_OUTPUT_LEN,
     COPY_PRESET,
-    DEFAULT_SIZES,
-    JSON_FRACTIONS,
     JSON_PRESET,
     JSON_SCHEMA,
-    PROFILE_STEPS,
     Workload,
     constrain,
     json_schema_spec,
@@ -73,81 +63,11 @@ from tandem.bench.workloads import (
     resolve_workload,
 )
 from tandem.config import EngineConfig, SpeculativeConfig, usable_cores
-from tandem.engine import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.grammar import GrammarCompiler, tokenizer_info
 from tandem.metrics import plot_timeline, write_chrome_trace
 from tandem.models.spec import checkpoint_shapes
 from tandem.request import StructuredOutputsParams
-
-
-def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("workload")
-    g.add_argument("--workload",
-                   choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, COPY_PRESET,
-                            COPY_JSON_PRESET, JSON_PRESET),
-                   default="random",
-                   help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
-                   "--num-prefixes system prompts, run with prefix caching off and on; "
-                   f"{BLOG_PRESET}: the experiment of transformers' blog on asynchronous batching, "
-                   f"{BLOG_NUM_REQUESTS} requests at once with short prompts "
-                   f"(mean {BLOG_PROMPT_LEN} tokens) each generating exactly --output-len tokens: "
-                   f"on CUDA {BLOG_OUTPUT_LEN['cuda']} tokens on the shipped config "
-                   f"{BLOG_CUDA_MODEL} with dummy weights (unless --model is given), on a CPU "
-                   f"{BLOG_OUTPUT_LEN['cpu']} tokens on the default model (about a minute on 2 "
-                   f"cores); the size flags still override; {CHAT_PRESET}: real chat questions "
-                   "through the model's chat template (it needs a tokenizer with one), each "
-                   "answer ending at the model's EOS or at --output-len, whichever comes first; "
-                   "the report counts the speculative tokens the async loop discarded; "
-                   f"{COPY_PRESET}: '{COPY_INSTRUCTION.strip()}' and a shipped passage (through "
-                   "the chat template where the model has one), each answer ending at EOS or at "
-                   "--output-len; a model without a tokenizer gets random prompts whose second "
-                   "half repeats the first; "
-                   f"{COPY_JSON_PRESET}: the same passages to be repeated as the JSON object "
-                   '{"text": ...}, every answer under that schema; '
-                   f"{JSON_PRESET}: the random workload run once per --json-fractions share of "
-                   f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS)")  # fmt: skip
-    g.add_argument("--num-requests", type=int, default=None,
-                   help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: "
-                   f"{BLOG_NUM_REQUESTS}); all arrive at once unless --arrivals poisson, and "
-                   "--max-num-seqs caps how many run at once (the batch size)")  # fmt: skip
-    g.add_argument("--prompt-len", type=int, default=None,
-                   help="mean prompt length (tokens; shared-prefix: after the system prompt); "
-                   f"default {DEFAULT_SIZES['prompt_len']} ({BLOG_PRESET}: {BLOG_PROMPT_LEN})")  # fmt: skip
-    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts")
-    g.add_argument("--prefix-len", type=int, default=512,
-                   help="shared-prefix: tokens per system prompt")  # fmt: skip
-    g.add_argument("--output-len", type=int, default=None,
-                   help=f"mean output length (tokens); default {DEFAULT_SIZES['output_len']} "
-                   f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
-                   f"{BLOG_OUTPUT_LEN['cpu']} on a CPU; {CHAT_PRESET}: a cap, default "
-                   f"{CHAT_OUTPUT_LEN}; {COPY_PRESET} and {COPY_JSON_PRESET}: a cap, default "
-                   f"{COPY_OUTPUT_LEN})")  # fmt: skip
-    g.add_argument("--json-fractions", default=JSON_FRACTIONS,
-                   help=f"{JSON_PRESET}: percentages of requests under the schema, one run each "
-                   f"(spread evenly: 25 is every 4th request); default {JSON_FRACTIONS}")  # fmt: skip
-    g.add_argument("--len-spread", type=float, default=0.5,
-                   help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
-    g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",
-                   help="offline: all at once; poisson: at --rate requests/s")  # fmt: skip
-    g.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s)")
-    g.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling"
-    )
-    g.add_argument("--workload-seed", type=int, default=0)
-    g.add_argument("--modes", default="sync,async", help="which loops to run, in order")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="run the modes this many times, interleaved; report each mode's median run")  # fmt: skip
-    g.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) of both runs")
-    g.add_argument("--plot", help="write a PNG timeline of both runs")
-    g.add_argument("--profile", action="store_true",
-                   help="report the bytes a decode step must read (weights + KV) and the share "
-                   "of the device's bandwidth the decode steps reached; on CUDA also time the "
-                   f"device's kernels (torch.profiler) over {PROFILE_STEPS} steps in the middle "
-                   "of each run: their busy time over wall time, kernels per step, and the "
-                   "kernels the device idles before")  # fmt: skip
-    g.add_argument("--kernel-trace", metavar="DIR",
-                   help="with --profile on CUDA: write each run's profiled window (kernels, "
-                   "copies and memsets on every stream) to DIR as a gzipped Chrome trace")  # fmt: skip
 
 
 def describe_model(engine: Engine) -> str:

@@ -10,7 +10,7 @@ from rich.progress import Progress
 
 from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
 from tandem.bench.workloads import Workload
-from tandem.engine import Engine
+from tandem.engine.engine import Engine
 from tandem.metrics import RunSummary, StepRecord
 from tandem.request import SamplingParams
 

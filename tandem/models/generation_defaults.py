@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.models import gguf_checkpoint as gguf
+from tandem.models.catalog import is_gguf
 from tandem.models.errors import ModelLoadError
-from tandem.request import SamplingParams
+from tandem.request import SAMPLING_FIELDS, SamplingParams
 
-# The fields a checkpoint may set, with generation_config.json's names.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # auto: the checkpoint's; vllm: none (Tandem's and vLLM's own defaults); else a folder path.
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
@@ -45,7 +44,7 @@ def read_generation_defaults(
                 f"(give auto, vllm or a folder holding one)"
             )
         return _from_json(folder / "generation_config.json")
-    if gguf.is_gguf(checkpoint):
+    if is_gguf(checkpoint):
         values = gguf.gguf_generation_defaults(gguf.open_gguf(checkpoint))
         return _checked(GenerationDefaults(values, f"the GGUF metadata of {checkpoint.name}"))
     path = checkpoint / "generation_config.json"

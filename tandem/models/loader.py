@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.models import gguf_checkpoint as gguf
+from tandem.models.catalog import checkpoint_path, is_gguf
 from tandem.models.dummy import load_dummy_weights
 from tandem.models.errors import ModelLoadError
 from tandem.models.gemma3 import Gemma3Model, gemma3_spec
@@ -77,18 +78,10 @@ def load_model(
 def read_config(path: str | Path) -> tuple[Path, LlamaSpec, PretrainedConfig]:
     """Validate a checkpoint's config: what the host needs without any weights. Returns the
     checkpoint's path (a folder, or the GGUF file a folder holds), its spec and its config."""
-    path = Path(path).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file():
-        path = gguf.find_gguf(path) or path
-    if gguf.is_gguf(path):
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    path = checkpoint_path(path)
+    if is_gguf(path):
         hf_config = gguf.gguf_config(gguf.open_gguf(path))
         return path, _spec_from_config(hf_config), hf_config
-    if not path.is_dir():
-        raise ModelLoadError(f"model folder {str(path)!r} does not exist")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint")
     try:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # malformed JSON, unknown model_type ...
@@ -100,7 +93,7 @@ def find_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None if a folder has no tokenizer files at all (a
     config-only folder for dummy weights: the engine then takes token ids only). Files that fail
     to load raise."""
-    if gguf.is_gguf(path):
+    if is_gguf(path):
         return gguf.gguf_tokenizer(gguf.open_gguf(path))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
@@ -136,13 +129,13 @@ def build_model(
     with torch.device("meta"):
         model = model_class(hf_config)(spec, tp)
     native = quantization is None and device.type == "cpu" and dtype == torch.float32
-    if native and load_format == "auto" and gguf.is_gguf(path):
+    if native and load_format == "auto" and is_gguf(path):
         tensors = dict(gguf.gguf_tensors(gguf.open_gguf(path), spec.head_dim))
         model.plan_quantized_weights(
             lambda name: tensors[name].native_format if name in tensors else None
         )
     model = model.to(dtype).to_empty(device=device)
-    factors = gguf.rope_freq_factors(gguf.open_gguf(path)) if gguf.is_gguf(path) else None
+    factors = gguf.rope_freq_factors(gguf.open_gguf(path)) if is_gguf(path) else None
     tables = {}
     for layer_type in model.rope_layer_types:
         inv_freq, scaling = _inv_freq(hf_config, layer_type)
@@ -153,7 +146,7 @@ def build_model(
     if load_format == "dummy":
         std = getattr(hf_config, "initializer_range", None) or DEFAULT_INITIALIZER_RANGE
         load_dummy_weights(model, seed, std)
-    elif load_format == "auto" and gguf.is_gguf(path):
+    elif load_format == "auto" and is_gguf(path):
         _load_gguf_weights(model, path)
     elif load_format == "auto":
         _load_weights(model, path)

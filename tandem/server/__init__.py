@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP serving: `serve(config)` for the CLI; `start_core` + `create_app` to
-embed a front end (tests do).
+"""OpenAI-compatible HTTP serving: `serve.serve(config)` for the CLI; `core.spawn_core` +
+`app.create_app` to embed a front end (tests do).
 
 Module map, bottom to top: wire (the messages between processes), core (the engine-core
 process), core_client (a front end's connection to the cores), served_model (what a front end
@@ -12,8 +12,3 @@ a large body's JSON values off the GIL), metrics (Prometheus), service (admissio
 streams, shutdown, engine failure), generate (responses and SSE), app (routes), serve (the
 processes, uvicorn with a graceful drain, supervision).
 """
-
-from tandem.server.app import create_app
-from tandem.server.serve import serve
-
-__all__ = ["create_app", "serve"]

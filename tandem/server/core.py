@@ -105,7 +105,7 @@ def run_core(options: CoreOptions) -> None:
     sock.bind(options.address)
     code = 0
     try:
-        from tandem.engine import Engine  # after the signals: loading takes seconds
+        from tandem.engine.engine import Engine  # after the signals: loading takes seconds
 
         engine = Engine(dataclasses.replace(options.config, detokenize=False))
     except Exception as exc:

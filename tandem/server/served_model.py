@@ -11,16 +11,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import PreTrainedTokenizerBase
+
 from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.intake import RequestIntake, ending_token_ids
+from tandem.models.catalog import checkpoint_path
 from tandem.models.loader import find_tokenizer
 from tandem.request import Logprob, Request, SamplingParams, StructuredOutputsParams, TokenLogprobs
 from tandem.server import wire
 
 
+def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of the checkpoint at `model_path` (None: the checkpoint has none). A front
+    end loads it while the cores start, before their `Ready` says which checkpoint they load."""
+    return find_tokenizer(checkpoint_path(model_path))
+
+
 class ServedModel:
-    def __init__(self, ready: wire.Ready, configured_name: str | None = None):
+    def __init__(
+        self,
+        ready: wire.Ready,
+        tokenizer: PreTrainedTokenizerBase | None,
+        configured_name: str | None = None,
+    ):
+        """`tokenizer`: `load_tokenizer(ready.model_path)`'s."""
         self.model_path = Path(ready.model_path)
         self.configured_name = configured_name  # as given on the command line, if any
         self.max_model_len = ready.max_model_len
@@ -29,7 +44,7 @@ class ServedModel:
         self.num_kv_blocks = ready.num_kv_blocks
         self.max_num_seqs = ready.max_num_seqs
         self.sampling_defaults = ready.sampling_defaults
-        self.tokenizer = find_tokenizer(self.model_path)
+        self.tokenizer = tokenizer
         # Its seeds are never used: the core derives unseeded requests' seeds in arrival order.
         self.intake = RequestIntake(
             self.tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, 0
