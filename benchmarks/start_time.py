@@ -61,7 +61,7 @@ def serve_seconds(tree: Path, model: str | None) -> float:
 
 def load_seconds(tree: Path, model: str | None) -> float:
     """`LLM(model)`'s construction in a fresh process, as that process times it."""
-    code = LOAD.format(model=repr(model) if model else "")
+    code = LOAD.format(model=repr(model))
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/", check=True
