@@ -660,6 +660,23 @@ def test_missing_model_is_refused_before_any_process_starts(tmp_path: Path) -> N
         clean_up(server)
 
 
+def test_unreadable_config_is_refused_and_the_cores_stopped(tmp_path: Path) -> None:
+    """A config.json that transformers cannot read: the main process reads it in full while the
+    cores load, so it refuses it then (usage error status 2, the reason) and stops them."""
+    broken = tmp_path / "unknown-type"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    server = spawn(str(broken), tmp_path / "serve.log", "--api-server-count", "2")
+    try:
+        assert server.proc.wait(STARTUP_S) == 2
+        nothing_left(server)
+        out = server.output()
+        [summary] = [line for line in out.splitlines() if line.startswith("tandem serve:")]
+        assert "cannot read" in summary and "no_such_architecture" in summary, out
+    finally:
+        clean_up(server)
+
+
 def test_core_that_fails_to_start_says_why(tiny_llama: Path, tmp_path: Path) -> None:
     """A checkpoint whose config reads but whose weights are missing: the core fails while
     loading, every front end and the supervisor exit (status 1), the final `tandem serve:` line
