@@ -59,7 +59,7 @@ def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiproces
     imported the engine once (the environment is the one that process started with)."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["tandem.engine", "tandem.server.core"])
+        context.set_forkserver_preload(["tandem.engine.engine", "tandem.server.core"])
     process = context.Process(
         target=run_core, args=(options,), name=f"tandem-core-{options.engine_index}"
     )
