@@ -4,12 +4,12 @@ import os
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-# ruff: noqa: F401 (the names below are imported for type checkers only)
+# ruff: noqa: F401 - the TYPE_CHECKING imports below are for type checkers and editors only
 
 # Before torch's first allocation: large CPU buffers in huge pages (see tandem/ops/huge_pages.py).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-if TYPE_CHECKING:  # the names as type checkers and editors see them
+if TYPE_CHECKING:
     from tandem.config import EngineConfig
     from tandem.engine.engine import Engine
     from tandem.llm import LLM
