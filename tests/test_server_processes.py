@@ -645,19 +645,26 @@ def test_sigkill_of_the_server_takes_its_core_along(sync_server: Served) -> None
     assert not alive(core)
 
 
+def refused(model: str, tmp_path: Path, status: int) -> tuple[str, str]:
+    """`tandem serve --model MODEL --api-server-count 2` that does not start: it exits with
+    `status`, leaving no process; its final `tandem serve:` line and its whole output."""
+    server = spawn(model, tmp_path / "serve.log", "--api-server-count", "2")
+    try:
+        assert server.proc.wait(STARTUP_S) == status
+        nothing_left(server)
+        out = server.output()
+    finally:
+        clean_up(server)
+    [summary] = [line for line in out.splitlines() if line.startswith("tandem serve:")]
+    return summary, out
+
+
 def test_missing_model_is_refused_before_any_process_starts(tmp_path: Path) -> None:
     """`tandem serve --model /nonexistent`: refused by the main process in about a second, with
     the usage error status (2) and the reason, before any core or front end is spawned."""
-    server = spawn("/nonexistent", tmp_path / "serve.log", "--api-server-count", "2")
-    try:
-        assert server.proc.wait(STARTUP_S) == 2
-        nothing_left(server)
-        out = server.output()
-        [summary] = [line for line in out.splitlines() if line.startswith("tandem serve:")]
-        assert "model folder '/nonexistent' does not exist" in summary, out
-        assert "engine core" not in out  # nothing was started
-    finally:
-        clean_up(server)
+    summary, out = refused("/nonexistent", tmp_path, 2)
+    assert "model folder '/nonexistent' does not exist" in summary, out
+    assert "engine core" not in out  # nothing was started
 
 
 def test_unreadable_config_is_refused_and_the_cores_stopped(tmp_path: Path) -> None:
@@ -666,15 +673,8 @@ def test_unreadable_config_is_refused_and_the_cores_stopped(tmp_path: Path) -> N
     broken = tmp_path / "unknown-type"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
-    server = spawn(str(broken), tmp_path / "serve.log", "--api-server-count", "2")
-    try:
-        assert server.proc.wait(STARTUP_S) == 2
-        nothing_left(server)
-        out = server.output()
-        [summary] = [line for line in out.splitlines() if line.startswith("tandem serve:")]
-        assert "cannot read" in summary and "no_such_architecture" in summary, out
-    finally:
-        clean_up(server)
+    summary, out = refused(str(broken), tmp_path, 2)
+    assert "cannot read" in summary and "no_such_architecture" in summary, out
 
 
 def test_core_that_fails_to_start_says_why(tiny_llama: Path, tmp_path: Path) -> None:
@@ -686,15 +686,8 @@ def test_core_that_fails_to_start_says_why(tiny_llama: Path, tmp_path: Path) -> 
     for source in tiny_llama.iterdir():
         if source.suffix != ".safetensors":
             shutil.copy(source, broken / source.name)
-    server = spawn(str(broken), tmp_path / "serve.log", "--api-server-count", "2")
-    try:
-        assert server.proc.wait(STARTUP_S) == 1
-        nothing_left(server)
-        out = server.output()
-        [summary] = [line for line in out.splitlines() if line.startswith("tandem serve:")]
-        assert "failed to start" in summary and "safetensors" in summary, out
-    finally:
-        clean_up(server)
+    summary, out = refused(str(broken), tmp_path, 1)
+    assert "failed to start" in summary and "safetensors" in summary, out
 
 
 # Per process, what its first imports bring in: a module that must be there, and what must not.
