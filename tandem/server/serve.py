@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from tandem.config import EngineConfig, usable_cores
@@ -77,12 +78,7 @@ def serve(
         raise ValueError("protect_metrics needs an API key (--api-key or $TANDEM_API_KEY)")
     if config.model is not None:  # a wrong path fails here at once, before any process
         checkpoint_path(resolve_model(config.model))
-    draft = config.speculative_config.model if config.speculative_config else None
-    if draft is not None:  # the draft model's path too
-        try:
-            checkpoint_path(resolve_model(draft))
-        except ValueError as exc:
-            raise ValueError(f"speculative_config.model: {exc}") from None
+    check_draft(config, checkpoint_path)
     replicas = replica_options(config, data_parallel_size)
     listener = listening_socket(host, port)
     workdir = tempfile.mkdtemp(prefix="tandem-serve-")
@@ -143,13 +139,19 @@ def check_configs(config: EngineConfig) -> Path:
 
     path = read_config(resolve_model(config.model))[0]
     read_generation_defaults(path, config.generation_config)
+    check_draft(config, read_config)
+    return path
+
+
+def check_draft(config: EngineConfig, check: Callable[[Path], object]) -> None:
+    """`check` on the draft model's checkpoint, if the config names one; its ValueError says
+    that it is the draft's."""
     draft = config.speculative_config.model if config.speculative_config else None
     if draft is not None:
         try:
-            read_config(resolve_model(draft))
+            check(resolve_model(draft))
         except ValueError as exc:
             raise ValueError(f"speculative_config.model: {exc}") from None
-    return path
 
 
 def replica_options(config: EngineConfig, data_parallel_size: int) -> list[CoreOptions]:
