@@ -252,9 +252,16 @@ def test_bitmask_kernel_equals_the_reference(vocab):
 
 
 def test_two_ranks_equal_one_under_constraints(tiny_llama, llm):
-    """Each rank applies the bitmask the engine sends it: the same tokens as one process."""
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    params = [json_params(0), SamplingParams(max_tokens=8, seed=4), json_params(1, n=2)]
+    """Each rank applies the bitmask the engine sends it: the same tokens as one process. A
+    constrained request with prompt logprobs too (the step the ranks are sent must not carry
+    the request, whose compiled grammar does not pickle)."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    params = [
+        json_params(0),
+        SamplingParams(max_tokens=8, seed=4),
+        json_params(1, n=2),
+        json_params(2, max_tokens=8, logprobs=1, prompt_logprobs=2),
+    ]
     tp = make_llm(tiny_llama, tensor_parallel_size=2, cpu_threads=1)
     try:
         for mode in (False, True):
@@ -264,6 +271,18 @@ def test_two_ranks_equal_one_under_constraints(tiny_llama, llm):
             for a, b in zip(got, want, strict=True):
                 assert [s.token_ids for s in a.outputs] == [s.token_ids for s in b.outputs]
             check_json(got[0].text)
+            ranks, one = got[3], want[3]
+            assert (
+                len(ranks.prompt_logprobs) == len(prompts[3]) and ranks.prompt_logprobs[0] is None
+            )
+            for a, b in zip(
+                ranks.prompt_logprobs[1:] + ranks.outputs[0].logprobs,
+                one.prompt_logprobs[1:] + one.outputs[0].logprobs,
+                strict=True,
+            ):
+                assert a.keys() == b.keys()
+                for token, entry in a.items():  # the ranks' all-reduce sums in its own order
+                    assert entry.logprob == pytest.approx(b[token].logprob, abs=1e-4)
     finally:
         tp.close()
 

@@ -9,7 +9,7 @@ id from its token table by (row, position), and the host supplies only tokens it
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -108,6 +108,16 @@ class StepInputs:
     @property
     def num_sampled(self) -> int:
         return len(self.logits_index)
+
+    def for_ranks(self) -> StepInputs:
+        """The step as a tensor-parallel rank is sent it: without the host's own records (the
+        requests whose prompt logprobs it computes), which no rank reads and which need not
+        pickle (a grammar's compiled form does not)."""
+        logprobs = self.sampler.logprobs
+        if logprobs is None or not logprobs.prompt_spans:
+            return self
+        sampler = replace(self.sampler, logprobs=replace(logprobs, prompt_spans=[]))
+        return replace(self, sampler=sampler)
 
 
 class BatchBuilder:

@@ -140,7 +140,7 @@ class MultiprocExecutor:
 
     def launch(self, inputs: StepInputs) -> StepHandle:
         self.check_health()
-        self._send_all(pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL))
+        self._send_all(pickle.dumps(inputs.for_ranks(), protocol=pickle.HIGHEST_PROTOCOL))
         handle = _Handle(self, self._launched)
         self._launched += 1
         return handle
