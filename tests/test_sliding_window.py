@@ -165,6 +165,31 @@ def test_prefix_cache_n_and_preemption_with_windows(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_prompt_the_cache_just_holds_finishes(tiny_checkpoints, async_scheduling):
+    """A long prompt alone in a cache that holds it only once its windowed groups give back the
+    blocks before the window, with prefix caching on, so that a block leaves only once it has
+    joined the cache (when its step retires). The asynchronous loop used to preempt the request
+    for its next chunk while the step that would free those blocks was in flight, and again on
+    every re-admission: it never finished."""
+    path = tiny_checkpoints["Gemma3ForCausalLM"]
+    llm = make_llm(
+        path, block_size=8, max_num_batched_tokens=64, num_kv_blocks=48,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    engine = llm.engine
+    prompt = prompts(6, (177,))[0]
+    assert engine.max_model_len >= len(prompt) + 4  # the cache holds the whole request
+    engine.add_request(prompt, greedy(4), "long")
+    tokens, steps = [], 0
+    while engine.has_unfinished() and steps < 50:
+        tokens += [t for out in engine.step() for t in out.delta_token_ids]
+        steps += 1
+    assert not engine.has_unfinished() and engine.scheduler.num_preemptions == 0
+    assert tokens == hf_greedy_reference(path, prompt, 4)
+    assert_idle_and_balanced(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_one_windowed_group_drops_blocks(windowed_mistral, async_scheduling):
     """Mistral: every layer windowed, one block table whose early blocks go back (chunks of a
     long prompt read only the window before them); ngram drafts (positions known on the device

@@ -429,6 +429,11 @@ class Scheduler:
             if need <= self.blocks.num_free + self.num_pending_blocks:
                 return False  # blocks come back when the in-flight step retires
             victims = [r for r in self.running if r not in scheduled and r is not request]
+            if not victims and request.last_step > self.last_retired_step:
+                # Its own step is in flight: preempted now, it would free nothing before that
+                # step retires, and the retirement may free enough (a windowed group's blocks
+                # leave once registered in the prefix cache); preempted each time, it never would.
+                return False
             victim = victims[-1] if victims else request
             self.preempt(victim)
             if victim is request:
