@@ -272,9 +272,8 @@ def test_two_ranks_equal_one_under_constraints(tiny_llama, llm):
                 assert [s.token_ids for s in a.outputs] == [s.token_ids for s in b.outputs]
             check_json(got[0].text)
             ranks, one = got[3], want[3]
-            assert (
-                len(ranks.prompt_logprobs) == len(prompts[3]) and ranks.prompt_logprobs[0] is None
-            )
+            assert len(ranks.prompt_logprobs) == len(prompts[3])
+            assert ranks.prompt_logprobs[0] is None  # nothing predicts the first prompt token
             for a, b in zip(
                 ranks.prompt_logprobs[1:] + ranks.outputs[0].logprobs,
                 one.prompt_logprobs[1:] + one.outputs[0].logprobs,
