@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
+from itertools import pairwise
 
 import numpy as np
 
@@ -29,7 +31,11 @@ FEATURES["all"] = {**FEATURES["penalties"], **FEATURES["logprobs"], "min_tokens"
 def measure(
     engine: Engine, n: int, prompt_len: int, steps: int, features: str = "plain"
 ) -> dict[str, float]:
+    """n requests of `steps` tokens in the engine's loop, from a cold prefix cache: per full
+    decode step the host's phases, the device's time and the gap before the next device step
+    (medians, ms), and the whole job's seconds."""
     rng = random.Random(n)
+    engine.reset_prefix_cache()
     mark = engine.history.mark()
     params = SamplingParams(
         max_tokens=steps, temperature=0.0, ignore_eos=True, **FEATURES[features]
@@ -38,8 +44,10 @@ def measure(
         engine.add_request(
             [rng.randrange(3, engine.spec.vocab_size) for _ in range(prompt_len)], params
         )
+    start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
+    wall = time.perf_counter() - start
     decode = [r for r in engine.history.steps(since=mark) if r.num_seqs == n and r.num_tokens == n]
     phases = ("schedule", "build", "launch", "update")
     ms = {
@@ -47,7 +55,9 @@ def measure(
     }
     ms["host"] = sum(ms[p] for p in phases)
     ms["device"] = 1e3 * float(np.median([r.device[1] - r.device[0] for r in decode]))
+    ms["gap"] = 1e3 * float(np.median([b.device[0] - a.device[1] for a, b in pairwise(decode)]))
     ms["steps"] = len(decode)
+    ms["wall_s"] = wall
     return ms
 
 

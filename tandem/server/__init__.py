@@ -9,6 +9,7 @@ provable lower bound on a prompt's tokens), tool_calls (tools and tool_choice ->
 constraint; generated text -> tool calls), prepare (body -> engine request, off the event
 loop), intake (the thread pools preparation runs in), json_count (a helper process that counts
 a large body's JSON values off the GIL), metrics (Prometheus), service (admission, per-request
-streams, shutdown, engine failure), generate (responses and SSE), app (routes), serve (the
-processes, uvicorn with a graceful drain, supervision).
+streams, shutdown, engine failure), generate (responses and SSE), app (routes), frontend (a
+front end's process: uvicorn with a graceful drain; the supervisor of several), serve (checks
+the model, starts the cores, then the front ends).
 """
