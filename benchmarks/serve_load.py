@@ -1,11 +1,18 @@
-"""Load test for a running OpenAI-compatible server: Poisson arrivals, bounded concurrency.
+"""Load test for a running server: Poisson arrivals, bounded concurrency, through any of its APIs.
 
 Requests arrive as a Poisson process (`--rate` per second; `inf` sends them all at once) and at
 most `--concurrency` are in flight. Every request streams, so time to first token (TTFT) and
 inter-token latency (ITL, the gap between consecutive content chunks) are measured at the client.
+`--api` picks the endpoint: OpenAI's completions or chat completions, Anthropic's Messages, the
+Responses API or Ollama's chat; the same seed sends the same prompts through each.
 
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --num-requests 256 \\
         --concurrency 64 --rate 32 --max-tokens 128
+
+`--compare chat,messages,responses,ollama --repeats 8` runs the same load through each API in
+turn, round after round (each round starting with the next API), and prints each one's median
+output tokens/s and its ratio to the first's, with the server's device idle fraction: what
+translating an API costs the host.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import httpx
 import numpy as np
 
 _COMMON_WORDS = (
@@ -28,6 +37,8 @@ _COMMON_WORDS = (
     "two may then do first any my now such like our over man me even most made after also did many"
 )
 WORDS = _COMMON_WORDS.split()
+IDLE_GAUGE = "tandem_device_idle_fraction"
+GAUGE_WINDOW_S = 1.0  # the idle gauge summarises the latest ~1 s window with work
 
 
 @dataclass
@@ -58,34 +69,122 @@ def session(url: str, concurrency: int, timeout_s: float) -> aiohttp.ClientSessi
     )
 
 
-async def one_request(client: aiohttp.ClientSession, body: dict, path: str, chat: bool) -> Result:
+@dataclass(frozen=True)
+class Event:
+    """What one streamed message says: new text, the output's token count, the end, an error."""
+
+    text: str = ""
+    tokens: int | None = None
+    done: bool = False
+    error: str | None = None
+
+
+def openai_event(chunk: dict, chat: bool) -> Event:
+    if "error" in chunk:
+        return Event(error=f"stream error: {chunk['error'].get('code')}")
+    tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else None
+    choices = chunk.get("choices", [])
+    pick = (lambda c: c["delta"].get("content")) if chat else (lambda c: c.get("text"))
+    return Event("".join(pick(c) or "" for c in choices), tokens)
+
+
+def messages_event(chunk: dict) -> Event:
+    kind = chunk["type"]
+    if kind == "content_block_delta":
+        return Event(chunk["delta"].get("text", ""))
+    if kind == "message_delta":
+        return Event(tokens=chunk["usage"]["output_tokens"])
+    if kind == "error":
+        return Event(error=f"stream error: {chunk['error']['type']}")
+    return Event(done=kind == "message_stop")
+
+
+def responses_event(chunk: dict) -> Event:
+    kind = chunk["type"]
+    if kind == "response.output_text.delta":
+        return Event(chunk["delta"])
+    if kind in ("response.completed", "response.incomplete"):
+        return Event(tokens=chunk["response"]["usage"]["output_tokens"], done=True)
+    if kind == "response.failed":
+        return Event(error="stream error: response.failed")
+    return Event()
+
+
+def ollama_event(chunk: dict) -> Event:
+    if "error" in chunk:
+        return Event(error="stream error")
+    if chunk.get("done"):
+        return Event(tokens=chunk["eval_count"], done=True)
+    return Event(chunk["message"]["content"])
+
+
+@dataclass(frozen=True)
+class API:
+    path: str
+    read: object  # bytes of one line -> Event, or None for a line that carries none
+
+
+def sse_reader(decode):
+    def read(raw: bytes) -> Event | None:
+        if not raw.startswith(b"data: "):
+            return None
+        data = raw[6:].strip()
+        return Event(done=True) if data == b"[DONE]" else decode(json.loads(data))
+
+    return read
+
+
+APIS = {
+    "completions": API("/v1/completions", sse_reader(lambda c: openai_event(c, False))),
+    "chat": API("/v1/chat/completions", sse_reader(lambda c: openai_event(c, True))),
+    "messages": API("/v1/messages", sse_reader(messages_event)),
+    "responses": API("/v1/responses", sse_reader(responses_event)),
+    "ollama": API("/api/chat", lambda raw: ollama_event(json.loads(raw)) if raw.strip() else None),
+}
+
+
+def request_body(api: str, model: str, prompt: str | list[int], args: argparse.Namespace) -> dict:
+    """The same request in each API's words."""
+    user = [{"role": "user", "content": prompt}]
+    if api == "messages":
+        body = {"messages": user, "max_tokens": args.max_tokens}
+    elif api == "responses":
+        body = {"input": prompt, "max_output_tokens": args.max_tokens, "store": False}
+    elif api == "ollama":
+        options = {"num_predict": args.max_tokens, "temperature": args.temperature}
+        return {"model": model, "messages": user, "options": options, "stream": True}
+    else:
+        body = {"max_tokens": args.max_tokens, "stream_options": {"include_usage": True}}
+        body |= {"messages": user} if api == "chat" else {"prompt": prompt}
+        if args.ignore_eos:  # vLLM's extension; the other APIs have none (leave EOS on)
+            body["ignore_eos"] = True
+    return {"model": model, "temperature": args.temperature, "stream": True, **body}
+
+
+async def one_request(client: aiohttp.ClientSession, body: dict, api: API) -> Result:
     result = Result(start=time.perf_counter())
     try:
-        async with client.post(path, json=body) as response:
+        async with client.post(api.path, json=body) as response:
             if response.status != 200:
                 await response.read()
                 result.error = f"HTTP {response.status}"
                 return result
             async for raw in response.content:
-                if not raw.startswith(b"data: "):
+                event = api.read(raw)
+                if event is None:
                     continue
-                data = raw[6:].strip()
-                if data == b"[DONE]":
+                if event.error is not None:
+                    result.error = event.error
+                if event.tokens is not None:
+                    result.completion_tokens = event.tokens
+                if event.text:
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - result.start
+                    result.chunk_times.append(now)
+                if event.done:
                     result.ok = result.error is None
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"stream error: {chunk['error'].get('code')}"
-                    continue
-                if chunk.get("usage"):
-                    result.completion_tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices", []):
-                    text = choice["delta"].get("content") if chat else choice.get("text")
-                    if text:
-                        now = time.perf_counter()
-                        if result.ttft is None:
-                            result.ttft = now - result.start
-                        result.chunk_times.append(now)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         result.error = type(exc).__name__
     finally:
@@ -97,7 +196,7 @@ async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     async with session(args.url, args.concurrency, args.timeout) as client:
         model = args.model or await first_model(client)
-        path = "/v1/chat/completions" if args.chat else "/v1/completions"
+        api = APIS[args.api]
         gate = asyncio.Semaphore(args.concurrency)
 
         def body() -> dict:
@@ -105,25 +204,14 @@ async def run(args: argparse.Namespace) -> dict:
                 prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_words)]
             else:
                 prompt = make_prompt(rng, args.prompt_words)
-            request = {
-                "model": model,
-                "max_tokens": args.max_tokens,
-                "temperature": args.temperature,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if args.ignore_eos:
-                request["ignore_eos"] = True
-            if args.chat:
-                request["messages"] = [{"role": "user", "content": prompt}]
-            else:
-                request["prompt"] = prompt
-            return request
+            return request_body(args.api, model, prompt, args)
 
         async def gated(request: dict) -> Result:
             async with gate:
-                return await one_request(client, request, path, args.chat)
+                return await one_request(client, request, api)
 
+        readings: list[tuple[float, list[float]]] = []
+        watcher = asyncio.create_task(watch_idle_gauge(args.url, readings))
         tasks = []
         start = time.perf_counter()
         for _ in range(args.num_requests):
@@ -132,8 +220,10 @@ async def run(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-        server_metrics = await scrape(client)
-    return summarize(results, wall, model, server_metrics)
+        watcher.cancel()
+    idle = steady_idle(results, readings, args.concurrency)
+    server = {"idle_median": statistics.median(idle), "idle_max": max(idle)} if idle else {}
+    return summarize(results, wall, model, server)
 
 
 async def first_model(client: aiohttp.ClientSession) -> str:
@@ -141,20 +231,47 @@ async def first_model(client: aiohttp.ClientSession) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-async def scrape(client: aiohttp.ClientSession) -> dict[str, float]:
-    """A few server-side gauges, when the server exposes Tandem's /metrics."""
-    try:
-        async with client.get("/metrics") as response:
-            text = await response.text()
-    except aiohttp.ClientError:
-        return {}
-    wanted = {"tandem_device_idle_fraction"}
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in wanted:
-            values[name] = float(value)
+def idle_samples(metrics_text: str) -> list[float]:
+    """Every sample of the idle gauge, whatever its labels (one per engine, later)."""
+    values = []
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        if line.startswith(IDLE_GAUGE + "{"):
+            value_part = line.rpartition("}")[2]
+        elif line.startswith(IDLE_GAUGE + " "):
+            value_part = line[len(IDLE_GAUGE) :]
+        else:
+            continue
+        values.append(float(value_part.split()[0]))
     return values
+
+
+async def watch_idle_gauge(url: str, readings: list[tuple[float, list[float]]]) -> None:
+    """Reads /metrics every second until cancelled, on a client of its own so it never waits
+    behind the load's connections."""
+    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+        while True:
+            try:
+                response = await client.get("/metrics")
+                readings.append((time.perf_counter(), idle_samples(response.text)))
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1.0)
+
+
+def steady_idle(
+    results: list[Result], readings: list[tuple[float, list[float]]], streams: int
+) -> list[float]:
+    """The gauge samples read while every stream was busy decoding: from when the first wave's
+    last first token arrived (plus the gauge's window, so no reading covers the ramp-up) until
+    the queue emptied (the last request started)."""
+    first_wave = sorted(results, key=lambda r: r.start)[:streams]
+    if not results or any(r.ttft is None for r in first_wave):
+        return []
+    steady_from = max(r.start + r.ttft for r in first_wave) + GAUGE_WINDOW_S
+    steady_until = max(r.start for r in results)
+    return [v for t, values in readings if steady_from <= t <= steady_until for v in values]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -203,7 +320,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS"
     )
-    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--api", choices=list(APIS), default="completions",
+                   help="the endpoint: /v1/completions, /v1/chat/completions, /v1/messages,\n"
+                   "/v1/responses or /api/chat (the chat APIs send the prompt as a user turn)")  # fmt: skip
+    p.add_argument("--chat", dest="api", action="store_const", const="chat",
+                   help="the same as --api chat")  # fmt: skip
+    p.add_argument("--compare", default=None, metavar="API,API,...",
+                   help="run the load through each API in turn, --repeats times, and compare\n"
+                   "their median output tokens/s (the first is the reference)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="rounds of --compare")
     p.add_argument(
         "--token-prompts",
         action="store_true",
@@ -217,11 +342,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def compare(args: argparse.Namespace) -> int:
+    """The same load through each API, interleaved round by round: medians and ratios."""
+    names = args.compare.split(",")
+    unknown = [n for n in names if n not in APIS]
+    if unknown:
+        print(f"--compare: unknown API {unknown[0]!r} (known: {', '.join(APIS)})", file=sys.stderr)
+        return 2
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(args.repeats):
+        turn = round_ % len(names)  # each API goes first in some round: no order favours one
+        for name in names[turn:] + names[:turn]:
+            summary = asyncio.run(run(argparse.Namespace(**{**vars(args), "api": name})))
+            runs[name].append(summary)
+            print(f"round {round_ + 1} {name:<11} {summary['output_tokens_per_s']:8.1f} tok/s, "
+                  f"{summary['errors']} errors", file=sys.stderr)  # fmt: skip
+    reference = float(np.median([s["output_tokens_per_s"] for s in runs[names[0]]]))
+    print(f"{'api':<11} {'tok/s (median)':>15} {'ratio':>7} {'TTFT p50 ms':>12} "
+          f"{'device idle':>12} {'errors':>7}")  # fmt: skip
+    # device idle: the median over rounds of each run's median window while all streams ran
+    failed = 0
+    for name in names:
+        rates = [s["output_tokens_per_s"] for s in runs[name]]
+        median = float(np.median(rates))
+        ttft = float(np.median([s["ttft_p50_ms"] for s in runs[name]]))
+        idle = [s.get("server_idle_median") for s in runs[name]]
+        idle_text = f"{np.median(idle):.3f}" if None not in idle else "n/a"
+        errors = sum(s["errors"] for s in runs[name])
+        failed += errors
+        print(f"{name:<11} {median:15.1f} {median / reference:6.3f}x {ttft:12.1f} "
+              f"{idle_text:>12} {errors:7d}")  # fmt: skip
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.token_prompts and args.chat:
-        print("--token-prompts sends completions prompts: leave out --chat", file=sys.stderr)
+    if args.token_prompts and args.api != "completions":
+        print("--token-prompts sends completions prompts: use --api completions", file=sys.stderr)
         return 2
+    if args.compare:
+        return compare(args)
     summary = asyncio.run(run(args))
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -234,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  output tokens/s    {s['output_tokens_per_s']:.1f} ({s['output_tokens']} tokens)")
     print(f"  TTFT p50 {s['ttft_p50_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms")
     print(f"  ITL  p50 {s['itl_p50_ms']:.2f} ms, p99 {s['itl_p99_ms']:.2f} ms")
-    if "server_tandem_device_idle_fraction" in s:
-        idle = s["server_tandem_device_idle_fraction"]
-        print(f"  server device idle fraction (last ~1 s window with work) {idle:.3f}")
+    if "server_idle_median" in s:
+        print(f"  device idle while every stream was busy: median {s['server_idle_median']:.3f}, "
+              f"max {s['server_idle_max']:.3f} (Tandem's /metrics, read every second)")  # fmt: skip
     return 1 if summary["errors"] else 0
 
 

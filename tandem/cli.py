@@ -20,6 +20,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="sampling defaults for what a request leaves unset: auto, the model's "
                    "(generation_config.json or GGUF metadata); vllm, none; or FOLDER's "
                    "generation_config.json")  # fmt: skip
+    g.add_argument("--override-generation-config", type=json_object, default=None,
+                   metavar="JSON",
+                   help="put over those defaults, as vLLM's flag: sampling fields by name, and "
+                   "max_new_tokens, a cap on every request's output (the default of one that "
+                   "sets none), e.g. '{\"max_new_tokens\": 256}'")  # fmt: skip
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto: the folder's safetensors; dummy: seeded random weights made on the "
                    "device from config.json alone (no tokenizer files: token-id prompts only)")  # fmt: skip
@@ -61,6 +66,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "prompt_lookup_min), or '{\"method\": \"draft_model\", \"model\": FOLDER, "
                    "\"num_speculative_tokens\": 4}'; \"adaptive\": false keeps every draft "
                    "at full length (default: off)")  # fmt: skip
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object, refused at parse time (argparse's usage line, exit 2)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -180,6 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             data_parallel_size=args.data_parallel_size,
             engine_timeout_s=args.engine_timeout,
             trace=args.trace,
+            served_model_name=args.served_model_name,
         )
     except EngineFailure as exc:  # the traceback is already in the log
         print(f"tandem serve: {exc}", file=sys.stderr)
@@ -234,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve the model over an OpenAI-compatible HTTP API.")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the names clients may use for the model (the first is reported; "
+                       "default: a short name as given, else the folder's or file's name)")  # fmt: skip
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="queued requests beyond which new ones get 503")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=10.0,

@@ -135,6 +135,9 @@ class EngineConfig:
     # Sampling defaults for what a request leaves unset: auto, the checkpoint's
     # (generation_config.json or GGUF metadata); vllm, none; or a folder's generation_config.json.
     generation_config: str = "auto"
+    # Put over those defaults, as vLLM's --override-generation-config: sampling fields by name,
+    # and max_new_tokens, a cap on every request's output (the server's default output length).
+    override_generation_config: dict[str, float | int] | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:

@@ -100,17 +100,17 @@ def test_ctrl_c_mid_reply_aborts_it_and_keeps_the_history(llm: LLM) -> None:
 
 
 def test_no_tokenizer_or_no_template_is_named() -> None:
-    from tandem.server.errors import APIError
-    from tandem.server.prepare import render_chat
+    from tandem.server.frontend.errors import APIError
+    from tandem.server.generation.prepare import render_chat
 
     assert "no tokenizer" in chat_template_problem(None)
     assert "no chat template" in chat_template_problem(SimpleNamespace(chat_template=None))
-    # The server's messages are as before.
+    # The server's messages, whichever API the conversation came through.
     for tokenizer, message in [
         (None, "this model has no tokenizer (its folder has no tokenizer files), so "
-         "/v1/chat/completions cannot build a prompt; use /v1/completions with token ids"),
+         "a conversation cannot become a prompt; use /v1/completions with token ids"),
         (SimpleNamespace(chat_template=""), "this model's tokenizer has no chat template, so "
-         "/v1/chat/completions cannot build a prompt; use /v1/completions with a plain prompt"),
+         "a conversation cannot become a prompt; use /v1/completions with a plain prompt"),
     ]:  # fmt: skip
         with pytest.raises(APIError) as info:
             render_chat(SimpleNamespace(tokenizer=tokenizer), [])

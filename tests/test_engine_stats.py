@@ -86,7 +86,7 @@ def test_history_keep_trims_to_the_latest_records():
 def test_a_server_core_keeps_a_short_history(tiny_llama, monkeypatch):
     """The server's gauge reads one window at a time, so its engine core holds only a bounded
     tail of records: a server running for days does not hold the offline history in memory."""
-    from tandem.server import core
+    from tandem.server.core import process as core
 
     monkeypatch.setattr(core, "GAUGE_HISTORY_STEPS", 5)
     llm = make_llm(tiny_llama)

@@ -328,6 +328,21 @@ def test_generation_defaults_from_the_checkpoint(llama_folder, tmp_path, capsys)
     off = LLM(str(folder), generation_config="vllm", **OPTIONS)
     assert off.get_default_sampling_params() == SamplingParams()
     off.close()
+    # vLLM's --override-generation-config: fields over the checkpoint's, and an output cap.
+    over = LLM(str(folder), override_generation_config={"temperature": 0.3, "max_new_tokens": 7},
+               **OPTIONS)  # fmt: skip
+    defaults = over.engine.generation_defaults
+    assert defaults.values == {"temperature": 0.3, "top_p": 0.9, "top_k": 20}
+    assert defaults.max_tokens == 7 and "output capped at 7 tokens" in defaults.describe()
+    over.close()
+    for bad_override, words in (({"max_tokens": 3}, "unknown key 'max_tokens'"),
+                                ({"max_new_tokens": 0}, "max_new_tokens must be")):  # fmt: skip
+        with pytest.raises(ModelLoadError, match=words):
+            LLM(str(folder), override_generation_config=bad_override, **OPTIONS)
+    for flag in ("[1]", "{nope"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["generate", "--override-generation-config", flag, "Hi"])
+        assert exit_info.value.code == 2
 
     argv = ["generate", "--model", str(folder), "--max-tokens", "4", "--max-model-len", "256",
             "--num-kv-blocks", "64", "--json"]  # fmt: skip
@@ -370,10 +385,11 @@ def test_the_server_applies_the_model_defaults(llama_folder, tmp_path):
 
     folder = tmp_path / "hf"
     shutil.copytree(llama_folder, folder)
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.8, "top_p": 0.7}))
+    config = {"temperature": 0.8, "top_p": 0.7, "top_k": 50}  # top_k stays an integer
+    (folder / "generation_config.json").write_text(json.dumps(config))
     offline = LLM(str(folder), **ENGINE_OPTIONS)
     with_defaults = SamplingParams(
-        max_tokens=12, temperature=0.8, top_p=0.7, seed=5, ignore_eos=True
+        max_tokens=12, temperature=0.8, top_p=0.7, top_k=50, seed=5, ignore_eos=True
     )
     expected = offline.generate("Hello there", with_defaults)[0].text
     greedy_text = offline.generate("Hello there", greedy(12))[0].text
@@ -381,7 +397,7 @@ def test_the_server_applies_the_model_defaults(llama_folder, tmp_path):
     offline.close()
     live = start_server(folder)
     try:
-        assert live.model.sampling_defaults == {"temperature": 0.8, "top_p": 0.7}
+        assert live.model.sampling_defaults == config
         client, name = live.client(), live.model.model_path.name
         body = {"model": name, "prompt": "Hello there", "max_tokens": 12, "seed": 5}
         out = client.completions.create(**body, extra_body={"ignore_eos": True})

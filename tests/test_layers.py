@@ -95,3 +95,44 @@ def test_no_import_cycle():
 
     for module in sorted(edges):
         visit(module, [])
+
+
+# The server's own layers, bottom first: the engine-core process and the link to it; what every
+# API's requests pass through in a front end; the translation every API shares; the APIs, side
+# by side; and the app and processes that put them together.
+SERVER_LAYERS = [
+    ("core", ("tandem.server.core",)),
+    ("front end", ("tandem.server.frontend",)),
+    ("translation", ("tandem.server.generation",)),
+    ("APIs", ("tandem.server.openai", "tandem.server.responses", "tandem.server.anthropic",
+              "tandem.server.ollama")),
+    ("assembly", ("tandem.server.app", "tandem.server.frontend_process", "tandem.server.serve")),
+]  # fmt: skip
+APIS = SERVER_LAYERS[3][1]
+
+
+def server_layer_of(module: str) -> int:
+    for level, (_, prefixes) in enumerate(SERVER_LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    raise AssertionError(f"{module} belongs to no server layer: add it to SERVER_LAYERS")
+
+
+def test_the_server_reads_top_to_bottom_and_its_apis_stand_apart():
+    """No server module imports one above it, and no API imports another: adding an API adds a
+    package (and a line in the app), touching no other API's file."""
+    wrong = []
+    for module, targets in graph().items():
+        if not module.startswith("tandem.server.") or module == "tandem.server":
+            continue
+        level = server_layer_of(module)
+        for target in targets:
+            if not target.startswith("tandem.server."):
+                continue
+            if server_layer_of(target) > level:
+                wrong.append(f"{module} imports {target}, a layer above it")
+            api = next((a for a in APIS if module.startswith(a + ".")), None)
+            other = next((a for a in APIS if target.startswith(a + ".")), None)
+            if api and other and api != other:
+                wrong.append(f"{module} (an API) imports {target}, another API")
+    assert not wrong, "\n".join(wrong)

@@ -31,12 +31,12 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, EngineConfig, SamplingParams
-from tandem.server import wire
 from tandem.server.app import create_app
-from tandem.server.core import CoreOptions, spawn_core, stop_core
-from tandem.server.core_client import CoreClient, CoreEndpoint
-from tandem.server.served_model import ServedModel, load_tokenizer
-from tandem.server.service import GenerationService
+from tandem.server.core import wire
+from tandem.server.core.client import CoreClient, CoreEndpoint
+from tandem.server.core.process import CoreOptions, spawn_core, stop_core
+from tandem.server.frontend.served_model import ServedModel, load_tokenizer
+from tandem.server.frontend.service import GenerationService
 
 ENGINE_OPTIONS = {
     "dtype": "float32",
@@ -373,25 +373,24 @@ def test_the_benchmarks_load_client_counts_what_was_served(live: LiveServer, mod
     request counted with its tokens and a first token; a refused request counted as an error
     with its status, not as served tokens. (Gaps between chunks are not asserted: a tiny model
     can finish a request before the front end streams its second chunk, which then carries the
-    rest.)"""
+    rest.) The same greedy load through each API serves the same tokens (EOS left on: only
+    OpenAI's endpoints take vLLM's ignore_eos)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import serve_load
 
-    for chat in (False, True):
-        flags = [
-            "--url",
-            live.url,
-            "--num-requests",
-            "6",
-            "--concurrency",
-            "3",
-            "--max-tokens",
-            "5",
-        ]
-        summary = asyncio.run(serve_load.run(serve_load.parse_args(flags + ["--chat"] * chat)))
-        assert summary["model"] == model
-        assert (summary["completed"], summary["errors"], summary["output_tokens"]) == (6, 0, 30)
-        assert summary["ttft_p50_ms"] > 0
+    flags = ["--url", live.url, "--num-requests", "6", "--concurrency", "3", "--max-tokens", "5"]
+    served = {}
+    for api in ("completions", "chat", "messages", "responses", "ollama"):
+        for eos in ([], ["--no-ignore-eos"]):
+            args = serve_load.parse_args([*flags, "--api", api, *eos])
+            summary = asyncio.run(serve_load.run(args))
+            assert summary["model"] == model
+            assert (summary["completed"], summary["errors"]) == (6, 0), (api, summary)
+            assert summary["ttft_p50_ms"] > 0
+            if api in ("completions", "chat") and not eos:
+                assert summary["output_tokens"] == 30
+            served[api] = summary["output_tokens"]
+    assert served["messages"] == served["responses"] == served["ollama"] == served["chat"]
     flags[flags.index("--max-tokens") + 1] = "100000"  # beyond the context: refused
     summary = asyncio.run(serve_load.run(serve_load.parse_args(flags)))
     assert (summary["completed"], summary["output_tokens"]) == (0, 0)
@@ -463,7 +462,6 @@ def test_disconnect_mid_stream_frees_blocks(live: LiveServer, model: str) -> Non
             "presence_penalty",
         ),
         ("completions", {"model": "M", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
-        ("completions", {"model": "M", "prompt": "x", "made_up": 1}, 400, "made_up"),
         ("completions", {"model": "M", "prompt": "x", "stream_options": {}}, 400, "stream_options"),
         ("chat/completions", {"model": "M", "messages": []}, 400, "messages"),
         (
@@ -520,6 +518,32 @@ def test_bad_input(
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert param.split("[")[0] in error["message"]
+
+
+def test_unknown_fields_are_accepted_and_logged_once(live: LiveServer, model: str, caplog) -> None:
+    """A field the server does not know changes nothing: the answer is the one without it, and
+    its name is logged the first time it is seen, at any depth."""
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}
+    plain = httpx.post(f"{live.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    odd = {**body, "made_up": 1, "stream_options": None, "client_metadata": {"a": 1}}
+    with caplog.at_level("INFO", logger="tandem.server"):
+        for _ in range(2):
+            r = httpx.post(f"{live.url}/v1/completions", json=odd)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain
+        messages = [{"role": "user", "content": "hi", "name_x": "me"}]
+        r = httpx.post(
+            f"{live.url}/v1/chat/completions",
+            json={"model": model, "messages": messages, "max_tokens": 2},
+        )
+        assert r.status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "ignoring the field" in r.getMessage()]
+    assert sorted(logged) == sorted(
+        [
+            "/v1/completions: ignoring the field 'made_up', which this server does not use",
+            "/v1/completions: ignoring the field 'client_metadata', which this server does not use",
+            "/v1/chat/completions: ignoring the field 'messages.name_x', which this server does not use",
+        ]
+    ), logged
 
 
 def test_server_keeps_serving_after_errors(live: LiveServer, model: str) -> None:
@@ -705,7 +729,7 @@ def test_a_drained_front_end_stops_accepting_before_it_exits() -> None:
     """The drain's end: this process's listening socket closes first, and the server exits
     ACCEPTED_LINGER_S later, so a connection accepted just before still gets its 503 (uvicorn's
     shutdown closes connections whose request has not arrived)."""
-    from tandem.server.frontend import ACCEPTED_LINGER_S, GracefulServer
+    from tandem.server.frontend_process import ACCEPTED_LINGER_S, GracefulServer
 
     events = []
 

@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -43,9 +45,9 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tandem.models.default_model import SPECIAL_TOKENS, build_tokenizer
-from tandem.server import prepare
-from tandem.server.json_count import Count, JSONCounter
-from tandem.server.token_bound import PromptBound, prompt_bound
+from tandem.server.frontend.json_count import Count, JSONCounter
+from tandem.server.frontend.token_bound import PromptBound, prompt_bound
+from tandem.server.generation import prepare
 
 KEY = "tandem-test-key"
 LLAMA3_SPLIT = (
@@ -294,7 +296,7 @@ def test_unprovable_tokenizer_tokenizes_in_the_bulk_lane(guarded: LiveServer) ->
         busy = time.perf_counter() - start
     assert refused.status_code == 400
     message = refused.json()["error"]["message"]  # the engine's, after tokenizing
-    assert message.startswith("prompt has ") and "at least" not in message
+    assert message.startswith("prompt is too long: ") and "at least" not in message
     assert during, "the large prompt was tokenized faster than one small request"
     assert statistics.median(during) <= 3 * baseline, (baseline, during)
     # None waited for the tokenization: the lane's thread takes the GIL for moments (tens of
@@ -448,10 +450,23 @@ def test_api_key(tiny_llama: Path) -> None:
         )
         assert chunks[-1].choices[0].finish_reason in {"length", "stop"}
         assert [m.id for m in client(KEY).models.list().data] == [model]
-        # Not a Bearer token, or a key in another header: refused too.
+        # Not a Bearer token: refused too.
         r = httpx.post(f"{base}/completions", headers={"Authorization": f"Basic {KEY}"}, json={})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        assert httpx.get(f"{base}/models", headers={"X-Api-Key": KEY}).status_code == 401
+        # Anthropic's header carries the key too (its SDK sends no Authorization), and each
+        # API's refusal comes in its own shape.
+        assert httpx.get(f"{base}/models", headers={"X-Api-Key": KEY}).status_code == 200
+        assert httpx.get(f"{base}/models", headers={"X-Api-Key": "no"}).status_code == 401
+        hi = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        claude = anthropic.Anthropic(base_url=live.url, api_key=KEY, max_retries=0)
+        assert claude.messages.create(**hi).usage.output_tokens >= 1
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            claude.with_options(api_key="wrong").messages.create(**hi)
+        assert info.value.body["error"]["type"] == "authentication_error"
+        refused = httpx.get(f"{live.url}/api/tags")
+        assert refused.status_code == 401 and "missing API key" in refused.json()["error"]
+        keyed = ollama.Client(host=live.url, headers={"Authorization": f"Bearer {KEY}"})
+        assert [m.model for m in keyed.list().models] == [model]
         # /health is always open; /metrics is open unless protect_metrics.
         assert httpx.get(f"{live.url}/health").status_code == 200
         assert httpx.get(f"{live.url}/metrics").status_code == 200
@@ -526,14 +541,14 @@ def test_engine_fault_answers_everyone_at_once(tiny_llama: Path, fault_trigger: 
         url = f"{live.url}/v1/completions"
         preparer = app_of(live).state.preparer
         release = threading.Event()
-        real_completion = preparer.completion
+        real_parse = preparer.parse
 
-        def stuck_completion(raw: bytes, bulk: bool):  # a preparation outliving the engine
-            if b"stuck" in raw:
+        def stuck_parse(body_type, raw: bytes, bulk: bool, endpoint: str):
+            if b"stuck" in raw:  # a preparation outliving the engine
                 release.wait(30)
-            return real_completion(raw, bulk)
+            return real_parse(body_type, raw, bulk, endpoint)
 
-        preparer.completion = stuck_completion
+        preparer.parse = stuck_parse
 
         async def scenario() -> tuple[list, httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(timeout=30) as client:
@@ -676,8 +691,9 @@ def test_prompt_list_with_n_through_the_intake_lanes(guarded: LiveServer) -> Non
     tokenized: list[tuple[str, object]] = []
     real_tokenize = live.model.intake.tokenize
 
-    def recording_tokenize(prompt):
-        tokenized.append((threading.current_thread().name, prompt))
+    def recording_tokenize(prompt):  # text prompts (ids are only checked against the vocabulary)
+        if isinstance(prompt, str):
+            tokenized.append((threading.current_thread().name, prompt))
         return real_tokenize(prompt)
 
     live.model.intake.tokenize = recording_tokenize
@@ -717,7 +733,7 @@ def test_prompt_list_with_n_through_the_intake_lanes(guarded: LiveServer) -> Non
     too_long = {**completion_body(live, ""), "prompt": ["hi", "hello world " * 2000]}
     r = httpx.post(url, json=too_long)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    assert r.json()["error"]["message"].startswith("prompt 1: prompt has at least ")
+    assert r.json()["error"]["message"].startswith("prompt 1: prompt is too long: at least ")
     too_many = {**completion_body(live, ""), "prompt": ["a"] * 4, "n": 128}
     r = httpx.post(url, json=too_many)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"

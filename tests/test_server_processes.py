@@ -700,11 +700,17 @@ IMPORTS = {
     ),
     # What `tandem serve` imports before it spawns the cores: the front end comes after.
     "import tandem.server.serve": (
-        ("tandem.server.core",),
-        ("transformers", "fastapi", "uvicorn", "tandem.engine.engine", "tandem.server.frontend"),
+        ("tandem.server.core.process",),
+        (
+            "transformers",
+            "fastapi",
+            "uvicorn",
+            "tandem.engine.engine",
+            "tandem.server.frontend_process",
+        ),
     ),
     # A spawned core unpickles its target: no HTTP stack in the engine's process.
-    "import tandem.server.core": ((), ("fastapi", "uvicorn", "tandem.server.app")),
+    "import tandem.server.core.process": ((), ("fastapi", "uvicorn", "tandem.server.app")),
 }
 
 

@@ -9,9 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from tandem.server.errors import APIError
-from tandem.server.responses import ChatFormat
-from tandem.server.tool_calls import (
+from tandem.server.frontend.errors import APIError
+from tandem.server.generation.tools import (
     NO_PARAMETERS,
     ArrayParser,
     NamedParser,
@@ -21,6 +20,7 @@ from tandem.server.tool_calls import (
     required_schema,
     tool_finish_reason,
 )
+from tandem.server.openai.formats import ChatFormat
 
 WEATHER = {
     "type": "object",
@@ -133,13 +133,6 @@ def test_required_schema_keeps_each_tools_references() -> None:
             "tools",
             "tools[0].function.parameters",
         ),
-        (
-            [{"type": "function", "function": {"name": "f", "oops": 1}}],
-            None,
-            None,
-            "tools",
-            "oops",
-        ),
         ([TOOLS[0], TOOLS[0]], None, None, "tools", "tools[1].function.name"),
         (TOOLS, "sometimes", None, "tool_choice", "sometimes"),
         (None, "required", None, "tool_choice", "needs tools"),
@@ -153,6 +146,19 @@ def test_bad_tools_name_the_problem(tools, choice, parallel, param, words) -> No
         plan_tools(tools, choice, parallel, HERMES)
     assert info.value.status == 400 and info.value.param == param
     assert words in info.value.message
+
+
+def test_unknown_tool_fields_are_ignored_and_logged_once(caplog) -> None:
+    """A field the server does not know, in a tool or its function, changes nothing and is
+    logged the first time it is seen."""
+    odd = [{"type": "function", "cache_control": {}, "function": {"name": "f", "oops_x": 1}}]
+    with caplog.at_level("INFO", logger="tandem.server"):
+        for _ in range(2):
+            plan = plan_tools(odd, None, None, HERMES)
+            assert [f.name for f in plan.functions] == ["f"]
+    logged = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len([m for m in logged if "'tools.function.oops_x'" in m]) == 1, logged
+    assert len([m for m in logged if "'tools.cache_control'" in m]) == 1, logged
 
 
 # ---------------------------------------------------------------- named
@@ -254,10 +260,10 @@ def test_stream_says_what_the_whole_response_says(choice, text: str, reason: str
     plan = plan_tools(TOOLS, choice, None, HERMES)
     whole = ChatFormat("id", "m", tools=plan).full([text], [reason], {})["choices"][0]
     fmt = ChatFormat("id", "m", tools=plan)
-    chunks = fmt.opening()
+    chunks = fmt.opening_chunks()
     for piece in (text[i : i + 3] for i in range(0, len(text), 3)):
-        chunks.append(fmt.delta(piece))
-    chunks.append(fmt.closing(reason))
+        chunks.append(fmt.delta_chunk(piece))
+    chunks.append(fmt.closing_chunk(reason))
     deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
     content = "".join(d.get("content") or "" for d in deltas)
     streamed = assemble([entry for d in deltas for entry in d.get("tool_calls", [])])

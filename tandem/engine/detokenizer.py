@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._emitted = 0
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Appends one token's text; True if a stop string appeared (the text is cut before it).
@@ -46,9 +47,10 @@ class IncrementalDetokenizer:
         self.text += piece
         if not self._stop or not check_stop:
             return False
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched_stop = min(hits)
+            self.text = self.text[:at]
             return True
         return False
 
@@ -71,6 +73,7 @@ class NoDetokenizer:
 
     text = ""
     emitted_text = ""
+    matched_stop = None
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         return False

@@ -64,13 +64,16 @@ class Engine:
         self.config = config
         path, self.spec, hf_config = read_config(resolve_model(config.model))
         self.model_path = path
+        self.model_type: str = hf_config.model_type  # transformers' name: "llama", "gemma3_text"
         # None for a folder without tokenizer files (config.json for dummy weights): the engine
         # then takes token-id prompts only and its outputs carry token ids, not text.
         self.tokenizer = find_tokenizer(path)
         if self.tokenizer is None:
             logger.info("%s has no tokenizer files: prompts must be token ids", path)
         self.eos_token_ids = eos_ids = eos_token_ids(hf_config, self.tokenizer, path)
-        self.generation_defaults = read_generation_defaults(path, config.generation_config)
+        self.generation_defaults = read_generation_defaults(
+            path, config.generation_config
+        ).overridden(config.override_generation_config)
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if max_model_len > self.spec.max_position_embeddings:
             raise ValueError(

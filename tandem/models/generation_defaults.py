@@ -1,5 +1,7 @@
 """A model's own sampling defaults: what a request that sets no temperature, top_p, top_k, min_p
-or repetition_penalty gets, read from the checkpoint as vLLM does (`generation_config="auto"`)."""
+or repetition_penalty gets, read from the checkpoint as vLLM does (`generation_config="auto"`),
+and what `override_generation_config` puts over them (vLLM's flag: those fields, and
+`max_new_tokens`, the server-wide cap on a request's output)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,44 @@ GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 class GenerationDefaults:
     values: dict[str, float | int] = field(default_factory=dict)
     source: str = ""  # where they come from, for the log line
+    max_tokens: int | None = None  # the server's cap on every request's output (max_new_tokens)
 
     def describe(self) -> str:
         """One line for logs and stderr: which defaults requests get, and from where."""
+        cap = "" if self.max_tokens is None else f"; output capped at {self.max_tokens} tokens"
         if not self.values:
-            return f"sampling defaults: none from the model ({self.source or 'none given'})"
+            source = self.source or "none given"
+            return f"sampling defaults: none from the model ({source}){cap}"
         given = ", ".join(f"{name}={value}" for name, value in self.values.items())
-        return f"sampling defaults: {given} (from {self.source}; --generation-config vllm ignores them)"
+        return (
+            f"sampling defaults: {given} (from {self.source}; --generation-config vllm ignores "
+            f"them){cap}"
+        )
+
+    def overridden(self, overrides: dict[str, float | int] | None) -> GenerationDefaults:
+        """These defaults with `overrides` (vLLM's --override-generation-config) over them:
+        sampling fields by their names, and `max_new_tokens`. Raises ModelLoadError naming an
+        unknown key or a bad value."""
+        if not overrides:
+            return self
+        unknown = sorted(set(overrides) - {*SAMPLING_FIELDS, "max_new_tokens"})
+        if unknown:
+            raise ModelLoadError(
+                f"--override-generation-config: unknown key {unknown[0]!r} (known: "
+                f"{', '.join([*SAMPLING_FIELDS, 'max_new_tokens'])})"
+            )
+        values = {k: v for k, v in overrides.items() if k != "max_new_tokens"}
+        cap = overrides.get("max_new_tokens", self.max_tokens)
+        try:
+            SamplingParams(**({**self.values, **values} | {"max_tokens": cap}))
+        except ValueError as exc:
+            message = str(exc).replace("max_tokens", "max_new_tokens")
+            raise ModelLoadError(f"--override-generation-config: {message}") from None
+        source = self.source
+        if values:
+            source = f"{source} and " if self.values else ""
+            source += "--override-generation-config"
+        return GenerationDefaults({**self.values, **values}, source, cap)
 
 
 def read_generation_defaults(

@@ -1,15 +1,18 @@
-"""OpenAI-compatible HTTP serving: `serve.serve(config)` for the CLI; `core.spawn_core` +
-`app.create_app` to embed a front end (tests do).
+"""The server: `serve.serve(config)` for the CLI; `core.process.spawn_core` + `app.create_app`
+to embed a front end (tests do).
 
-Module map, bottom to top: wire (the messages between processes), core (the engine-core
-process), core_client (a front end's connection to the cores), served_model (what a front end
-knows of the model: limits, tokenizer, per-choice text), protocol (request bodies), errors
-(OpenAI error shape), guards (API key and body size, as ASGI middleware), token_bound (a
-provable lower bound on a prompt's tokens), tool_calls (tools and tool_choice -> the output's
-constraint; generated text -> tool calls), prepare (body -> engine request, off the event
-loop), intake (the thread pools preparation runs in), json_count (a helper process that counts
-a large body's JSON values off the GIL), metrics (Prometheus), service (admission, per-request
-streams, shutdown, engine failure), generate (responses and SSE), app (routes), frontend (a
-front end's process: uvicorn with a graceful drain; the supervisor of several), serve (checks
-the model, starts the cores, then the front ends).
+Layers, bottom to top (`tests/test_layers.py` holds them):
+- `core/`: the engine-core process (`process`), the messages between processes (`wire`), a
+  front end's connection to the cores (`client`);
+- `frontend/`: what every request passes through whatever its API (errors and their shapes,
+  guards, the prompt bound, intake lanes, `ServedModel`, metrics, `GenerationService` with the
+  `Encoder` protocol, `respond`);
+- `generation/`: the translation every API shares (`request`: Tandem's own request form;
+  `fields`: bodies that accept unknown fields; `prepare`: a job to engine requests; `tools`:
+  tool plans and parsers; `output`: an answer as text and tool-call blocks);
+- one package per API, none importing another: `openai/` (completions, chat completions,
+  models, tokenize), `responses/`, `anthropic/`, `ollama/`;
+- `app` (every API's routes on one app), `frontend_process` (uvicorn with a graceful drain; the
+  supervisor of several front ends), `serve` (checks the model, starts the cores, then the front
+  ends).
 """

@@ -1,34 +1,44 @@
-"""The FastAPI app of one front end: routes, lifespan, error handlers, guards.
+"""The FastAPI app of one front end: every API's routes, the lifespan, error handlers, guards.
 
 `create_app` takes a `CoreClient` already connected to the engine cores and the `ServedModel`
 their handshake described; the app reads the cores while its lifespan runs. It does not own the
 cores' processes: whoever started them stops them after the app has shut down.
-Generation routes take the raw body: it is parsed and validated in an intake lane, off the event
-loop (`prepare.py`), after the guards (`guards.py`) have checked the API key and the body's size.
+
+Each API is a package with its own routes and error shape (`openai`, `anthropic`, `ollama`); this
+module mounts them side by side over one `GenerationService` and one `Preparer`, so adding an API
+touches no other API's file. Generation routes take the raw body: it is parsed and translated in
+an intake lane, off the event loop (`generation/prepare.py`), after the guards
+(`frontend/guards.py`) have checked the API key and the body's size.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from tandem.models.catalog import PACKAGED_MODELS
-from tandem.server.core_client import CoreClient
-from tandem.server.errors import error_body, install_error_handlers
-from tandem.server.generate import respond
-from tandem.server.guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyGuard, BodyLimit
-from tandem.server.metrics import CONTENT_TYPE
-from tandem.server.prepare import Preparer
-from tandem.server.served_model import ServedModel
-from tandem.server.service import GenerationService
-from tandem.server.token_bound import prompt_bound
+from tandem.server.anthropic import routes as anthropic_routes
+from tandem.server.core.client import CoreClient
+from tandem.server.frontend.errors import ErrorShapes, error_body, install_error_handlers
+from tandem.server.frontend.guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyGuard, BodyLimit
+from tandem.server.frontend.metrics import CONTENT_TYPE
+from tandem.server.frontend.served_model import ServedModel
+from tandem.server.frontend.service import GenerationService
+from tandem.server.frontend.token_bound import prompt_bound
+from tandem.server.generation.prepare import Preparer
+from tandem.server.ollama import routes as ollama_routes
+from tandem.server.openai import routes as openai_routes
+from tandem.server.responses import routes as responses_routes
+from tandem.server.responses.store import ResponseStore
+
+# Paths that need the API key, when one is set: every API's, and vLLM's token utilities.
+GUARDED_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize")
 
 logger = logging.getLogger("tandem.server")
 
@@ -52,13 +62,15 @@ def frozen_startup_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def model_names(model: ServedModel, served_name: str | None) -> tuple[str, list[str]]:
-    """The name clients should use (a short name as given, else the model folder's or file's
-    name) and every alias accepted."""
+def model_names(model: ServedModel, served_names: str | list[str] | None) -> tuple[str, list[str]]:
+    """The name clients should use (the first served name, else a short name as given, else
+    the model folder's or file's name) and every alias accepted."""
+    if isinstance(served_names, str):
+        served_names = [served_names]
     path = Path(model.model_path)
     short = model.configured_name if model.configured_name in PACKAGED_MODELS else None
-    name = served_name or short or path.name
-    aliases = [name, path.name, str(path), str(path.resolve())]
+    name = (served_names or [None])[0] or short or path.name
+    aliases = [name, *(served_names or []), path.name, str(path), str(path.resolve())]
     if model.configured_name:
         aliases.append(model.configured_name)
     return name, list(dict.fromkeys(aliases))
@@ -68,27 +80,29 @@ def create_app(
     client: CoreClient,
     model: ServedModel,
     *,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     max_waiting: int = 256,
     grace_period: float = 10.0,
     api_key: str | None = None,
     protect_metrics: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_running: int | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible app in front of `client`'s engine cores.
+    """The app in front of `client`'s engine cores: every API's routes.
 
+    `served_model_name`: the names clients may use for the model (the first is reported).
     `grace_period` bounds the lifespan shutdown: in-flight requests get that long to finish,
     then are aborted. (`serve` drains on SIGTERM before that, while still answering 503s.)
-    With `api_key`, every /v1 request (and /metrics if `protect_metrics`) needs
-    `Authorization: Bearer <api_key>`. Bodies over `max_request_bytes` get 413. `max_running`:
-    this front end's share of the cores' running sequences (`GenerationService`).
+    With `api_key`, every API request (and /metrics if `protect_metrics`) needs it, as
+    `Authorization: Bearer <api_key>` or `x-api-key`. Bodies over `max_request_bytes` get 413.
+    `max_running`: this front end's share of the cores' running sequences (`GenerationService`).
+    `response_store`: where stored Responses API answers are kept (default bounds otherwise).
     """
     if protect_metrics and not api_key:
         raise ValueError("protect_metrics needs an api_key")
     service = GenerationService(client, model, max_waiting=max_waiting, max_running=max_running)
     name, accepted_names = model_names(model, served_model_name)
-    created = int(time.time())
     bound, why_not = prompt_bound(model.tokenizer)
     if bound is not None:
         logger.info("over-long prompts are refused before tokenizing (%s)", bound.describe())
@@ -112,31 +126,23 @@ def create_app(
     app.state.service = service
     app.state.preparer = preparer
     app.state.model_name = name
-    install_error_handlers(app)
+    shapes = ErrorShapes()
+    install_error_handlers(app, shapes)
     # The last one added runs first: the key is checked before the body is read at all.
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimit, shapes=shapes, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(APIKeyGuard, api_key=api_key, protect_metrics=protect_metrics)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await respond(service, request, preparer.completion, name)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await respond(service, request, preparer.chat, name)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "tandem",
-            "root": str(model.model_path),
-            "max_model_len": model.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        app.add_middleware(
+            APIKeyGuard,
+            api_key=api_key,
+            shapes=shapes,
+            prefixes=GUARDED_PREFIXES,
+            protect_metrics=protect_metrics,
+        )
+    app.include_router(openai_routes.routes(service, preparer))
+    app.include_router(anthropic_routes.routes(service, preparer, shapes))
+    store = ResponseStore() if response_store is None else response_store
+    app.include_router(responses_routes.routes(service, preparer, store))
+    app.include_router(ollama_routes.routes(service, preparer, shapes))
 
     @app.get("/health")
     async def health() -> Response:

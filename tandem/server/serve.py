@@ -10,7 +10,7 @@ Retry-After to new requests and /health (so a load balancer moves away), in-flig
 `grace_period` seconds to finish, the rest are aborted, and only then does it exit (0). A
 second signal aborts everything at once. Front-end and core processes ignore SIGINT/SIGTERM
 (a terminal's Ctrl-C reaches the whole group): the supervisor relays the drain with
-`frontend.DRAIN_SIGNAL`, and stops cores once no front end is left.
+`frontend_process.DRAIN_SIGNAL`, and stops cores once no front end is left.
 
 Faults: a core that dies, hangs or fails a step makes every front end answer its requests with
 an error at once, /health 503, and exit 1; a front end that dies makes the supervisor end the
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from tandem.config import EngineConfig, usable_cores
 from tandem.models.catalog import checkpoint_path, resolve_model
-from tandem.server import wire
-from tandem.server.core import CoreOptions, spawn_core, stop_core
+from tandem.server.core import wire
+from tandem.server.core.process import CoreOptions, spawn_core, stop_core
 
 logger = logging.getLogger("tandem.server")
 
@@ -57,13 +57,15 @@ def serve(
     data_parallel_size: int = 1,
     engine_timeout_s: float = 60.0,
     trace: str | None = None,
+    served_model_name: list[str] | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI-compatible API until SIGINT/SIGTERM.
 
     `api_key` defaults to $TANDEM_API_KEY; without either, the API is open. `max_request_bytes`
     defaults to 16 MiB. `engine_timeout_s`: a core with requests in flight that sends nothing for
     this long is taken as hung. `trace`: each core writes a Chrome trace of its steps there on
-    exit (`PATH`, or `PATH.N.json` per replica). Raises `EngineFailure` if a core or a front end
+    exit (`PATH`, or `PATH.N.json` per replica). `served_model_name`: the names clients may use
+    for the model (the first is reported). Raises `EngineFailure` if a core or a front end
     fails.
     """
     if api_server_count < 1 or data_parallel_size < 1:
@@ -95,27 +97,28 @@ def serve(
         # While the cores load: the checkpoints' configs checked in full, and the front end's
         # own imports (the HTTP stack, the tokenizer's), which take this process seconds.
         model_path = check_configs(config)
-        from tandem.server import frontend
+        from tandem.server import frontend_process
 
-        options = frontend.FrontendOptions(
+        options = frontend_process.FrontendOptions(
             cores=[
-                frontend.CoreEndpoint(o.address, p.pid)
+                frontend_process.CoreEndpoint(o.address, p.pid)
                 for o, p in zip(replicas, cores, strict=True)
             ],
             model=config.model,
+            served_model_name=served_model_name,
             model_path=str(model_path),
             max_waiting=max_waiting,
             grace_period=grace_period,
             api_key=api_key,
             protect_metrics=protect_metrics,
-            max_request_bytes=max_request_bytes or frontend.DEFAULT_MAX_REQUEST_BYTES,
+            max_request_bytes=max_request_bytes or frontend_process.DEFAULT_MAX_REQUEST_BYTES,
             engine_timeout_s=engine_timeout_s,
             parent_pid=os.getpid(),
         )
         if api_server_count == 1:
-            failure = frontend.run_frontend(options, listener)
+            failure = frontend_process.run_frontend(options, listener)
         else:
-            failure = frontend.supervise(
+            failure = frontend_process.supervise(
                 options, listener, api_server_count, config.max_num_seqs, workdir
             )
         if failure is not None:  # a core that failed to start says why better than its front end
@@ -138,7 +141,9 @@ def check_configs(config: EngineConfig) -> Path:
     from tandem.models.loader import read_config
 
     path = read_config(resolve_model(config.model))[0]
-    read_generation_defaults(path, config.generation_config)
+    read_generation_defaults(path, config.generation_config).overridden(
+        config.override_generation_config
+    )
     check_draft(config, read_config)
     return path
 

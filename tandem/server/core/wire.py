@@ -50,6 +50,7 @@ class Ready(msgspec.Struct, tag=True):
     engine_index: int
     pid: int
     model_path: str
+    model_type: str  # transformers' name of the architecture ("llama", "gemma3_text")
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
@@ -57,7 +58,7 @@ class Ready(msgspec.Struct, tag=True):
     max_num_seqs: int
     execution: str  # the device and threads, as the engine describes them
     # The model's sampling defaults for what a request leaves unset, and where they come from.
-    sampling_defaults: dict[str, float]
+    sampling_defaults: dict[str, float | int]
     sampling_defaults_note: str
 
 

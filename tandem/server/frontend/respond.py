@@ -1,5 +1,5 @@
-"""From a request to a response: admission and preparation (`service.submit`), then one whole
-answer or an SSE stream.
+"""From a request to a response, for every API: admission and preparation (`service.submit`),
+then one whole answer or a stream, both written by the request's `Encoder`.
 
 A client that goes away is noticed in both modes and its request aborted at once, so its KV
 blocks return to the pool instead of generating for nobody. That includes a client whose own
@@ -19,59 +19,50 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.request import TokenLogprobs
-from tandem.server.errors import APIError, error_body
-from tandem.server.prepare import Prepared
-from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.responses import (
-    DONE,
-    ChatFormat,
-    CompletionFormat,
-    ResponseFormat,
-    sse,
-    usage,
-)
-from tandem.server.service import GenerationService, RequestStream
+from tandem.server.frontend.errors import APIError
+from tandem.server.frontend.service import Encoder, GenerationService, Prepared, RequestStream
+
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection first
 
 
 async def respond(
-    service: GenerationService,
-    request: Request,
-    prepare: Callable[[bytes, bool], Prepared],
-    model_name: str,
+    service: GenerationService, request: Request, prepare: Callable[[bytes, bool], Prepared]
 ) -> JSONResponse | StreamingResponse:
-    """Read the body, have `prepare` turn it into an engine request off the event loop, respond."""
+    """Read the body, have `prepare` turn it into engine requests off the event loop, respond."""
     # Read whole (it is within --max-request-bytes) even if it is to be refused: closing a
     # connection with unread data resets it, and the client might not see the answer.
     raw = await request.body()
     bulk = service.intake.is_bulk(raw)
     stream, prepared = await service.submit(bulk, partial(prepare, raw, bulk))
     del raw  # a large body is not kept alive for the length of the generation
-    body = prepared.body
-    fmt: ResponseFormat
-    if isinstance(body, ChatCompletionRequest):
-        fmt = ChatFormat(
-            stream.request_id,
-            model_name,
-            body.include_usage,
-            prepared.logprobs,
-            tools=prepared.tools,
+    encoder = prepared.encoder
+    headers = warning_headers(prepared.warnings)
+    if prepared.stream:
+        return EventStream(
+            _events(stream, encoder),
+            encoder.media_type,
+            headers,
+            on_close=lambda: service.abort(stream),
         )
-    else:
-        fmt = CompletionFormat(stream.request_id, model_name, body.include_usage, prepared.logprobs)
-    if body.stream:
-        return SSEResponse(_events(stream, fmt), on_close=lambda: service.abort(stream))
     try:
         collected = await _collect_unless_disconnected(request, stream)
     finally:
         service.abort(stream)  # no-op once finished; frees the blocks if we were cancelled
     if collected is None:  # the client left; nobody reads this
-        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+        raise APIError(CLIENT_GONE, "client disconnected")
     if stream.error is not None:
         raise APIError(stream.error_status, stream.error, code="aborted")
-    counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
-    reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
     texts, logprobs = collected
-    return JSONResponse(fmt.full(texts, reasons, counts, logprobs))
+    return JSONResponse(encoder.whole(stream, texts, logprobs), headers=headers)
+
+
+def warning_headers(warnings: list[str]) -> dict[str, str]:
+    """RFC 7234's Warning header, code 299 ("miscellaneous persistent warning"), one per note
+    joined by commas; none without notes."""
+    if not warnings:
+        return {}
+    quoted = ", ".join('299 tandem "' + w.replace('"', "'") + '"' for w in warnings)
+    return {"Warning": quoted.encode("ascii", "replace").decode()}
 
 
 async def _collect(stream: RequestStream) -> tuple[list[str], list[list[TokenLogprobs]]]:
@@ -110,11 +101,12 @@ async def _collect_unless_disconnected(
     return collect.result() if collect.done() and not collect.cancelled() else None
 
 
-async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[bytes]:
-    """One chunk per choice with new text, a closing chunk per choice as it finishes."""
-    for index in range(stream.num_choices):
-        for chunk in fmt.opening(index):
-            yield sse(chunk)
+async def _events(stream: RequestStream, encoder: Encoder) -> AsyncIterator[bytes]:
+    """The encoder's opening, then per step each choice's new text and the closing of each
+    choice that ended, then its ending. A choice's text of several queued steps goes out as one
+    delta (a slow client gets fewer, larger chunks)."""
+    for chunk in encoder.opening(stream):
+        yield chunk
     unfinished = stream.num_choices
     while unfinished:
         deltas = await stream.next_deltas()
@@ -125,28 +117,33 @@ async def _events(stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[b
             logprobs.setdefault(d.index, []).extend(d.logprobs or [])
         for index, text in texts.items():
             if text or logprobs[index]:
-                chunk = fmt.delta(text, index, logprobs[index])
-                if chunk is not None:  # None: a tool-call parser holds the text back
-                    yield sse(chunk)
+                for chunk in encoder.delta(index, text, logprobs[index]):
+                    yield chunk
         for d in deltas:
             if d.finished:
                 unfinished -= 1
-                if stream.error is None:  # else the error below ends the stream
-                    yield sse(fmt.closing(d.finish_reason or "stop", d.index))
-    if stream.error is not None:  # ended by the server: say so in-stream, as OpenAI does
-        yield sse(error_body(stream.error_status, stream.error, code="aborted"))
-    elif fmt.include_usage:
-        yield sse(fmt.usage_chunk(usage(stream.num_prompt_tokens, stream.num_output_tokens)))
-    yield DONE
+                if stream.error is None:  # else the ending says what cut the stream short
+                    for chunk in encoder.closing(d.index, d.finish_reason or "stop"):
+                        yield chunk
+    for chunk in encoder.ending(stream):
+        yield chunk
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream whose `on_close` runs however the response ends, a disconnect included."""
+class EventStream(StreamingResponse):
+    """A streamed answer whose `on_close` runs however the response ends, a disconnect included."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        media_type: str,
+        headers: dict[str, str],
+        on_close: Callable[[], None],
+    ):
+        super().__init__(
+            content,
+            media_type=media_type,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

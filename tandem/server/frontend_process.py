@@ -21,12 +21,12 @@ from types import FrameType
 import uvicorn
 
 from tandem.server.app import create_app
-from tandem.server.core import die_with_parent
-from tandem.server.core_client import CoreClient, CoreEndpoint, CoreUnavailable
-from tandem.server.guards import DEFAULT_MAX_REQUEST_BYTES
-from tandem.server.metrics import MULTIPROCESS_ENV
-from tandem.server.served_model import ServedModel, load_tokenizer
-from tandem.server.service import GenerationService
+from tandem.server.core.client import CoreClient, CoreEndpoint, CoreUnavailable
+from tandem.server.core.process import die_with_parent
+from tandem.server.frontend.guards import DEFAULT_MAX_REQUEST_BYTES
+from tandem.server.frontend.metrics import MULTIPROCESS_ENV
+from tandem.server.frontend.served_model import ServedModel, load_tokenizer
+from tandem.server.frontend.service import GenerationService
 
 logger = logging.getLogger("tandem.server")
 
@@ -50,6 +50,7 @@ class FrontendOptions:
 
     cores: list[CoreEndpoint]
     model: str | None  # the configured name, accepted as an alias
+    served_model_name: list[str] | None
     model_path: str  # the checkpoint the cores load, as `serve` resolved it (the tokenizer's)
     index: int = 0
     max_waiting: int = 256
@@ -160,6 +161,7 @@ def run_frontend(options: FrontendOptions, listener: socket.socket) -> str | Non
     app = create_app(
         client,
         model,
+        served_model_name=options.served_model_name,
         max_waiting=options.max_waiting,
         grace_period=options.grace_period,
         api_key=options.api_key,

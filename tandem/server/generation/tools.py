@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tandem.request import StructuredOutputsParams
-from tandem.server.errors import bad_request
+from tandem.server.frontend.errors import bad_request
+from tandem.server.generation.fields import log_ignored
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -47,13 +48,36 @@ class Function:
 
 @dataclass
 class Parsed:
-    """What some text means: content, and tool-call entries in OpenAI's streamed shape."""
+    """What some text means: content and tool-call entries (in OpenAI's streamed shape), in the
+    order the text gave them (APIs whose answers are a list of blocks keep that order)."""
 
-    content: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    pieces: list[str | dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of_text(cls, text: str) -> Parsed:
+        return cls([text] if text else [])
+
+    @classmethod
+    def of_call(cls, entry: dict[str, Any]) -> Parsed:
+        return cls([entry])
+
+    @property
+    def content(self) -> str:
+        return "".join(p for p in self.pieces if isinstance(p, str))
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [p for p in self.pieces if not isinstance(p, str)]
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+
+    def add_call(self, entry: dict[str, Any]) -> None:
+        self.pieces.append(entry)
 
     def __add__(self, other: Parsed) -> Parsed:
-        return Parsed(self.content + other.content, self.calls + other.calls)
+        return Parsed(self.pieces + other.pieces)
 
 
 class ToolCallParser(Protocol):
@@ -170,19 +194,12 @@ def _functions(tools: list[Any]) -> list[Function]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(f'{where} must be an object with "type": "function"', "tools")
-        unknown = set(tool) - {"type", "function"}
-        if unknown:
-            raise bad_request(
-                f"{where} has unsupported fields: {', '.join(sorted(unknown))}", "tools"
-            )
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise bad_request(f"{where}.function is required and must be an object", "tools")
-        unknown = set(fn) - {"name", "description", "parameters", "strict"}
-        if unknown:
-            raise bad_request(
-                f"{where}.function has unsupported fields: {', '.join(sorted(unknown))}", "tools"
-            )
+        unknown = [f"tools.{name}" for name in sorted(set(tool) - {"type", "function"})]
+        known = {"name", "description", "parameters", "strict"}
+        log_ignored("tools", unknown + [f"tools.function.{n}" for n in sorted(set(fn) - known)])
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"{where}.function.name is required (a non-empty string)", "tools")
@@ -273,7 +290,7 @@ class NamedParser:
         return [call_entry(0, self.name, "")]
 
     def feed(self, text: str) -> Parsed:
-        return Parsed(calls=[{"index": 0, "function": {"arguments": text}}] if text else [])
+        return Parsed([{"index": 0, "function": {"arguments": text}}] if text else [])
 
     def finish(self, finish_reason: str | None) -> Parsed:
         return Parsed()
@@ -305,7 +322,7 @@ class ArrayParser:
             self._step(self.text[self.scanned], out)
             self.scanned += 1
         if self.state == "content":
-            out.content += self.text[self.consumed :]
+            out.add_text(self.text[self.consumed :])
             self.consumed = self.scanned = len(self.text)
         return out
 
@@ -317,9 +334,9 @@ class ArrayParser:
         partial = _PARTIAL_CALL.fullmatch(element)
         name = _json_string(partial[1]) if partial is not None else None
         if name is None:
-            return Parsed(content=element)
+            return Parsed.of_text(element)
         self.called = True
-        return Parsed(calls=[call_entry(self.num_calls, name, partial[2] or "")])
+        return Parsed.of_call(call_entry(self.num_calls, name, partial[2] or ""))
 
     def _step(self, char: str, out: Parsed) -> None:
         if self.state == "element":
@@ -364,7 +381,7 @@ class ArrayParser:
             self.state = "content"
             return
         arguments = json.dumps(value["parameters"], ensure_ascii=False)
-        out.calls.append(call_entry(self.num_calls, name, arguments))
+        out.add_call(call_entry(self.num_calls, name, arguments))
         self.num_calls += 1
         self.called = True
         self.consumed = self.scanned + 1
@@ -425,17 +442,17 @@ class TaggedParser:
         if call is None:  # not a call after all: the model's text, as it wrote it
             self._content(TOOL_CALL_START + body + TOOL_CALL_END, out)
             return
-        out.calls.append(call_entry(self.num_calls, *call))
+        out.add_call(call_entry(self.num_calls, *call))
         self.num_calls += 1
         self.called = True
 
     def _content(self, text: str, out: Parsed) -> None:
         if self.visible:
-            out.content += text
+            out.add_text(text)
             return
         self.blank += text
         if self.blank and not self.blank.isspace():
-            out.content += self.blank
+            out.add_text(self.blank)
             self.blank, self.visible = "", True
 
 

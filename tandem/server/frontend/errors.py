@@ -1,13 +1,18 @@
-"""Every failure leaves the server as a JSON body in OpenAI's shape, with a meaningful status.
+"""Every failure leaves the server as a JSON body in its API's shape, with a meaningful status.
 
 400: the request is wrong (including malformed JSON and wrong types, which FastAPI would call 422),
 401: missing or wrong API key, 404: unknown model or route, 413: body over --max-request-bytes,
 500: the engine failed mid-request, 503: not ready, shutting down, full or failed (Retry-After).
+
+Code anywhere raises one `APIError`; which body it becomes is decided by the request's path
+(`ErrorShapes`: each API registers its prefixes), so the guards, FastAPI's own errors and a
+route's refusals all answer a client in the shape its SDK parses. OpenAI's is the default.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,12 +48,9 @@ class APIError(Exception):
         self.code = code
         self.retry_after = retry_after
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 def error_body(
@@ -56,6 +58,33 @@ def error_body(
 ) -> dict[str, Any]:
     kind = _TYPES.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+ErrorShape = Callable[[APIError], dict[str, Any]]
+
+
+def openai_error(error: APIError) -> dict[str, Any]:
+    return error_body(error.status, error.message, error.param, error.code)
+
+
+class ErrorShapes:
+    """Each API's error body by path prefix (the longest that matches); OpenAI's elsewhere."""
+
+    def __init__(self) -> None:
+        self._shapes: list[tuple[str, ErrorShape]] = []
+
+    def add(self, prefix: str, shape: ErrorShape) -> None:
+        self._shapes.append((prefix, shape))
+        self._shapes.sort(key=lambda item: -len(item[0]))
+
+    def body(self, error: APIError, path: str) -> dict[str, Any]:
+        shape = next((s for p, s in self._shapes if path.startswith(p)), openai_error)
+        return shape(error)
+
+    def response(self, error: APIError, path: str) -> JSONResponse:
+        return JSONResponse(
+            self.body(error, path), status_code=error.status, headers=error.headers or None
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -109,20 +138,21 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, "; ".join(seen), param=param, code=code)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return shapes.response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
+        return shapes.response(validation_error(list(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return shapes.response(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}").response()
+        error = APIError(500, f"internal server error: {type(exc).__name__}")
+        return shapes.response(error, request.url.path)

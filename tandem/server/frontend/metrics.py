@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from tandem.server.core_client import CoreClient
+from tandem.server.core.client import CoreClient
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from tandem.server.json_count import JSONCounter
+from tandem.server.frontend.json_count import JSONCounter
 
 T = TypeVar("T")
 

@@ -26,13 +26,17 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from tandem.config import EngineConfig
 from tandem.metrics import write_chrome_trace
 from tandem.request import RequestOutput
-from tandem.server import wire
+from tandem.server.core import wire
+
+if TYPE_CHECKING:  # the engine's module imports it: `tandem serve` imports this one first
+    from tandem.models.generation_defaults import GenerationDefaults
 
 logger = logging.getLogger("tandem.server")
 
@@ -59,7 +63,7 @@ def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiproces
     imported the engine once (the environment is the one that process started with)."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["tandem.engine.engine", "tandem.server.core"])
+        context.set_forkserver_preload(["tandem.engine.engine", "tandem.server.core.process"])
     process = context.Process(
         target=run_core, args=(options,), name=f"tandem-core-{options.engine_index}"
     )
@@ -244,13 +248,14 @@ class CoreLoop:
             engine_index=self.engine_index,
             pid=os.getpid(),
             model_path=str(engine.model_path),
+            model_type=engine.model_type,
             max_model_len=engine.max_model_len,
             vocab_size=engine.spec.vocab_size,
             eos_token_ids=sorted(engine.eos_token_ids),
             num_kv_blocks=engine.num_kv_blocks,
             max_num_seqs=engine.config.max_num_seqs,
             execution=engine.execution.describe(),
-            sampling_defaults=engine.generation_defaults.values,
+            sampling_defaults=server_defaults(engine.generation_defaults),
             sampling_defaults_note=engine.generation_defaults.describe(),
         )
 
@@ -307,6 +312,13 @@ class CoreLoop:
             spec_acceptance_rate=spec.acceptance_rate,
             spec_mean_accepted_length=spec.mean_accepted_length,
         )
+
+
+def server_defaults(defaults: GenerationDefaults) -> dict[str, float | int]:
+    """What a front end puts under a request's own values: the model's sampling defaults, and
+    the output cap as `max_tokens` (the default of a request that sets none, and its bound)."""
+    cap = {} if defaults.max_tokens is None else {"max_tokens": defaults.max_tokens}
+    return {**defaults.values, **cap}
 
 
 def token_delta(output: RequestOutput) -> wire.TokenDelta:

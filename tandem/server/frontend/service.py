@@ -1,4 +1,5 @@
-"""The front end's request side: admission, one stream per request, text, graceful shutdown.
+"""The front end's request side: admission, one stream per request, text, graceful shutdown;
+and what an API hands it: a `Prepared` request with the `Encoder` that answers it.
 
 Everything here runs on the asyncio event loop except request preparation (parsing, the chat
 template, tokenization), which runs in the intake lanes (`intake.py`) so that no request, however
@@ -30,19 +31,74 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
-from tandem.request import TokenLogprobs
-from tandem.server import wire
-from tandem.server.core_client import CoreClient
-from tandem.server.errors import APIError, bad_request, unavailable
-from tandem.server.intake import IntakeLanes
-from tandem.server.metrics import ServerMetrics
-from tandem.server.prepare import Prepared
-from tandem.server.served_model import ChoiceText, ServedModel
+from tandem.request import Request, TokenLogprobs
+from tandem.server.core import wire
+from tandem.server.core.client import CoreClient
+from tandem.server.frontend.errors import APIError, bad_request, unavailable
+from tandem.server.frontend.intake import IntakeLanes
+from tandem.server.frontend.metrics import ServerMetrics
+from tandem.server.frontend.served_model import ChoiceText, ServedModel
 
 logger = logging.getLogger("tandem.server")
+T = TypeVar("T")
 
 SHUTDOWN_ABORT_MESSAGE = "the server is shutting down: the request was aborted"
+
+
+class Encoder(Protocol):
+    """One request's answer in its API's format, streamed or whole.
+
+    A stream is `opening`, then for each step the `delta` of every choice with new text and the
+    `closing` of every choice that ended, then `ending` (usage, the end marker, or the error that
+    cut the stream short: `stream.error`). A whole answer is `whole` over every choice's text.
+    Each streaming method returns framed bytes, ready to send.
+    """
+
+    media_type: str  # of a stream
+
+    def opening(self, stream: RequestStream) -> list[bytes]: ...
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs]) -> list[bytes]: ...
+
+    def closing(self, index: int, finish_reason: str) -> list[bytes]: ...
+
+    def ending(self, stream: RequestStream) -> list[bytes]: ...
+
+    def whole(
+        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+    ) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An HTTP request ready for the engine, whatever its API: one engine request per prompt,
+    each with `n` samples, and the encoder that answers it in the API's format."""
+
+    request_id: str  # the response's id
+    requests: list[Request]
+    encoder: Encoder
+    stream: bool
+    prompt_param: str = "prompt"  # names the prompts when there are too many sequences
+    # What the server ignored that the client should know (a tool it cannot run): each
+    # becomes a Warning header of the response.
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return self.requests[0].params.n
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences it asks the engine for: prompts x n."""
+        return len(self.requests) * self.n
+
+    @property
+    def seqs_param(self) -> str:
+        """The parameter to name when it asks for too many sequences."""
+        return "n" if self.n > 1 else self.prompt_param
 
 
 @dataclass(frozen=True)
@@ -75,6 +131,7 @@ class RequestStream:
     output_tokens: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
     finish_reasons: dict[int, str | None] = field(default_factory=dict)  # finished choices
     texts: dict[int, ChoiceText] = field(default_factory=dict)  # choice -> its text so far
+    stop_strings: dict[int, str] = field(default_factory=dict)  # choice -> the one that ended it
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the server, not the client, ended it early
     error_status: int = 500  # the HTTP status that `error` stands for
@@ -252,6 +309,17 @@ class GenerationService:
         self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
         return stream, prepared
 
+    async def compute(self, raw: bytes, work: Callable[[bytes, bool], T]) -> T:
+        """`work(raw, bulk)` in an intake lane, off the event loop, for a request that generates
+        nothing (a token count): it takes no sequence, but a large body waits in the bulk lane
+        like any other."""
+        bulk = self.intake.is_bulk(raw)
+        if bulk and self.intake.bulk_full:
+            raise self._refuse(
+                f"{self.intake.max_bulk} large requests are already being prepared; retry later"
+            )
+        return await self.intake.run(bulk, partial(work, raw, bulk))
+
     def abort(self, stream: RequestStream) -> None:
         """The client went away: free the request's KV blocks now (the engine ends it as "abort")."""
         if not stream.finished:
@@ -298,8 +366,10 @@ class GenerationService:
                     stopped, tokens = True, tokens[: k + 1]
                     break
             finished = delta.finished or stopped
-            if stopped and not delta.finished:
-                self.client.abort(delta.request_id, delta.index)  # free its blocks now
+            if stopped:
+                stream.stop_strings[choice] = text.matched_stop
+                if not delta.finished:
+                    self.client.abort(delta.request_id, delta.index)  # free its blocks now
             logprobs = delta.logprobs
             self._route(
                 stream,

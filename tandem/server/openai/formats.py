@@ -1,8 +1,5 @@
-"""Response bodies and stream chunks, in the two shapes OpenAI clients parse.
-
-Plain dicts encoded by msgspec rather than pydantic models or `json.dumps`: a stream serialises
-one chunk per token per request, and msgspec does a chunk in a tenth of json's time.
-"""
+"""The encoders of /v1/completions and /v1/chat/completions: response bodies and stream
+chunks in the two shapes OpenAI clients parse, for any number of choices."""
 
 from __future__ import annotations
 
@@ -10,17 +7,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from tandem.request import Logprob, TokenLogprobs
-from tandem.server.tool_calls import Parsed, ToolCallParser, ToolPlan, assemble, tool_finish_reason
+from tandem.server.frontend.encoding import sse
+from tandem.server.frontend.errors import error_body
+from tandem.server.frontend.service import RequestStream
+from tandem.server.generation.tools import (
+    Parsed,
+    ToolCallParser,
+    ToolPlan,
+    assemble,
+    tool_finish_reason,
+)
 
 DONE = b"data: [DONE]\n\n"
-_encode_json = msgspec.json.Encoder().encode  # compact UTF-8, as json.dumps with separators
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + _encode_json(payload) + b"\n\n"
+MEDIA_TYPE = "text/event-stream"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -40,8 +40,43 @@ def _top(entry: TokenLogprobs, k: int) -> list[Logprob]:
     return sorted(entry.values(), key=lambda lp: lp.rank)[:k]
 
 
+class _Encoder:
+    """The Encoder protocol over a format's chunks (`opening_chunks`, `delta_chunk`,
+    `closing_chunk`, `usage_chunk`, `full`): SSE framing, the usage chunk, [DONE]."""
+
+    media_type = MEDIA_TYPE
+    include_usage: bool
+
+    def opening(self, stream: RequestStream) -> list[bytes]:
+        return [sse(c) for i in range(stream.num_choices) for c in self.opening_chunks(i)]
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs]) -> list[bytes]:
+        chunk = self.delta_chunk(text, index, logprobs)
+        return [] if chunk is None else [sse(chunk)]
+
+    def closing(self, index: int, finish_reason: str) -> list[bytes]:
+        return [sse(self.closing_chunk(finish_reason, index))]
+
+    def ending(self, stream: RequestStream) -> list[bytes]:
+        """The error that cut the stream short (in-stream, as OpenAI does), or the usage if
+        asked for; then [DONE]."""
+        if stream.error is not None:
+            return [sse(error_body(stream.error_status, stream.error, code="aborted")), DONE]
+        if self.include_usage:
+            counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
+            return [sse(self.usage_chunk(counts)), DONE]
+        return [DONE]
+
+    def whole(
+        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+    ) -> dict[str, Any]:
+        counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
+        reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
+        return self.full(texts, reasons, counts, logprobs)
+
+
 @dataclass
-class CompletionFormat:
+class CompletionFormat(_Encoder):
     """/v1/completions: `text` in each choice."""
 
     request_id: str
@@ -85,16 +120,16 @@ class CompletionFormat:
         self._text_offsets[index] = offset
         return out
 
-    def opening(self, index: int = 0) -> list[dict[str, Any]]:
+    def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
         return []
 
-    def delta(
+    def delta_chunk(
         self, text: str, index: int = 0, logprobs: list[TokenLogprobs] | None = None
     ) -> dict[str, Any]:
         choice = {"text": text, "logprobs": self._logprobs(logprobs or [], index)}
         return self._chunk({**choice, "finish_reason": None}, index)
 
-    def closing(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+    def closing_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk({"text": "", "finish_reason": finish_reason}, index)
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
@@ -130,7 +165,7 @@ class CompletionFormat:
 
 
 @dataclass
-class ChatFormat:
+class ChatFormat(_Encoder):
     """/v1/chat/completions: a `delta` per chunk (the role first), a `message` when whole.
 
     With `tools` (a plan whose output is read for calls), each choice's text goes through its
@@ -185,7 +220,7 @@ class ChatFormat:
             )
         return {"content": content}
 
-    def opening(self, index: int = 0) -> list[dict[str, Any]]:
+    def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
         if self.tools is not None:
             parser = self._parsers[index] = self.tools.parser()
             calls = parser.opening()
@@ -194,7 +229,7 @@ class ChatFormat:
                 return [self._chunk(delta, None, index)]
         return [self._chunk({"role": "assistant", "content": ""}, None, index)]
 
-    def delta(
+    def delta_chunk(
         self, text: str, index: int = 0, logprobs: list[TokenLogprobs] | None = None
     ) -> dict[str, Any] | None:
         """The chunk for a choice's new text; None when a tool-call parser holds it all back
@@ -206,7 +241,7 @@ class ChatFormat:
             return None
         return self._chunk(_parsed_delta(parsed), None, index, self._logprobs(logprobs or []))
 
-    def closing(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+    def closing_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         """The last chunk of a choice; with tools, it carries what the parser held back."""
         if self.tools is None:
             return self._chunk({}, finish_reason, index)
@@ -272,6 +307,3 @@ def _token_label(token: int, lp: Logprob) -> str:
 def _chat_token(lp: Logprob) -> dict[str, Any]:
     text = lp.decoded_token or ""
     return {"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
-
-
-ResponseFormat = CompletionFormat | ChatFormat

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from tandem.request import Request
-from tandem.server import wire
+from tandem.server.core import wire
 
 logger = logging.getLogger("tandem.server")
 

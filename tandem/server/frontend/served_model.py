@@ -19,7 +19,7 @@ from tandem.engine.intake import RequestIntake, ending_token_ids
 from tandem.models.catalog import checkpoint_path
 from tandem.models.loader import find_tokenizer
 from tandem.request import Logprob, Request, SamplingParams, StructuredOutputsParams, TokenLogprobs
-from tandem.server import wire
+from tandem.server.core import wire
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase | None:
@@ -37,6 +37,7 @@ class ServedModel:
     ):
         """`tokenizer`: `load_tokenizer(ready.model_path)`'s."""
         self.model_path = Path(ready.model_path)
+        self.model_type = ready.model_type
         self.configured_name = configured_name  # as given on the command line, if any
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -103,3 +104,8 @@ class ChoiceText:
 
     def delta(self, finished: bool) -> str:
         return self.detokenizer.delta(finished)
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the choice, if one did."""
+        return self.detokenizer.matched_stop
