@@ -595,3 +595,20 @@ def test_the_response_store_keeps_its_bounds() -> None:
     put(store, "f", 600)  # larger than the bound on its own
     assert store.get("f") is None and store.get("e") is not None
     assert store.delete("e") and not store.delete("e") and store.num_bytes == 0
+
+
+def test_unknown_field_names_are_remembered_up_to_a_bound(monkeypatch, caplog) -> None:
+    """A client inventing names cannot grow the server's memory or its log without end."""
+    from tandem.server.generation import fields
+
+    monkeypatch.setattr(fields, "MAX_REPORTED", 3)
+    monkeypatch.setattr(fields, "_reported", set())
+    with caplog.at_level("INFO", logger="tandem.server"):
+        fields.log_ignored("/x", [f"f{i}" for i in range(10)])
+        fields.log_ignored("/x", ["f0", "g"])
+    logged = [r.getMessage() for r in caplog.records]
+    assert [m for m in logged if "ignoring" in m] == [
+        f"/x: ignoring the field 'f{i}', which this server does not use" for i in range(3)
+    ]
+    assert logged[-1] == "3 unknown field names logged: no more will be"
+    assert len(fields._reported) == 4

@@ -19,6 +19,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 
 logger = logging.getLogger("tandem.server")
 
+# Names are remembered to be logged once; past this many (a client inventing names), no more.
+MAX_REPORTED = 512
 _reported: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
@@ -74,7 +76,10 @@ def log_ignored(endpoint: str, names: list[str]) -> None:
         if key in _reported:
             continue
         with _lock:
-            if key in _reported:
+            if key in _reported or len(_reported) > MAX_REPORTED:
                 continue
             _reported.add(key)
+            if len(_reported) > MAX_REPORTED:
+                logger.info("%d unknown field names logged: no more will be", MAX_REPORTED)
+                continue
         logger.info("%s: ignoring the field %r, which this server does not use", endpoint, name)
