@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 
 from tandem.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
+from tandem.reasoning import PARSER_CHOICES
 from tandem.request import SAMPLING_FIELDS, SamplingParams
 
 
@@ -25,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="put over those defaults, as vLLM's flag: sampling fields by name, and "
                    "max_new_tokens, a cap on every request's output (the default of one that "
                    "sets none), e.g. '{\"max_new_tokens\": 256}'")  # fmt: skip
+    g.add_argument("--reasoning-parser", choices=PARSER_CHOICES, default="auto",
+                   help="which block of a reasoning model's output is its thinking (vLLM's "
+                   "names); auto: qwen3's where the chat template writes <think>, else none")  # fmt: skip
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto: the folder's safetensors; dummy: seeded random weights made on the "
                    "device from config.json alone (no tokenizer files: token-id prompts only)")  # fmt: skip
@@ -104,6 +108,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> 
     g.add_argument("--top-k", type=int, default=None, help=model_default % "0 (off)")
     g.add_argument("--min-p", type=float, default=None, help=model_default % 0)
     g.add_argument("--repetition-penalty", type=float, default=None, help=model_default % 1)
+    g.add_argument("--thinking-token-budget", type=int, default=None, metavar="N",
+                   help="reasoning models: the most thinking tokens before the end of the "
+                   "block is forced; " + model_default % "no bound")  # fmt: skip
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -152,6 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "finish_reason": sample.finish_reason}  # fmt: skip
                 if args.n > 1:
                     record["index"] = sample.index
+                if sample.reasoning is not None:  # a reasoning model's thinking
+                    record["reasoning"] = sample.reasoning
                 print(json.dumps(record, ensure_ascii=False))
             else:
                 print(f"{prompt}{sample.text}")

@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tandem.reasoning import PARSER_CHOICES
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -138,6 +140,9 @@ class EngineConfig:
     # Put over those defaults, as vLLM's --override-generation-config: sampling fields by name,
     # and max_new_tokens, a cap on every request's output (the server's default output length).
     override_generation_config: dict[str, float | int] | None = None
+    # Reasoning models: which block of the output is thinking (`tandem/reasoning.py`): "auto"
+    # (qwen3's where the chat template writes <think>, else none), "none", "deepseek_r1", "qwen3".
+    reasoning_parser: str = "auto"
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
@@ -159,6 +164,11 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.reasoning_parser not in PARSER_CHOICES:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(PARSER_CHOICES)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"

@@ -68,7 +68,9 @@ class LLM:
         for finished in samples:
             first = finished[0]
             first.outputs = [
-                CompletionOutput(i, out.text, out.token_ids, out.finish_reason, out.logprobs)
+                CompletionOutput(
+                    i, out.text, out.token_ids, out.finish_reason, out.logprobs, out.reasoning
+                )
                 for i, out in sorted(finished.items())
             ]
             results.append(first)

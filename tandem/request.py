@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.reasoning import ReasoningTracker
+
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 # The longest schema, regex, grammar or choice list a request may carry (characters): compiling
 # grows with it, and a request is no place for a megabyte of grammar.
@@ -72,7 +74,9 @@ class StructuredOutputsParams:
 
 
 # The sampling fields a checkpoint's defaults may set (generation_config.json's names too).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "thinking_token_budget"
+)  # fmt: skip
 
 
 @dataclass
@@ -102,7 +106,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # Constrained decoding: every output token keeps the text a prefix of the grammar's language.
+    # With a reasoning model, the answer after the thinking is constrained, never the thinking.
     structured_outputs: StructuredOutputsParams | None = None
+    # Reasoning models: the most thinking tokens before the end of the block is forced (None:
+    # no bound; 0: the block closes at once). Only with the engine's reasoning parser.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -139,6 +147,11 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise ValueError(
+                f"thinking_token_budget must be None or a non-negative integer, got {budget!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -275,6 +288,8 @@ class Request:
     # sample's own matcher, advanced by retired tokens only (`engine/grammar.py`).
     compiled_grammar: Any = None
     grammar: Any = None
+    # With a reasoning parser: the sample's phase over its retired tokens (`tandem/reasoning.py`).
+    reasoning: ReasoningTracker | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token; [0] None
 
@@ -337,10 +352,11 @@ class CompletionOutput:
     """One finished sample of a request (vLLM's name and fields)."""
 
     index: int
-    text: str
+    text: str  # the answer (with a reasoning parser, what follows the thinking)
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when asked for
+    reasoning: str | None = None  # the thinking, without its tags (None: no reasoning parser)
 
 
 @dataclass
@@ -372,3 +388,7 @@ class RequestOutput:
     # None for the first (nothing predicts it), complete from the first output on.
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With a reasoning parser: the thinking so far and its new part, without the tags (`text`
+    # is then the answer alone; `token_ids` hold every token, tags included).
+    reasoning: str | None = None
+    delta_reasoning: str = ""

@@ -98,6 +98,18 @@ SLIDING_WINDOW = 7
 
 
 @pytest.fixture(scope="session")
+def thinking_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reasoning model: Qwen3 whose tokenizer has <think>, </think>, <tool_call> and
+    </tool_call> as tokens and whose chat template opens the thinking block in the generation
+    prompt (an empty, closed one with `enable_thinking` false). Random weights: the block is
+    closed by the budget, not the model."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("qwen3-thinking"), "Qwen3ForCausalLM", head_dim=32,
+        thinking=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def sliding_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3 with `layer_types` mixing attention kinds: layer 0 full, layers 1-3 within a
     window of SLIDING_WINDOW keys (so the KV cache has several block tables)."""

@@ -267,6 +267,28 @@ def test_messages_bad_input(live: LiveServer, model: str, body, status, kind, wo
     assert_idle(live)
 
 
+def test_thinking_settings_for_a_model_that_does_not_think(live: LiveServer, model: str) -> None:
+    """Each API's own thinking setting is a hint where the model has no reasoning parser (the
+    answer is the one without it); vLLM's explicit thinking_token_budget is refused."""
+    hi = [{"role": "user", "content": "hi"}]
+    plain = claude(live).messages.create(model=model, max_tokens=4, messages=hi, extra_body=GREEDY)
+    hinted = claude(live).messages.create(
+        model=model, max_tokens=4, messages=hi, extra_body=GREEDY,
+        thinking={"type": "enabled", "budget_tokens": 2},
+    )  # fmt: skip
+    assert hinted.content[0].text == plain.content[0].text
+    assert (
+        responses(live)
+        .responses.create(model=model, input="hi", max_output_tokens=2, reasoning={"effort": "low"})
+        .output
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        live.client().chat.completions.create(
+            model=model, messages=hi, max_tokens=2, extra_body={"thinking_token_budget": 3}
+        )
+    assert "thinking_token_budget needs a reasoning model" in info.value.message
+
+
 def test_messages_server_tools_are_ignored_with_a_warning(live: LiveServer, model: str) -> None:
     web = {"type": "web_search_20250305", "name": "web_search"}
     raw = claude(live).messages.with_raw_response.create(

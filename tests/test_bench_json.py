@@ -94,3 +94,35 @@ def test_json_bench_runs_every_share_sync_and_async(tiny_llama, capsys, monkeypa
         assert stop + length == 8
     assert rows["requests finished by stop / length"][:2] == ["0 / 8", "0 / 8"]  # ignore_eos
     assert rows["outputs identical (all runs)"] == ["", "yes"] * 3
+
+
+def test_thinking_variant_runs_each_share_with_and_without_thinking(capsys, monkeypatch):
+    """--thinking-budget on the default model's reasoning twin: each share with a grammar runs
+    as a reasoning model's too (its requests open the block and think the budget first), and
+    its unconstrained requests are compared with the same share's without thinking."""
+    monkeypatch.setenv("COLUMNS", "400")
+    args = ["bench", "--workload", "json", "--model", "default-thinking", "--num-requests", "8",
+            "--output-len", "8", "--prompt-len", "16", "--json-fractions", "0,50",
+            "--thinking-budget", "6"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "metric" in line)
+    kinds = ["0% json", "50% json", "50% think 6+json"]
+    assert [c.strip() for c in header.split("┃")[2:-1]] == [
+        f"{k}, {m}" for k in kinds for m in ("sync", "async")
+    ]
+    rows = bench_table(out)
+    assert rows["outputs identical (all runs)"] == ["", "yes"] * 3
+    versus = rows["unconstrained ITL vs no thinking"]
+    assert versus[:4] == [""] * 4 and all(v.endswith("x") for v in versus[4:])
+    assert main(args[:3] + ["--num-requests", "2", "--thinking-budget", "6"]) == 2
+    assert "needs a reasoning model" in capsys.readouterr().err
+
+
+def test_constrain_with_thinking_opens_the_block_and_grows_the_lengths():
+    spec = json_schema_spec()
+    work = Workload([[5]] * 4, [4] * 4, [0.0] * 4)
+    thinking = constrain(work, 50, spec, (99, 7))
+    assert thinking.prompts == [[5, 99], [5], [5, 99], [5]]
+    assert thinking.output_lens == [12, 4, 12, 4] and thinking.thinking == [7, None, 7, None]
+    assert thinking.thinking_budget(0) == 7 and thinking.warmup().thinking == [7, None, 7, None]

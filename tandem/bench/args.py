@@ -70,6 +70,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json-fractions", default=JSON_FRACTIONS,
                    help=f"{JSON_PRESET}: percentages of requests under the schema, one run each "
                    f"(spread evenly: 25 is every 4th request); default {JSON_FRACTIONS}")  # fmt: skip
+    g.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help=f"{JSON_PRESET}: the constrained requests are a reasoning model's: their "
+                   "prompt opens the thinking block and they think N tokens (the budget ends it) "
+                   "before the schema's answer; needs a model with a reasoning parser, e.g. "
+                   "--model default-thinking (the default model's reasoning twin)")  # fmt: skip
     g.add_argument("--len-spread", type=float, default=0.5,
                    help="lengths are uniform in mean * [1 - spread, 1 + spread]")  # fmt: skip
     g.add_argument("--arrivals", choices=("offline", "poisson"), default="offline",

@@ -66,6 +66,7 @@ from tandem.config import EngineConfig, SpeculativeConfig, usable_cores
 from tandem.engine.engine import Engine
 from tandem.engine.grammar import GrammarCompiler, tokenizer_info
 from tandem.metrics import plot_timeline, write_chrome_trace
+from tandem.models.catalog import DEFAULT_THINKING
 from tandem.models.spec import checkpoint_shapes
 from tandem.request import StructuredOutputsParams
 
@@ -165,6 +166,19 @@ def add_roofline_rows(
         )
 
 
+def thinking_of(args: argparse.Namespace, engine: Engine) -> tuple[int, int] | None:
+    """--thinking-budget's (start tag, budget), or None; refused for a model without a
+    reasoning parser."""
+    if args.thinking_budget is None:
+        return None
+    if engine.reasoning is None:
+        raise ValueError(
+            f"--thinking-budget needs a reasoning model: {engine.model_path} has no reasoning "
+            f"parser (its chat template writes no <think>); try --model {DEFAULT_THINKING}"
+        )
+    return engine.reasoning.start, args.thinking_budget
+
+
 def bench_workload(args: argparse.Namespace, engine: Engine) -> Workload:
     """The chat workload needs the model's tokenizer, copy uses it where there is one; the
     others need only the vocabulary size."""
@@ -257,6 +271,7 @@ class Variant:
     json_percent: int | None = None  # json: the share of constrained requests
     speculative: SpeculativeConfig | None = None  # the engine's speculation in this variant
     speculation: str = ""  # --speculative-config's variants: "off", "ngram" or "draft"
+    thinking: bool = False  # json: the constrained requests think first (--thinking-budget)
 
     def column(self, mode: str) -> str:
         return self.label.format(mode=mode)
@@ -306,9 +321,11 @@ def bench_columns(
     workload: Workload,
     modes: list[str],
     speculative: SpeculativeConfig | None = None,
+    thinking: tuple[int, int] | None = None,
 ) -> list[Column]:
     """The runs of one repeat, in order, one column each. `speculative`: the engine's config;
-    shared-prefix and json run under it, the other workloads compare it with speculation off."""
+    shared-prefix and json run under it, the other workloads compare it with speculation off.
+    `thinking` (start tag, budget): json's constrained requests think first."""
     if args.workload == "shared-prefix" and caching:  # caching off, then on, in each mode
         variants = [
             Variant(f"{{mode}}, cache {name}", workload, on, speculative=speculative)
@@ -317,16 +334,20 @@ def bench_columns(
         return [Column(v.column(m), m, v) for m in modes for v in variants]
     if args.workload == JSON_PRESET:  # sync and async of one share side by side
         spec = json_schema_spec()
+        shares = [(pct, None) for pct in parse_json_fractions(args.json_fractions)]
+        if thinking is not None:  # each share also as a reasoning model's, after it
+            shares = [s for pct, _ in shares for s in [(pct, None)] + [(pct, thinking)] * (pct > 0)]
         variants = [
             Variant(
-                f"{pct}% json, {{mode}}",
-                constrain(workload, pct, spec),
+                f"{pct}% {'json' if think is None else f'think {think[1]}+json'}, {{mode}}",
+                constrain(workload, pct, spec, think),
                 caching,
-                str(pct),
+                f"{pct}{'' if think is None else 't'}",
                 pct,
                 speculative,
+                thinking=think is not None,
             )
-            for pct in parse_json_fractions(args.json_fractions)
+            for pct, think in shares
         ]
         return [Column(v.column(m), m, v) for v in variants for m in modes]
     if speculative is not None:  # sync and async of each side by side
@@ -443,10 +464,14 @@ def add_json_rows(table: Table, columns: list[Column], results: dict[str, Run]) 
         return 1e3 * float(np.percentile(itl, 50)) if itl else None
 
     baseline = {c.mode: c.name for c in columns if c.variant.json_percent == 0}
+    # --thinking-budget: each thinking column against the same share without thinking.
+    plain_share = {
+        (c.mode, c.variant.json_percent): c.name for c in columns if not c.variant.thinking
+    }
 
-    def vs_baseline(values: dict[str, float | None], column: Column) -> str:
-        """The column's value over that of the 0% run of its loop."""
-        value, base = values[column.name], values.get(baseline.get(column.mode, ""))
+    def vs_baseline(values: dict[str, float | None], column: Column, to: str = "") -> str:
+        """The column's value over that of the 0% run of its loop (or of the run `to`)."""
+        value, base = values[column.name], values.get(to or baseline.get(column.mode, ""))
         return f"{value / base:.3f}x" if value is not None and base else ""
 
     runs = [results[c.name] for c in columns]
@@ -462,6 +487,16 @@ def add_json_rows(table: Table, columns: list[Column], results: dict[str, Run]) 
     )
     if baseline:
         table.add_row("unconstrained ITL vs 0%", *(vs_baseline(itl, c) for c in columns))
+    if any(c.variant.thinking for c in columns):
+        table.add_row(
+            "unconstrained ITL vs no thinking",
+            *(
+                vs_baseline(itl, c, plain_share[c.mode, c.variant.json_percent])
+                if c.variant.thinking
+                else ""
+                for c in columns
+            ),
+        )
     if "async" in baseline:
         rates = {c.name: results[c.name].summary.tokens_per_s for c in columns}
         table.add_row(
@@ -533,16 +568,23 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError("--profile times one device: use it with --tensor-parallel-size 1")
     if args.workload == JSON_PRESET:
         parse_json_fractions(args.json_fractions)  # refused before the engine loads
+    if args.thinking_budget is not None and (
+        args.workload != JSON_PRESET or args.thinking_budget < 0
+    ):
+        raise ValueError(f"--thinking-budget is a budget (>= 0) of the {JSON_PRESET} workload")
     config = resolve_workload(args, config, config.torch_device.type)
     engine = Engine(config)
     try:
         workload = bench_workload(args, engine)
         compile_line = grammar_compile_line(engine) if args.workload == JSON_PRESET else None
+        thinking = thinking_of(args, engine)
     except ValueError:
         engine.close()
         raise
     speculative = config.speculative_config
-    columns = bench_columns(args, config.enable_prefix_caching, workload, modes, speculative)
+    columns = bench_columns(
+        args, config.enable_prefix_caching, workload, modes, speculative, thinking
+    )
     console.print(describe_model(engine))
     if speculative is not None:
         console.print(speculation_line(config))
@@ -580,7 +622,10 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         )
     elif args.workload == JSON_PRESET:
         shares = "/".join(str(c.variant.json_percent) for c in columns if c.mode == modes[0])
-        kind = f" ({JSON_PRESET}: {shares}% of them under {JSON_SCHEMA.name})"
+        kind = f" ({JSON_PRESET}: {shares}% of them under {JSON_SCHEMA.name}"
+        if thinking is not None:
+            kind += f", thinking {thinking[1]} tokens first"
+        kind += ")"
     table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")

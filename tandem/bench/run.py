@@ -57,6 +57,7 @@ def run_workload(
             seed=i,
             ignore_eos=workload.ignore_eos and workload.constraint(i) is None,
             structured_outputs=workload.constraint(i),
+            thinking_token_budget=workload.thinking_budget(i),
         )
         for i, n in enumerate(workload.output_lens)
     ]

@@ -111,9 +111,14 @@ class Workload:
     # Per request (empty: none): the grammar its output must match. A constrained request
     # honours EOS (its grammar ends it) whatever `ignore_eos` says.
     structured: list[StructuredOutputsParams | None] = field(default_factory=list)
+    # Per request (empty: none): its thinking budget, a reasoning model's request.
+    thinking: list[int | None] = field(default_factory=list)
 
     def constraint(self, i: int) -> StructuredOutputsParams | None:
         return self.structured[i] if self.structured else None
+
+    def thinking_budget(self, i: int) -> int | None:
+        return self.thinking[i] if self.thinking else None
 
     @property
     def ends_early(self) -> bool:
@@ -123,7 +128,10 @@ class Workload:
     def warmup(self, n: int = 4, max_tokens: int = 4) -> Workload:
         """The first `n` requests, `max_tokens` each, all at once (constraints kept)."""
         k = min(n, len(self.prompts))
-        return Workload(self.prompts[:k], [max_tokens] * k, [0.0] * k, True, self.structured[:k])
+        return Workload(
+            self.prompts[:k], [max_tokens] * k, [0.0] * k, True, self.structured[:k],
+            self.thinking[:k],
+        )  # fmt: skip
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
@@ -297,10 +305,28 @@ def parse_json_fractions(text: str) -> list[int]:
     return fractions
 
 
-def constrain(workload: Workload, percent: int, spec: StructuredOutputsParams) -> Workload:
+def constrain(
+    workload: Workload,
+    percent: int,
+    spec: StructuredOutputsParams,
+    thinking: tuple[int, int] | None = None,
+) -> Workload:
     """The workload with `percent`% of its requests, spread evenly (25: every 4th, from the
-    first), under `spec`; the others keep ignoring EOS and run to their length."""
-    structured = [
-        spec if (i * percent) % 100 < percent else None for i in range(len(workload.prompts))
-    ]
-    return replace(workload, structured=structured)
+    first), under `spec`; the others keep ignoring EOS and run to their length. `thinking`
+    (start tag, budget): the constrained requests are a reasoning model's, their prompt opening
+    the thinking block and their budget ending it before the answer (their output length grows
+    by the budget and the end tag)."""
+    chosen = [(i * percent) % 100 < percent for i in range(len(workload.prompts))]
+    structured = [spec if c else None for c in chosen]
+    if thinking is None:
+        return replace(workload, structured=structured)
+    start, budget = thinking
+    return replace(
+        workload,
+        structured=structured,
+        prompts=[p + [start] if c else p for p, c in zip(workload.prompts, chosen, strict=True)],
+        output_lens=[
+            n + budget + 1 if c else n for n, c in zip(workload.output_lens, chosen, strict=True)
+        ],
+        thinking=[budget if c else None for c in chosen],
+    )

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.engine.fan_out import fan_out
-from tandem.engine.grammar import GrammarCompiler, StepBitmasks, constrained_items, grammar_of
+from tandem.engine.grammar import (
+    GrammarCompiler,
+    StepBitmasks,
+    constrained_items,
+    grammar_of,
+    prepare_reasoning,
+)
 from tandem.engine.intake import RequestIntake, eos_token_ids
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.stats import EngineStats, StepHistory
@@ -29,10 +35,12 @@ from tandem.execution.setup import load_execution
 from tandem.execution.streams import StepHandle
 from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord
 from tandem.models.catalog import resolve_model
+from tandem.models.errors import ModelLoadError
 from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
+from tandem.reasoning import resolve_parser
 from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
-from tandem.sampler.inputs import LogprobRows
+from tandem.sampler.inputs import GrammarRows, LogprobRows
 from tandem.scheduling.draft_policy import DraftPolicy, StepCosts
 from tandem.scheduling.kv_groups import KVGroups
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
@@ -57,6 +65,7 @@ class _InFlight:
     handle: StepHandle
     record: StepRecord
     logprobs: LogprobRows | None  # how to read logprobs out of the step's packed output
+    grammar: GrammarRows | None = None  # the rows the host's bitmask constrains
 
 
 class Engine:
@@ -109,8 +118,21 @@ class Engine:
         self._speculation(config.speculative_config)
         self.runner, self.execution = loaded.start(self.scheduler.slots.size, max_model_len)
         logger.info("execution: %s", self.execution.describe())
+        self.reasoning = resolve_parser(config.reasoning_parser, self.tokenizer)
+        if self.reasoning is not None:
+            logger.info("%s", self.reasoning.describe())
+        elif "thinking_token_budget" in self.generation_defaults.values:
+            raise ModelLoadError(
+                f"a default thinking_token_budget needs a reasoning model: {path} has no "
+                "reasoning parser (its chat template writes no <think>; see --reasoning-parser)"
+            )
         self.intake = RequestIntake(
-            self.tokenizer, self.spec.vocab_size, eos_ids, max_model_len, config.seed
+            self.tokenizer,
+            self.spec.vocab_size,
+            eos_ids,
+            max_model_len,
+            config.seed,
+            self.reasoning,
         )
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, config.detokenize)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, eos_ids)
@@ -155,6 +177,7 @@ class Engine:
         spec = request.params.structured_outputs
         if spec is not None and compile_grammar:
             request.compiled_grammar = self.grammars.compile(spec)
+            prepare_reasoning(request, self.grammars.bitmask_width)
         return request
 
     def submit(self, request: Request) -> str:
@@ -275,7 +298,10 @@ class Engine:
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
             record.kv_bytes = kv_bytes_read(self._kv_bytes, batch)
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
-            self._inflight.append(_InFlight(batch, handle, record, inputs.sampler.logprobs))
+            sampler = inputs.sampler
+            self._inflight.append(
+                _InFlight(batch, handle, record, sampler.logprobs, sampler.grammar)
+            )
             if inputs.sampler.grammar is not None:
                 # Its bitmask needs every earlier token: retire the step before it first (its
                 # forward runs meanwhile), then build the bitmask and launch the sampling.
@@ -350,6 +376,7 @@ class Engine:
                     outputs.append(self._finish(request, "abort"))
                 else:
                     request.compiled_grammar = compiled
+                    prepare_reasoning(request, self.grammars.bitmask_width)
                     self.scheduler.add(request)
         return outputs
 
@@ -357,7 +384,8 @@ class Engine:
         """Build the newest step's bitmask (its forward is running) and launch its sampling."""
         t0 = time.perf_counter()
         drafts = self.runner.step_drafts(inflight.handle) if drafts_to_host else None
-        bitmask = self._bitmasks.build(constrained_items(inflight.batch, drafts))
+        rows = inflight.grammar
+        bitmask = self._bitmasks.build(constrained_items(inflight.batch, rows, drafts))
         inflight.handle = self.runner.sample_constrained(inflight.handle, bitmask)
         inflight.record.spans["grammar"] = (t0, time.perf_counter())
 
@@ -426,7 +454,7 @@ class Engine:
             reason, new = None, []
             for token, lp in zip(tokens, logprobs, strict=True):
                 reason = self.outputs.append_token(request, token, t1, lp)
-                if reason is None and request.compiled_grammar is not None:
+                if reason is None and request.compiled_grammar is not None and is_answer(request):
                     reason = self._advance_grammar(request, token)
                 new.append(token)
                 if reason is not None:
@@ -471,6 +499,11 @@ class Engine:
             with self._lock:
                 self._live_ids.discard(request.request_id)
         return output
+
+
+def is_answer(request: Request) -> bool:
+    """Whether the sample's latest retired token belongs to the answer (not to its thinking)."""
+    return request.reasoning is None or request.reasoning.last_kind == "content"
 
 
 def _check_speculation(spec: SpeculativeConfig | None, groups: KVGroups) -> None:

@@ -24,6 +24,8 @@ def fan_out(request: Request, vocab_size: int) -> list[Request]:
         for name, value in vars(request).items():
             if isinstance(value, (list, dict, set)) and name != "prompt_token_ids":
                 setattr(sample, name, type(value)(value))
+        if request.reasoning is not None:
+            sample.reasoning = copy.copy(request.reasoning)
         sample.index = i
         sample.seed = sample_seed(request.seed, i)
         sample.sampling_row = sampling_row(request.params, sample.seed, vocab_size)

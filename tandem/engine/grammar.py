@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tandem.request import Request, StructuredOutputsParams
-from tandem.sampler.inputs import is_constrained
+from tandem.sampler.inputs import GrammarRows
 from tandem.scheduling.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:  # imported where first used: it adds most of a second to every start-up
@@ -202,6 +202,22 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
+def initial_bitmask(compiled: xgr.CompiledGrammar, width: int) -> np.ndarray:
+    """[width] int32: the tokens a grammar allows first (what a reasoning row's answer starts
+    under on the device, `sampler/reasoning.py`)."""
+    import xgrammar as xgr
+
+    bitmask = torch.full((1, width), -1, dtype=torch.int32)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bitmask[0].numpy()
+
+
+def prepare_reasoning(request: Request, width: int) -> None:
+    """Give a reasoning sample with a compiled grammar its grammar's initial mask."""
+    if request.reasoning is not None and request.compiled_grammar is not None:
+        request.reasoning.initial_mask = initial_bitmask(request.compiled_grammar, width)
+
+
 def grammar_of(request: Request) -> RequestGrammar:
     """The sample's matcher, made on first use (samples of one request share the compiled
     grammar, never a matcher)."""
@@ -213,18 +229,18 @@ def grammar_of(request: Request) -> RequestGrammar:
 _NO_DRAFTS = np.zeros(0, np.int64)
 
 
-def constrained_items(batch: ScheduledBatch, drafts: np.ndarray | None) -> list[tuple]:
-    """The step's items with sampling rows that a grammar constrains, in sampling-row order
-    (the order of `GrammarRows.rows`), each with its drafts: its share of `drafts`, which
-    holds every verifying item's in batch order (None: the step has none)."""
+def constrained_items(
+    batch: ScheduledBatch, rows: GrammarRows, drafts: np.ndarray | None
+) -> list[tuple]:
+    """The step's items with sampling rows under a bitmask, as the step chose them when it was
+    built (`GrammarRows.items`, in sampling-row order), each with its drafts: its share of
+    `drafts`, which holds every verifying item's in batch order (None: the step has none)."""
     drafts = _NO_DRAFTS if drafts is None else drafts
-    constrained, offset = [], 0
-    for item in batch.items:
-        own = drafts[offset : offset + item.num_drafts]
-        offset += item.num_drafts
-        if item.num_rows and is_constrained(item.request):
-            constrained.append((item, own))
-    return constrained
+    starts = np.cumsum([0] + [item.num_drafts for item in batch.items])
+    return [
+        (batch.items[i], drafts[starts[i] : starts[i] + batch.items[i].num_drafts])
+        for i in rows.items
+    ]
 
 
 class StepBitmasks:
@@ -257,9 +273,14 @@ class StepBitmasks:
             row += item.num_rows
             if request.finished:
                 continue  # its tokens are discarded at retirement: any value will do
+            if request.reasoning is not None and request.reasoning.content_start is None:
+                continue  # its first token opened the thinking block: thinking is free
             grammar = grammar_of(request)
-            # A verification's output index is the device's; all before it have retired.
+            # A verification's output index is the device's; all before it have retired. A
+            # reasoning sample's grammar starts at its answer.
             at = len(request.output_token_ids) if item.verify else item.output_index
+            if request.reasoning is not None:
+                at -= request.reasoning.content_start
             if grammar.num_accepted != at:
                 raise RuntimeError(
                     f"grammar of {request.request_id!r} is at token {grammar.num_accepted}, "

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from transformers import GenerationConfig
 
+from tandem.reasoning import ReasoningTokens, ReasoningTracker
 from tandem.request import LogitsProcessing, Request, SamplingParams
 from tandem.sampler.sampling import seed_key
 
@@ -26,8 +27,11 @@ class RequestIntake:
         eos_token_ids: set[int],
         max_model_len: int,
         engine_seed: int,
+        reasoning: ReasoningTokens | None = None,
     ):
+        """`reasoning`: the engine's reasoning parser, resolved (None: no reasoning parser)."""
         self.tokenizer = tokenizer  # None: the model folder has no tokenizer files
+        self.reasoning = reasoning
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -46,13 +50,18 @@ class RequestIntake:
                 "stop strings need a tokenizer, and this model has no tokenizer "
                 "(its folder has no tokenizer files): use stop_token_ids"
             )
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError(
+                "thinking_token_budget needs a reasoning model, and this one has no reasoning "
+                "parser (its chat template writes no <think>; see --reasoning-parser)"
+            )
         token_ids = self.tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         processing = self._logits_processing(params)
         seed = params.seed
         if seed is None:  # derived from the engine seed and arrival order: runs are reproducible
             seed = hash((self._engine_seed, next(self._seed_counter)))
-        return Request(
+        request = Request(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
             prompt_token_ids=token_ids,
             params=params,
@@ -64,6 +73,19 @@ class RequestIntake:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if self.reasoning is not None:
+            request.reasoning = ReasoningTracker.start(
+                token_ids,
+                self.reasoning,
+                params.thinking_token_budget,
+                grammar=params.structured_outputs is not None,
+                blank=self._blank,
+            )
+        return request
+
+    def _blank(self, token_ids: list[int]) -> bool:
+        """Whether the ids are whitespace only (a prompt's tail after a closed thinking block)."""
+        return not self.tokenizer.decode(token_ids).strip()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

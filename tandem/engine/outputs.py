@@ -14,7 +14,9 @@ from tandem.scheduling.scheduler import ScheduledRequest
 
 
 class OutputProcessor:
-    """Per live sample: its detokenizer (incremental text, stop strings with hold-back)."""
+    """Per live sample: its detokenizer (incremental text, stop strings with hold-back); with a
+    reasoning parser, a second one for the thinking, each token going to its part
+    (`ReasoningTracker`; the tags to neither, stop strings looked for in the answer)."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], detokenize: bool = True):
         """`detokenize` False: no text, no stop strings, no logprob token texts (the caller's)."""
@@ -22,18 +24,22 @@ class OutputProcessor:
         self._backend = tokenizer.backend_tokenizer if detokenize else None
         self.eos_token_ids = eos_token_ids
         self._detok: dict[tuple[str, int], IncrementalDetokenizer | NoDetokenizer] = {}
+        self._thinking: dict[tuple[str, int], IncrementalDetokenizer | NoDetokenizer] = {}
         self.decode_token = TokenTexts(self._backend)  # a token's text for logprobs
 
     def track(self, request: Request) -> None:
-        self._detok[request.key] = (
-            NoDetokenizer()
-            if self._backend is None
-            else IncrementalDetokenizer(
-                self._backend,
-                request.prompt_token_ids,
-                request.params.stop,
-                request.params.skip_special_tokens,
-            )
+        self._detok[request.key] = self._detokenizer(request, request.params.stop)
+        if request.reasoning is not None:
+            self._thinking[request.key] = self._detokenizer(request, [])
+
+    def _detokenizer(
+        self, request: Request, stop: list[str]
+    ) -> IncrementalDetokenizer | NoDetokenizer:
+        if self._backend is None:
+            return NoDetokenizer()
+        params = request.params
+        return IncrementalDetokenizer(
+            self._backend, request.prompt_token_ids, stop, params.skip_special_tokens
         )
 
     def read_step(
@@ -90,11 +96,15 @@ class OutputProcessor:
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
         params = request.params
+        kind = request.reasoning.advance(token) if request.reasoning is not None else "content"
+        if kind == "thinking":
+            self._thinking[request.key].add(token, check_stop=False)
         if (
             token in params.stop_token_ids
             or (token in self.eos_token_ids and not params.ignore_eos)
             # Stop strings count only from min_tokens on (as in vLLM); stop ids are masked before.
-            or self._detok[request.key].add(
+            or kind == "content"
+            and self._detok[request.key].add(
                 token, check_stop=len(request.output_token_ids) >= params.min_tokens
             )
         ):
@@ -104,24 +114,25 @@ class OutputProcessor:
         return None
 
     def running_output(self, request: Request, new_ids: list[int]) -> RequestOutput:
-        detok = self._detok[request.key]
-        return _output(request, detok, detok.delta(finished=False), new_ids, finished=False)
+        detok, thinking = self._detok[request.key], self._thinking.get(request.key)
+        return _output(request, detok, thinking, new_ids, finished=False)
 
     def finished_output(self, request: Request, new_ids: list[int] | None = None) -> RequestOutput:
         """The last output of a finished (or aborted) sample, with the tokens its last step
-        added (`new_ids`; none by default); forgets its detokenizer."""
-        detok = self._detok.pop(request.key)
-        new_ids = new_ids or []
-        return _output(request, detok, detok.delta(finished=True), new_ids, finished=True)
+        added (`new_ids`; none by default); forgets its detokenizers."""
+        detok, thinking = self._detok.pop(request.key), self._thinking.pop(request.key, None)
+        return _output(request, detok, thinking, new_ids or [], finished=True)
 
 
 def _output(
     request: Request,
     detok: IncrementalDetokenizer | NoDetokenizer,
-    delta_text: str,
+    thinking: IncrementalDetokenizer | NoDetokenizer | None,
     delta_ids: list[int],
     finished: bool,
 ) -> RequestOutput:
+    delta_text = detok.delta(finished)
+    delta_reasoning = thinking.delta(finished) if thinking is not None else ""
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
@@ -136,6 +147,8 @@ def _output(
         index=request.index,
         logprobs=_snapshot(request.logprobs, finished),
         prompt_logprobs=_snapshot(request.prompt_logprobs, finished),
+        reasoning=thinking.emitted_text if thinking is not None else None,
+        delta_reasoning=delta_reasoning,
     )
 
 

@@ -131,6 +131,7 @@ def graph_mode(x: StepInputs) -> str | None:
         s.processing is None
         and s.logprobs is None
         and s.grammar is None
+        and s.reasoning is None  # a row's phase moves on: eager (no graph holds its stage)
         and not x.prefills
         and x.num_tokens == x.num_decodes == x.num_sampled
         # A draft model's forward over the step's tokens (and its passes) is not captured.

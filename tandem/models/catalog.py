@@ -62,13 +62,19 @@ PACKAGED_MODELS = {
 }
 
 
+# The built-in default model's reasoning twin (a thinking block in its chat template), built
+# offline on first use like the default model.
+DEFAULT_THINKING = "default-thinking"
+
+
 def resolve_model(model: str | None) -> Path:
-    """The checkpoint a `model` option names: None is the built-in default model, a short name
-    one of PACKAGED_MODELS, anything else a path (a folder or a .gguf file)."""
-    if model is None:
+    """The checkpoint a `model` option names: None is the built-in default model,
+    "default-thinking" its reasoning twin, a short name one of PACKAGED_MODELS, anything else a
+    path (a folder or a .gguf file)."""
+    if model is None or model == DEFAULT_THINKING:
         from tandem.models.default_model import default_model_path
 
-        return default_model_path()
+        return default_model_path(thinking=model == DEFAULT_THINKING)
     packaged = PACKAGED_MODELS.get(model.lower())
     if packaged is None:
         return Path(model).expanduser()

@@ -37,6 +37,26 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# A reasoning model's: Hermes tool calls, and a thinking block that the generation prompt opens
+# (Qwen3's layout), or writes empty and closed when `enable_thinking` is false.
+THINKING_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+THINKING_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system\\nTools:\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    '{{ \'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>\' }}'
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>' }}{{ call['function'] | tojson }}{{ '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -49,6 +69,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 DEFAULT_MODEL_NAME = "default-llama-v1"
+DEFAULT_THINKING_MODEL_NAME = "default-llama-thinking-v1"
 DEFAULT_MODEL_KWARGS: dict[str, Any] = {
     "architecture": "LlamaForCausalLM",
     "hidden_size": 256,
@@ -63,12 +84,14 @@ DEFAULT_MODEL_KWARGS: dict[str, Any] = {
 }
 
 
-def build_tokenizer(save_dir: Path, vocab_size: int = 1024) -> None:
+def build_tokenizer(save_dir: Path, vocab_size: int = 1024, thinking: bool = False) -> None:
     """Train a byte-level BPE tokenizer on the shipped corpus and save it in HF format.
 
     Byte-level BPE can encode any string (unknown bytes fall back to single-byte tokens), and the
     ByteLevel decoder makes decode(encode(text)) give the text back exactly. Encoding prepends
-    <s>, as Llama tokenizers do.
+    <s>, as Llama tokenizers do. `thinking`: a reasoning model's tokenizer, its tags one token
+    each (added, not special: their text is kept, as Qwen3's are) and its chat template
+    (`THINKING_CHAT_TEMPLATE`).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -100,6 +123,9 @@ def build_tokenizer(save_dir: Path, vocab_size: int = 1024) -> None:
         clean_up_tokenization_spaces=False,
     )
     hf_tokenizer.chat_template = CHAT_TEMPLATE
+    if thinking:
+        hf_tokenizer.add_tokens(list(THINKING_TOKENS))
+        hf_tokenizer.chat_template = THINKING_CHAT_TEMPLATE
     save_dir = Path(save_dir)
     hf_tokenizer.save_pretrained(save_dir)
     _use_portable_tokenizer_class(save_dir)
@@ -149,6 +175,7 @@ def build_checkpoint(
     dtype: torch.dtype = torch.float32,
     shard_size: str | None = None,
     extra_config: dict[str, Any] | None = None,
+    thinking: bool = False,
 ) -> Path:
     """Write a tokenizer and a randomly initialised model to ``path`` and return it.
 
@@ -157,13 +184,14 @@ def build_checkpoint(
     because the usual 0.02 makes greedy decoding collapse into one repeated token, which hides
     bugs in tests that compare outputs. ``shard_size`` (e.g. "100KB") splits the weights into
     several safetensors files with an index. ``extra_config`` is merged into the config kwargs,
-    e.g. ``rope_scaling`` or ``sliding_window``.
+    e.g. ``rope_scaling`` or ``sliding_window``. ``thinking``: a reasoning model's tokenizer
+    and chat template (`build_tokenizer`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, vocab_size=tokenizer_vocab_size)
+    build_tokenizer(path, vocab_size=tokenizer_vocab_size, thinking=thinking)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     config_kwargs: dict[str, Any] = {
@@ -226,22 +254,24 @@ def _quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def default_model_path() -> Path:
-    """Return the built-in default model, building it on first use.
+def default_model_path(thinking: bool = False) -> Path:
+    """Return the built-in default model, building it on first use (`thinking`: its reasoning
+    twin, `DEFAULT_THINKING_MODEL_NAME`: the same shape with a thinking tokenizer and template).
 
     The model lives in ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``). It is built in a
     temporary folder beside its final place and renamed into place, so a reader never sees a
     half-written checkpoint and two processes building at once are both fine.
     """
+    name = DEFAULT_THINKING_MODEL_NAME if thinking else DEFAULT_MODEL_NAME
     cache_root = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
-    target = cache_root / DEFAULT_MODEL_NAME
+    target = cache_root / name
     if target.is_dir():
         return target
 
     cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=cache_root))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_root))
     try:
-        build_checkpoint(staging, **DEFAULT_MODEL_KWARGS)
+        build_checkpoint(staging, **DEFAULT_MODEL_KWARGS, thinking=thinking)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared.
         os.replace(staging, target)
     except OSError:

@@ -16,6 +16,7 @@ from tandem.request import SAMPLING_FIELDS, SamplingParams
 
 # auto: the checkpoint's; vllm: none (Tandem's and vLLM's own defaults); else a folder path.
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+INTEGER_FIELDS = ("top_k", "thinking_token_budget")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _from_json(path: Path) -> GenerationDefaults:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ModelLoadError(f"{path}: {name} must be a number, got {value!r}")
-        values[name] = int(value) if name == "top_k" else float(value)
+        values[name] = int(value) if name in INTEGER_FIELDS else float(value)
     return _checked(GenerationDefaults(values, str(path)))
 
 

@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from tandem.reasoning import MAY_OPEN
 from tandem.request import Request
 from tandem.scheduling.scheduler import ScheduledRequest
 
@@ -125,6 +126,32 @@ class GrammarRows(Generic[A]):
     free_rows: A  # [S - G] the others
     sampling: SamplingRows[A]  # the settings of `rows`
     free_sampling: SamplingRows[A]  # of `free_rows`
+    # Host: the step's items these rows belong to (indices, in order), decided as the step is
+    # built: the bitmask, built later, must have exactly these rows whatever retires meanwhile.
+    items: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReasoningFlags:
+    use_masks: bool  # a row's answer is under a grammar: its first token takes the initial mask
+
+
+@dataclass
+class ReasoningRows(Generic[A]):
+    """Rows whose thinking may still be open on the device (`sampler/reasoning.py`), and the
+    rows a step admits: their state as the host knows it, and their grammar's initial mask."""
+
+    rows: A  # [R] sampling rows
+    table_rows: A  # [R] their token-table rows
+    reset_rows: A  # [Z] token-table rows of requests admitted in this step
+    reset_phase: A  # [Z]
+    reset_budget: A  # [Z]
+    reset_grammar: A  # [Z] 1 where the answer is under a grammar
+    mask_rows: A  # [M] token-table rows that get an initial mask
+    masks: A  # [M, words / 2] int64: the int32 words of each mask, two to an element
+    start_token: int
+    end_token: int
+    flags: ReasoningFlags
 
 
 @dataclass
@@ -165,6 +192,7 @@ class SamplerInputs(Generic[A]):
     logprobs: LogprobRows[A] | None = None
     grammar: GrammarRows[A] | None = None  # None unless a request is constrained
     verify: VerifyRows[A] | None = None  # None unless a request verifies drafts
+    reasoning: ReasoningRows[A] | None = None  # None unless a request's thinking may be open
 
     @property
     def drafts_to_host(self) -> bool:
@@ -174,12 +202,14 @@ class SamplerInputs(Generic[A]):
 
     @property
     def plain(self) -> bool:
-        """Sampling alone: no penalties, bias, min_tokens, logprobs or grammar in this step."""
+        """Sampling alone: no penalties, bias, min_tokens, logprobs, grammar or reasoning in this
+        step."""
         return (
             self.processing is None
             and self.logprobs is None
             and self.grammar is None
             and self.verify is None
+            and self.reasoning is None
         )
 
 
@@ -191,11 +221,12 @@ def build_sampler_inputs(
     by the batch builder (`SamplerInputs.verify`), which knows where their tokens are."""
     rows = [it for it in items for _ in range(it.num_rows)]  # one per sampling row
     sampling = sampling_rows(rows)
-    grammar = _grammar_rows(rows)
+    grammar = _grammar_rows(items)
+    reasoning = _reasoning_rows(items)
     if not extras:
-        return SamplerInputs(sampling, grammar=grammar)
+        return SamplerInputs(sampling, grammar=grammar, reasoning=reasoning)
     processing, logprobs = _build_extras(items, offsets, max_len)
-    return SamplerInputs(sampling, processing, logprobs, grammar)
+    return SamplerInputs(sampling, processing, logprobs, grammar, reasoning=reasoning)
 
 
 def sampling_rows(rows: list[ScheduledRequest]) -> SamplingRows[np.ndarray]:
@@ -229,21 +260,90 @@ def select_rows(
     )  # fmt: skip
 
 
-def is_constrained(request: Request) -> bool:
-    return request.compiled_grammar is not None
+def is_constrained(item: ScheduledRequest) -> bool:
+    """Whether the host samples the item's row under a bitmask it builds once the step before
+    has retired. A reasoning sample's thinking is free and its answer's first token is the
+    device's (under the grammar's initial mask, `sampler/reasoning.py`): the host's bitmask
+    takes over from the answer's second token, once it knows where the answer starts; and a
+    sample that may still open its block (MAY_OPEN) with its first token in flight, which that
+    token decides: the bitmask is then open (it opened the block) or the matcher's."""
+    request = item.request
+    if request.compiled_grammar is None:
+        return False
+    tracker = request.reasoning
+    if tracker is None:
+        return True
+    if tracker.content_start is not None:
+        return item.output_index > tracker.content_start
+    return tracker.phase == MAY_OPEN and item.output_index > tracker.retired
 
 
-def _grammar_rows(rows: list[ScheduledRequest]) -> GrammarRows[np.ndarray] | None:
-    """None for a step whose rows no grammar constrains."""
-    under = np.fromiter((is_constrained(it.request) for it in rows), bool, len(rows))
-    if not under.any():
+def _reasoning_rows(items: list[ScheduledRequest]) -> ReasoningRows[np.ndarray] | None:
+    """None for a step without a request whose thinking may be open or that is admitted with
+    a reasoning state to set."""
+    rows, table_rows, resets, masks = [], [], [], []
+    tokens = None
+    s = 0
+    use_masks = False
+    for it in items:
+        tracker = it.request.reasoning
+        acts = tracker is not None and tracker.device_acts_at(it.output_index)
+        if tracker is not None and (acts or it.admitted):
+            tokens = tracker.tokens
+            if it.admitted:
+                resets.append((it.slot, tracker.phase, tracker.budget, tracker.grammar))
+                if tracker.grammar and tracker.active and tracker.initial_mask is not None:
+                    masks.append((it.slot, tracker.initial_mask))
+            if acts and it.num_rows:
+                rows.extend(range(s, s + it.num_rows))
+                table_rows.extend([it.slot] * it.num_rows)
+                use_masks |= tracker.grammar
+        s += it.num_rows
+    if tokens is None:
         return None
+    reset = np.array(resets, dtype=np.int64).reshape(-1, 4)
+    return ReasoningRows(
+        rows=_ints(rows),
+        table_rows=_ints(table_rows),
+        reset_rows=np.ascontiguousarray(reset[:, 0]),
+        reset_phase=np.ascontiguousarray(reset[:, 1]),
+        reset_budget=np.ascontiguousarray(reset[:, 2]),
+        reset_grammar=np.ascontiguousarray(reset[:, 3]),
+        mask_rows=_ints([slot for slot, _ in masks]),
+        masks=_mask_words([mask for _, mask in masks]),
+        start_token=tokens.start,
+        end_token=tokens.end,
+        flags=ReasoningFlags(use_masks=use_masks),
+    )
+
+
+def _mask_words(masks: list[np.ndarray]) -> np.ndarray:
+    """int32 masks as int64 pairs (a step's integer arrays travel as int64: `transfer.py`)."""
+    if not masks:
+        return np.zeros((0, 0), np.int64)
+    words = np.stack(masks).astype(np.int32, copy=False)
+    if words.shape[1] % 2:
+        words = np.pad(words, ((0, 0), (0, 1)), constant_values=-1)
+    return np.ascontiguousarray(words).view(np.int64)
+
+
+def _grammar_rows(items: list[ScheduledRequest]) -> GrammarRows[np.ndarray] | None:
+    """None for a step whose rows no grammar constrains."""
+    chosen = [i for i, it in enumerate(items) if it.num_rows and is_constrained(it)]
+    if not chosen:
+        return None
+    rows = [it for it in items for _ in range(it.num_rows)]
+    picked = set(chosen)
+    under = np.fromiter(
+        (i in picked for i, it in enumerate(items) for _ in range(it.num_rows)), bool, len(rows)
+    )
     constrained, free = np.flatnonzero(under), np.flatnonzero(~under)
     return GrammarRows(
         rows=constrained,
         free_rows=free,
         sampling=sampling_rows([rows[i] for i in constrained.tolist()]),
         free_sampling=sampling_rows([rows[i] for i in free.tolist()]),
+        items=chosen,
     )
 
 
@@ -313,7 +413,7 @@ def _build_extras(
                     bias.append((s, proc.bias_ids, proc.bias_values))
                 # Under a grammar, min_tokens is folded into its bitmask (engine/grammar.py).
                 pending = it.output_index < proc.min_tokens and len(proc.min_tokens_ids)
-                if pending and not is_constrained(request):
+                if pending and not is_constrained(it):
                     mask.append((s, proc.min_tokens_ids))
             if request.logprobs is not None:
                 logprob_rows.append(s)

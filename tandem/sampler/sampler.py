@@ -2,10 +2,12 @@
 
 Stages, in order: count the step's input tokens (penalties' counts, kept on the device); the raw
 logprobs (before any processing: vLLM's default "raw_logprobs"); logit_bias and min_tokens;
-penalties; sampling; then the logprobs of the sampled tokens and of prompt positions. Each stage
-runs only when its inputs are present, so a plain step is just the sampling. A grammar's bitmask
-is one more stage between processing and sampling, for its rows only: `begin` runs everything up
-to it (the free rows are sampled there), `finish` applies the bitmask the host built meanwhile.
+penalties; a reasoning row's grammar mask for the answer's first token; sampling; a reasoning
+row's forced end and its phase (`reasoning.py`); then the logprobs of the sampled tokens and of
+prompt positions. Each stage runs only when its inputs are present, so a plain step is just the
+sampling. A grammar's bitmask is one more stage between processing and sampling, for its rows
+only: `begin` runs everything up to it (the free rows, reasoning rows among them, are sampled
+there), `finish` applies the bitmask the host built meanwhile.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tandem.sampler.grammar import apply_token_bitmask
 from tandem.sampler.inputs import LogprobRows, SamplerInputs, SamplingRows
 from tandem.sampler.logprobs import TokenLogprobsTensors, score_tokens
 from tandem.sampler.penalties import TokenCounts, apply_bias_and_mask
+from tandem.sampler.reasoning import ThinkingState
 from tandem.sampler.sampling import sample
 from tandem.sampler.verify import count_accepted
 
@@ -26,10 +29,12 @@ PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per log_softmax: bounds its [row
 
 
 class Sampler:
-    """Owns the device state sampling needs beyond a step: per table row token counts."""
+    """Owns the device state sampling needs beyond a step: per table row token counts, and
+    reasoning rows' phases and budgets."""
 
     def __init__(self, table_rows: int, vocab_size: int, device: torch.device):
         self.token_counts = TokenCounts(table_rows, vocab_size, device)
+        self.thinking = ThinkingState(table_rows, vocab_size, device)
         self.device = device
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows[torch.Tensor]) -> torch.Tensor:
@@ -48,9 +53,12 @@ class Sampler:
         """Every stage up to the grammar's: logits of the rows `logits_index` picks from
         `hidden`, raw logprobs, processing, and the ids of rows no grammar constrains (all rows
         in a step without grammar rows). `finish` completes it."""
-        p, lp, g = x.processing, x.logprobs, x.grammar
+        p, lp, g, r = x.processing, x.logprobs, x.grammar, x.reasoning
         if p is not None and p.flags.count_tokens:  # this step's inputs count for its own sample
             self.token_counts.record(token_table, p)
+        if r is not None:
+            self.thinking.reset(r)
+        reasoning = r is not None and len(r.rows) > 0
         pending = PendingSample(x, torch.empty(0, dtype=torch.int64, device=self.device))
         if len(logits_index):
             logits = compute_logits(hidden[logits_index])
@@ -60,6 +68,8 @@ class Sampler:
                 apply_bias_and_mask(logits, p)
                 if p.flags.use_penalties:
                     self.token_counts.apply_penalties(logits, p, input_ids)
+            if reasoning:
+                self.thinking.constrain(logits, r)
             if g is None:
                 pending.ids = sample(logits, x.sampling)
             else:
@@ -93,6 +103,9 @@ class Sampler:
             logits = pending.constrained
             apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
             ids[x.grammar.rows] = sample(logits, x.grammar.sampling)
+        r = x.reasoning
+        if r is not None and len(r.rows) and len(ids):  # every row's id is known now
+            self.thinking.advance(ids, r)
         groups = []
         if pending.raw is not None:
             groups.append(score_tokens(pending.raw, ids[x.logprobs.rows], x.logprobs.num_top))

@@ -219,5 +219,6 @@ class DraftPolicy:
 
 def can_draft(request: Request) -> bool:
     """Whether the request's tokens may be drafted: past min_tokens (whose mask needs the
-    exact output index)."""
-    return len(request.output_token_ids) >= request.params.min_tokens
+    exact output index), and not a reasoning model's sample (its phase moves per token on the
+    device: a verification's rows would each need their own)."""
+    return request.reasoning is None and len(request.output_token_ids) >= request.params.min_tokens

@@ -1,9 +1,10 @@
 """The Messages API's answers: a message of content blocks, or its event stream.
 
 A stream is `message_start` (with the prompt's `input_tokens`) and a `ping`, then per block
-`content_block_start`, its `content_block_delta`s (`text_delta`, or `input_json_delta` for a
-tool call's arguments) and `content_block_stop`, then `message_delta` (the stop reason and the
-usage) and `message_stop`; an engine failure mid-stream ends it with an `error` event.
+`content_block_start`, its `content_block_delta`s (`thinking_delta` for a reasoning model's
+thinking, which comes first, `text_delta`, or `input_json_delta` for a tool call's arguments)
+and `content_block_stop`, then `message_delta` (the stop reason and the usage) and
+`message_stop`; an engine failure mid-stream ends it with an `error` event.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def tool_use_id(call_id: str) -> str:
 
 
 def content_block(block: Block) -> dict[str, Any]:
-    """A whole block as a message's content holds it."""
+    """A whole block as a message's content holds it (a thinking block's signature is empty:
+    the server signs nothing, and drops thinking blocks sent back)."""
+    if block.kind == "thinking":
+        return {"type": "thinking", "thinking": block.text, "signature": ""}
     if block.kind == "text":
         return {"type": "text", "text": block.text}
     try:
@@ -103,9 +107,13 @@ class MessagesEncoder(BlockEncoder):
         return [sse(delta, "message_delta"), sse({"type": "message_stop"}, "message_stop")]
 
     def whole(
-        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+        self,
+        stream: RequestStream,
+        texts: list[str],
+        logprobs: list[list[TokenLogprobs]],
+        thinking: list[str],
     ) -> dict[str, Any]:
-        blocks = self.whole_blocks(stream, texts[0])
+        blocks = self.whole_blocks(stream, texts[0], thinking[0])
         return self.message([content_block(b) for b in blocks], stream, self.finish_reason)
 
     def encode(self, events: list[BlockEvent]) -> list[bytes]:
@@ -113,21 +121,17 @@ class MessagesEncoder(BlockEncoder):
         for event in events:
             block = event.block
             if event.kind == "open":
-                start = (
-                    {"type": "text", "text": ""}
-                    if block.kind == "text"
-                    else {"type": "tool_use", "id": tool_use_id(block.call_id),
-                          "name": block.name, "input": {}}
-                )  # fmt: skip
+                # Empty: a call's input follows as input_json_delta, a text as its deltas.
+                start = content_block(Block(block.kind, call_id=block.call_id, name=block.name))
                 payload = {"type": "content_block_start", "index": event.index,
                            "content_block": start}  # fmt: skip
                 out.append(sse(payload, "content_block_start"))
             elif event.kind == "append":
-                delta = (
-                    {"type": "text_delta", "text": event.text}
-                    if block.kind == "text"
-                    else {"type": "input_json_delta", "partial_json": event.text}
-                )
+                delta = {
+                    "thinking": {"type": "thinking_delta", "thinking": event.text},
+                    "text": {"type": "text_delta", "text": event.text},
+                    "call": {"type": "input_json_delta", "partial_json": event.text},
+                }[block.kind]
                 payload = {"type": "content_block_delta", "index": event.index, "delta": delta}
                 out.append(sse(payload, "content_block_delta"))
             else:

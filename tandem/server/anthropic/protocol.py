@@ -14,6 +14,9 @@ code execution, ...) cannot run here and are ignored, each named in a Warning he
 `tool_choice` maps `auto`, `any` (OpenAI's "required"), `tool` (a named function) and `none`;
 `disable_parallel_tool_use` limits `any` and `tool` to one call (under `auto` the model's own
 syntax decides, as nothing constrains it).
+
+`thinking`, for a reasoning model: `enabled` with `budget_tokens` bounds the thinking, `disabled`
+turns it off (`generation/request.thinking_settings`), `adaptive` leaves it to the model.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ from tandem.request import StructuredOutputsParams
 from tandem.server.frontend.errors import bad_request
 from tandem.server.generation.fields import Body, log_ignored
 from tandem.server.generation.prepare import made_constraint
-from tandem.server.generation.request import ChatJob, Constraint, Message, ToolCall, as_turns
+from tandem.server.generation.request import (
+    ChatJob,
+    Constraint,
+    Message,
+    ToolCall,
+    as_turns,
+    thinking_settings,
+)
 
 ENDPOINT = "/v1/messages"
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -81,6 +91,19 @@ class OutputConfig(Body):
     format: OutputFormat | None = None
 
 
+class ThinkingConfig(Body):
+    """`enabled` with `budget_tokens`: the thinking budget; `disabled`: no thinking;
+    `adaptive`: the model decides (no budget)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0)
+
+    def setting(self) -> str | int | None:
+        if self.type == "disabled":
+            return "off"
+        return self.budget_tokens if self.type == "enabled" else None
+
+
 class CountTokensRequest(Body):
     """POST /v1/messages/count_tokens: what `input_tokens` a message would report."""
 
@@ -89,6 +112,7 @@ class CountTokensRequest(Body):
     system: str | list[ContentBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
     def job(
         self, sampling: dict[str, Any] | None = None, constraint: Constraint | None = None
@@ -98,15 +122,20 @@ class CountTokensRequest(Body):
         choice, parallel = _tool_choice(self.tool_choice)
         if not tools and choice == "auto":  # every tool was a server tool: nothing to call
             choice = None
+        budget, template_kwargs = thinking_settings(
+            self.thinking.setting() if self.thinking else None
+        )
         job = ChatJob(
             sampling or {},
             constraint,
+            thinking_budget=budget,
             clamp_max_tokens=True,
             param_names={"prompt": "messages", "stop": "stop_sequences"},
             messages=as_turns(_system(self.system) + _conversation(self.messages)),
             tools=tools or None,
             tool_choice=choice,
             parallel_tool_calls=parallel,
+            template_kwargs=template_kwargs,
         )
         return job, ignored
 

@@ -255,6 +255,7 @@ class CoreLoop:
             num_kv_blocks=engine.num_kv_blocks,
             max_num_seqs=engine.config.max_num_seqs,
             execution=engine.execution.describe(),
+            reasoning_parser=engine.reasoning.parser.name if engine.reasoning else None,
             sampling_defaults=server_defaults(engine.generation_defaults),
             sampling_defaults_note=engine.generation_defaults.describe(),
         )

@@ -57,6 +57,7 @@ class Ready(msgspec.Struct, tag=True):
     num_kv_blocks: int
     max_num_seqs: int
     execution: str  # the device and threads, as the engine describes them
+    reasoning_parser: str | None  # the engine's, resolved (None: no reasoning parser)
     # The model's sampling defaults for what a request leaves unset, and where they come from.
     sampling_defaults: dict[str, float | int]
     sampling_defaults_note: str

@@ -52,8 +52,8 @@ async def respond(
         raise APIError(CLIENT_GONE, "client disconnected")
     if stream.error is not None:
         raise APIError(stream.error_status, stream.error, code="aborted")
-    texts, logprobs = collected
-    return JSONResponse(encoder.whole(stream, texts, logprobs), headers=headers)
+    texts, logprobs, thinking = collected
+    return JSONResponse(encoder.whole(stream, texts, logprobs, thinking), headers=headers)
 
 
 def warning_headers(warnings: list[str]) -> dict[str, str]:
@@ -65,18 +65,23 @@ def warning_headers(warnings: list[str]) -> dict[str, str]:
     return {"Warning": quoted.encode("ascii", "replace").decode()}
 
 
-async def _collect(stream: RequestStream) -> tuple[list[str], list[list[TokenLogprobs]]]:
-    """Every choice's whole text, and the logprobs of its tokens (empty unless asked for), by
-    choice index."""
+Collected = tuple[list[str], list[list[TokenLogprobs]], list[str]]
+
+
+async def _collect(stream: RequestStream) -> Collected:
+    """Every choice's whole text, the logprobs of its tokens (empty unless asked for) and its
+    thinking, by choice index."""
     parts: list[list[str]] = [[] for _ in range(stream.num_choices)]
+    thinking: list[list[str]] = [[] for _ in range(stream.num_choices)]
     logprobs: list[list[TokenLogprobs]] = [[] for _ in range(stream.num_choices)]
     unfinished = stream.num_choices
     while unfinished:
         for delta in await stream.next_deltas():
             parts[delta.index].append(delta.text)
+            thinking[delta.index].append(delta.thinking)
             logprobs[delta.index] += delta.logprobs or []
             unfinished -= delta.finished
-    return ["".join(p) for p in parts], logprobs
+    return ["".join(p) for p in parts], logprobs, ["".join(t) for t in thinking]
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -84,10 +89,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_disconnected(
-    request: Request, stream: RequestStream
-) -> tuple[list[str], list[list[TokenLogprobs]]] | None:
-    """Every choice's whole text and logprobs, or None if the client disconnected first."""
+async def _collect_unless_disconnected(request: Request, stream: RequestStream) -> Collected | None:
+    """Every choice's whole text, logprobs and thinking, or None if the client disconnected
+    first."""
     collect = asyncio.ensure_future(_collect(stream))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -102,20 +106,26 @@ async def _collect_unless_disconnected(
 
 
 async def _events(stream: RequestStream, encoder: Encoder) -> AsyncIterator[bytes]:
-    """The encoder's opening, then per step each choice's new text and the closing of each
-    choice that ended, then its ending. A choice's text of several queued steps goes out as one
-    delta (a slow client gets fewer, larger chunks)."""
+    """The encoder's opening, then per step each choice's new thinking and text and the
+    closing of each choice that ended, then its ending. A choice's text of several queued steps
+    goes out as one delta (a slow client gets fewer, larger chunks); its thinking always first:
+    the thinking precedes the answer."""
     for chunk in encoder.opening(stream):
         yield chunk
     unfinished = stream.num_choices
     while unfinished:
         deltas = await stream.next_deltas()
         texts: dict[int, str] = {}
+        thinking: dict[int, str] = {}
         logprobs: dict[int, list[TokenLogprobs]] = {}
         for d in deltas:
             texts[d.index] = texts.get(d.index, "") + d.text
+            thinking[d.index] = thinking.get(d.index, "") + d.thinking
             logprobs.setdefault(d.index, []).extend(d.logprobs or [])
         for index, text in texts.items():
+            if thinking[index]:
+                for chunk in encoder.thinking(index, thinking[index]):
+                    yield chunk
             if text or logprobs[index]:
                 for chunk in encoder.delta(index, text, logprobs[index]):
                     yield chunk

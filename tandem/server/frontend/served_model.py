@@ -9,6 +9,7 @@ compiles again, for its own matchers).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -18,6 +19,7 @@ from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.intake import RequestIntake, ending_token_ids
 from tandem.models.catalog import checkpoint_path
 from tandem.models.loader import find_tokenizer
+from tandem.reasoning import resolve_parser
 from tandem.request import Logprob, Request, SamplingParams, StructuredOutputsParams, TokenLogprobs
 from tandem.server.core import wire
 
@@ -46,9 +48,15 @@ class ServedModel:
         self.max_num_seqs = ready.max_num_seqs
         self.sampling_defaults = ready.sampling_defaults
         self.tokenizer = tokenizer
+        self.reasoning = resolve_parser(ready.reasoning_parser, tokenizer)  # the core's parser
         # Its seeds are never used: the core derives unseeded requests' seeds in arrival order.
         self.intake = RequestIntake(
-            self.tokenizer, self.vocab_size, self.eos_token_ids, self.max_model_len, 0
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.max_model_len,
+            0,
+            self.reasoning,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.backend = self.tokenizer.backend_tokenizer if self.tokenizer is not None else None
@@ -80,30 +88,45 @@ class ServedModel:
 class ChoiceText:
     """One choice's text, built token by token exactly as the offline engine builds it: a token
     that ends the request by id (EOS, stop_token_ids) adds no text; stop strings count from
-    min_tokens on and cut the text before them."""
+    min_tokens on and cut the text before them. With a reasoning tracker (a chat request to a
+    reasoning model), each token goes to the thinking or the answer, the tags to neither, and
+    stop strings are looked for in the answer."""
 
     def __init__(self, model: ServedModel, request: Request):
         params = request.params
-        self.detokenizer = (
-            NoDetokenizer()
-            if model.backend is None
-            else IncrementalDetokenizer(
-                model.backend, request.prompt_token_ids, params.stop, params.skip_special_tokens
-            )
-        )
+        self.detokenizer = self._detokenizer(model, request, params.stop)
+        self.tracker = copy.copy(request.reasoning)  # each choice walks its own tokens
+        self.thinking = self._detokenizer(model, request, []) if self.tracker else None
         self.stop_ids = ending_token_ids(params, model.eos_token_ids)
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
 
+    @staticmethod
+    def _detokenizer(
+        model: ServedModel, request: Request, stop: list[str]
+    ) -> IncrementalDetokenizer | NoDetokenizer:
+        if model.backend is None:
+            return NoDetokenizer()
+        return IncrementalDetokenizer(
+            model.backend, request.prompt_token_ids, stop, request.params.skip_special_tokens
+        )
+
     def add(self, token: int) -> bool:
         """True if a stop string has appeared: the choice ends on this token."""
         self.num_tokens += 1
-        if token in self.stop_ids:
-            return False  # the core ends the request on it
+        kind = self.tracker.advance(token) if self.tracker is not None else "content"
+        if kind == "thinking":
+            self.thinking.add(token, check_stop=False)
+        if token in self.stop_ids or kind != "content":
+            return False  # the core ends the request on a stop id
         return self.detokenizer.add(token, check_stop=self.num_tokens >= self.min_tokens)
 
     def delta(self, finished: bool) -> str:
         return self.detokenizer.delta(finished)
+
+    def thinking_delta(self, finished: bool) -> str:
+        """New thinking text (always "" without a reasoning tracker)."""
+        return self.thinking.delta(finished) if self.thinking is not None else ""
 
     @property
     def matched_stop(self) -> str | None:

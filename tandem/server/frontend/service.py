@@ -51,15 +51,18 @@ SHUTDOWN_ABORT_MESSAGE = "the server is shutting down: the request was aborted"
 class Encoder(Protocol):
     """One request's answer in its API's format, streamed or whole.
 
-    A stream is `opening`, then for each step the `delta` of every choice with new text and the
-    `closing` of every choice that ended, then `ending` (usage, the end marker, or the error that
-    cut the stream short: `stream.error`). A whole answer is `whole` over every choice's text.
-    Each streaming method returns framed bytes, ready to send.
+    A stream is `opening`, then for each step the `thinking` (a reasoning model's, before the
+    answer) and the `delta` of every choice with new text, and the `closing` of every choice
+    that ended, then `ending` (usage, the end marker, or the error that cut the stream short:
+    `stream.error`). A whole answer is `whole` over every choice's text and thinking. Each
+    streaming method returns framed bytes, ready to send.
     """
 
     media_type: str  # of a stream
 
     def opening(self, stream: RequestStream) -> list[bytes]: ...
+
+    def thinking(self, index: int, text: str) -> list[bytes]: ...
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprobs]) -> list[bytes]: ...
 
@@ -68,7 +71,11 @@ class Encoder(Protocol):
     def ending(self, stream: RequestStream) -> list[bytes]: ...
 
     def whole(
-        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+        self,
+        stream: RequestStream,
+        texts: list[str],
+        logprobs: list[list[TokenLogprobs]],
+        thinking: list[str],
     ) -> dict[str, Any]: ...
 
 
@@ -115,6 +122,7 @@ class Delta:
     error: str | None = None
     index: int = 0  # the choice
     logprobs: list[TokenLogprobs] | None = None  # of the new tokens, when asked for
+    thinking: str = ""  # new thinking text (a reasoning model's chat request)
 
 
 @dataclass
@@ -383,6 +391,7 @@ class GenerationService:
                     delta.error,
                     choice,
                     None if logprobs is None else self.model.logprobs(logprobs[: len(tokens)]),
+                    text.thinking_delta(finished),
                 ),
             )
         self._after_delivery()

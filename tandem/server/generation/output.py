@@ -1,6 +1,6 @@
-"""One answer's text as the newer APIs give it: a list of blocks, text and tool calls in the
-order the model wrote them (Anthropic's content blocks, the Responses API's output items,
-Ollama's message and tool calls).
+"""One answer's text as the newer APIs give it: a list of blocks, a reasoning model's thinking
+first, then text and tool calls in the order the model wrote them (Anthropic's content blocks,
+the Responses API's output items, Ollama's message, thinking and tool calls).
 
 `ChatOutput` reads the text through the request's tool-call parser (`tools.py`) and says, piece
 by piece, which block opens, what is appended to it and when it closes; an API's encoder turns
@@ -21,8 +21,8 @@ from tandem.server.generation.tools import ToolCallParser, ToolPlan, tool_finish
 
 @dataclass
 class Block:
-    kind: Literal["text", "call"]
-    text: str = ""  # the text, or the call's arguments (JSON text)
+    kind: Literal["thinking", "text", "call"]
+    text: str = ""  # the thinking, the text, or the call's arguments (JSON text)
     call_id: str = ""
     name: str = ""
 
@@ -53,6 +53,18 @@ class ChatOutput:
     def called(self) -> bool:
         return self._parser is not None and self._parser.called
 
+    def think(self, text: str) -> list[BlockEvent]:
+        """Thinking text: its own block, before the answer's (the thinking precedes it)."""
+        if not text:
+            return []
+        events: list[BlockEvent] = []
+        index = self._open
+        if index is None or self.blocks[index].kind != "thinking":
+            index = self._start(Block("thinking"), events)
+        self.blocks[index].text += text
+        events.append(BlockEvent("append", index, self.blocks[index], text))
+        return events
+
     def opening(self) -> list[BlockEvent]:
         """A named function's call opens the answer before any text."""
         return self._events(self._parser.opening() if self._parser else [])
@@ -71,8 +83,9 @@ class ChatOutput:
             self._open = None
         return events, tool_finish_reason(finish_reason, self.called)
 
-    def whole(self, text: str, finish_reason: str) -> tuple[list[Block], str]:
-        """Every block of a whole answer, and its finish reason."""
+    def whole(self, text: str, finish_reason: str, thinking: str = "") -> tuple[list[Block], str]:
+        """Every block of a whole answer (the thinking first), and its finish reason."""
+        self.think(thinking)
         self.opening()
         self.feed(text)
         _, reason = self.finish(finish_reason)
@@ -83,7 +96,7 @@ class ChatOutput:
         for piece in pieces:
             if isinstance(piece, str):
                 index = self._open if self._open is not None else -1
-                if index < 0 or self.blocks[index].kind != "text":
+                if index < 0 or self.blocks[index].kind != "text":  # after thinking too
                     index = self._start(Block("text"), events)
             elif "id" in piece:  # a call's first entry: its id, name and first arguments
                 function = piece["function"]
@@ -119,6 +132,9 @@ class BlockEncoder:
     def __post_init__(self) -> None:
         self.output = ChatOutput(self.plan)
 
+    def thinking(self, index: int, text: str) -> list[bytes]:
+        return self.encode(self.output.think(text))
+
     def delta(self, index: int, text: str, logprobs: list[TokenLogprobs]) -> list[bytes]:
         return self.encode(self.output.feed(text))
 
@@ -126,10 +142,10 @@ class BlockEncoder:
         events, self.finish_reason = self.output.finish(finish_reason)
         return self.encode(events)
 
-    def whole_blocks(self, stream: RequestStream, text: str) -> list[Block]:
+    def whole_blocks(self, stream: RequestStream, text: str, thinking: str) -> list[Block]:
         """A whole answer's blocks (read afresh: a stream's reader is not shared)."""
         blocks, self.finish_reason = ChatOutput(self.plan).whole(
-            text, stream.finish_reasons[0] or "stop"
+            text, stream.finish_reasons[0] or "stop", thinking
         )
         return blocks
 

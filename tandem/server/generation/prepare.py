@@ -47,6 +47,12 @@ from tandem.server.generation.tools import ToolPlan, plan_tools
 
 BodyType = TypeVar("BodyType", bound=BaseModel)
 
+# apply_chat_template's own arguments: a request's template kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_tensors", "padding", "truncation",
+}  # fmt: skip
+
 # Values a request may hold besides its token-id prompts of up to max_model_len ids each and a
 # logit_bias of up to one entry per vocabulary id (messages, content parts, tools, stop strings,
 # ...: OpenAI itself allows at most 2048 messages).
@@ -168,7 +174,11 @@ class Preparer:
                 token_ids = self.model.intake.tokenize(prompt)
             except ValueError as exc:
                 raise bad_request(at + str(exc), param=job.param("prompt")) from None
-            requests.append(self._make(job, token_ids, params, engine_id, at))
+            request = self._make(job, token_ids, params, engine_id, at)
+            # A raw prompt's text is the model's own, tags and all (as vLLM's completions):
+            # only a conversation is read for thinking. (The core still bounds the thinking.)
+            request.reasoning = None
+            requests.append(request)
         return requests
 
     def chat(self, job: ChatJob, request_id: str) -> tuple[Request, ToolPlan | None]:
@@ -202,6 +212,8 @@ class Preparer:
         """The job's values over the model's sampling defaults, under the server's cap."""
         defaults = self.model.sampling_defaults
         given = {k: v for k, v in job.sampling.items() if v is not None}
+        if job.thinking_budget is not None and self.model.reasoning is not None:
+            given.setdefault("thinking_token_budget", job.thinking_budget)
         cap = defaults.get("max_tokens")
         if cap is not None and given.get("max_tokens", cap) > cap:
             given["max_tokens"] = int(cap)
@@ -313,9 +325,16 @@ def render_chat(
             param=param,
         )
     conversation = [m.template_message() for m in messages]
+    kwargs = job.template_kwargs if isinstance(job, ChatJob) else {}
+    taken = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it",
+            param="chat_template_kwargs",
+        )
     try:
         return tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=False, add_generation_prompt=True
+            conversation, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
         )
     except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
         raise bad_request(f"the chat template refused these messages: {exc}", param=param) from None

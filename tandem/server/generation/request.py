@@ -111,6 +111,10 @@ class Job:
     # The API's name for an engine parameter, where they differ ("max_tokens" ->
     # "max_output_tokens"); "prompt" names the prompt or conversation.
     param_names: dict[str, str] = field(default_factory=dict)
+    # The budget an API's own thinking setting means (Anthropic's budget_tokens, an effort):
+    # a hint, applied where the model has a reasoning parser and ignored elsewhere (unlike
+    # `thinking_token_budget` among the sampling values, which a model without one refuses).
+    thinking_budget: int | None = None
 
     def param(self, name: str) -> str:
         return self.param_names.get(name, name)
@@ -127,3 +131,25 @@ class ChatJob(Job):
     tools: list[dict[str, Any]] | None = None  # OpenAI chat's shape: {"type": "function", ...}
     tool_choice: str | dict[str, Any] | None = None  # OpenAI chat's values
     parallel_tool_calls: bool | None = None
+    # The chat template's own variables (vLLM's chat_template_kwargs): `enable_thinking` false
+    # turns a Qwen3-style template's thinking off.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# What a thinking setting of the APIs that have one turns into: "off" closes the block in the
+# template where it takes `enable_thinking`, and gives a budget of 0 (the end is forced at once)
+# where it does not; a number is a budget of thinking tokens; None leaves the model to decide.
+THINKING_OFF = {"enable_thinking": False}
+EFFORT_BUDGETS: dict[str, int | None] = {"low": 1024, "medium": 8192, "high": None, "xhigh": None}
+
+
+def thinking_settings(setting: str | int | None) -> tuple[int | None, dict[str, Any]]:
+    """(thinking_token_budget, template kwargs) for "off", an effort ("low", "medium",
+    "high"), a number of tokens, or None."""
+    if setting is None:
+        return None, {}
+    if setting == "off":
+        return 0, dict(THINKING_OFF)
+    if isinstance(setting, int):
+        return setting, {}
+    return EFFORT_BUDGETS[setting], {}

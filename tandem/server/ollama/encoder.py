@@ -1,7 +1,8 @@
 """Ollama's answers: newline-delimited JSON chunks (Ollama streams by default) or one object.
 
-A chat chunk carries `message.content`; a tool call goes out whole, in `message.tool_calls`
-with its arguments as an object, once it is complete. A generate chunk carries `response`. The
+A chat chunk carries `message.content` (a reasoning model's thinking first, in
+`message.thinking`); a tool call goes out whole, in `message.tool_calls` with its arguments as
+an object, once it is complete. A generate chunk carries `response` (and `thinking`). The
 last chunk says `done`, the `done_reason` ("stop", "length") and the counts and durations
 (nanoseconds: the prompt's evaluation until the first token, the generation after it); an
 engine failure ends the stream with an `error` line.
@@ -87,24 +88,34 @@ class ChatEncoder(BlockEncoder):
         return ending(self.model, stream, self.finish_reason, **empty)
 
     def whole(
-        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+        self,
+        stream: RequestStream,
+        texts: list[str],
+        logprobs: list[list[TokenLogprobs]],
+        thinking: list[str],
     ) -> dict[str, Any]:
-        blocks = self.whole_blocks(stream, texts[0])
+        blocks = self.whole_blocks(stream, texts[0], thinking[0])
         text = "".join(b.text for b in blocks if b.kind == "text")
+        thought = "".join(b.text for b in blocks if b.kind == "thinking")
         if self.generate:
-            return last(self.model, stream, self.finish_reason, response=text)
+            fields = {"response": text, **({"thinking": thought} if thought else {})}
+            return last(self.model, stream, self.finish_reason, **fields)
         calls = [tool_call(b) for b in blocks if b.kind == "call"]
-        return last(self.model, stream, self.finish_reason, message=_message(text, calls))
+        message = _message(text, calls, thought)
+        return last(self.model, stream, self.finish_reason, message=message)
 
     def encode(self, events: list[BlockEvent]) -> list[bytes]:
         out = []
         for event in events:
-            if event.kind == "append" and event.block.kind == "text":
+            kind = event.block.kind
+            if event.kind == "append" and kind in ("text", "thinking"):
+                text, thought = (event.text, "") if kind == "text" else ("", event.text)
                 if self.generate:
-                    out.append(chunk(self.model, response=event.text))
+                    fields = {"response": text, **({"thinking": thought} if thought else {})}
+                    out.append(chunk(self.model, **fields))
                 else:
-                    out.append(chunk(self.model, message=_message(event.text)))
-            elif event.kind == "close" and event.block.kind == "call" and not self.generate:
+                    out.append(chunk(self.model, message=_message(text, thinking=thought)))
+            elif event.kind == "close" and kind == "call" and not self.generate:
                 out.append(chunk(self.model, message=_message("", [tool_call(event.block)])))
         return out
 
@@ -120,6 +131,9 @@ class RawGenerateEncoder:
     def opening(self, stream: RequestStream) -> list[bytes]:
         return []
 
+    def thinking(self, index: int, text: str) -> list[bytes]:
+        return []  # a raw prompt's text is not read for thinking
+
     def delta(self, index: int, text: str, logprobs: list[TokenLogprobs]) -> list[bytes]:
         return [chunk(self.model, response=text)]
 
@@ -131,14 +145,22 @@ class RawGenerateEncoder:
         return ending(self.model, stream, self.finish_reason, response="")
 
     def whole(
-        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+        self,
+        stream: RequestStream,
+        texts: list[str],
+        logprobs: list[list[TokenLogprobs]],
+        thinking: list[str],
     ) -> dict[str, Any]:
         reason = stream.finish_reasons[0] or "stop"
         return last(self.model, stream, reason, response=texts[0])
 
 
-def _message(text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _message(
+    text: str, calls: list[dict[str, Any]] | None = None, thinking: str = ""
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
     if calls:
         message["tool_calls"] = calls
     return message

@@ -28,6 +28,7 @@ from tandem.server.generation.request import (
     Message,
     PromptJob,
     ToolCall,
+    thinking_settings,
 )
 
 # Ollama's option -> SamplingParams' field.
@@ -53,7 +54,14 @@ class _Request(Body):
     format: Literal["json"] | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None  # the model stays loaded while the server runs
-    think: bool | str | None = None
+    # A reasoning model: false turns the thinking off, "low" / "medium" / "high" bound it.
+    think: bool | Literal["low", "medium", "high"] | None = None
+
+    def thinking(self) -> tuple[int | None, dict[str, Any]]:
+        setting = (
+            "off" if self.think is False else None if self.think in (None, True) else self.think
+        )
+        return thinking_settings(setting)
 
     def sampling(self) -> dict[str, Any]:
         options = dict(self.options or {})
@@ -75,6 +83,7 @@ class _Request(Body):
     def job_fields(self) -> dict[str, Any]:
         return {
             "sampling": self.sampling(),
+            "thinking_budget": self.thinking()[0],
             "constraint": self.constraint(),
             "clamp_max_tokens": True,
             "param_names": {**PARAM_NAMES, "prompt": self.prompt_param},
@@ -132,6 +141,7 @@ class ChatRequest(_Request):
             **self.job_fields(),
             messages=[m.message(i) for i, m in enumerate(self.messages)],
             tools=self.tools or None,
+            template_kwargs=self.thinking()[1],
         )
 
 
@@ -155,7 +165,8 @@ class GenerateRequest(_Request):
         if self.raw:
             return PromptJob(**self.job_fields(), prompts=[self.prompt])
         system = [Message("system", self.system)] if self.system else []
-        return ChatJob(**self.job_fields(), messages=[*system, Message("user", self.prompt)])
+        messages = [*system, Message("user", self.prompt)]
+        return ChatJob(**self.job_fields(), messages=messages, template_kwargs=self.thinking()[1])
 
 
 class ShowRequest(Body):

@@ -50,6 +50,13 @@ class _Encoder:
     def opening(self, stream: RequestStream) -> list[bytes]:
         return [sse(c) for i in range(stream.num_choices) for c in self.opening_chunks(i)]
 
+    def thinking(self, index: int, text: str) -> list[bytes]:
+        chunk = self.thinking_chunk(text, index)
+        return [] if chunk is None else [sse(chunk)]
+
+    def thinking_chunk(self, text: str, index: int) -> dict[str, Any] | None:
+        return None  # completions are not read for thinking: their text is the model's own
+
     def delta(self, index: int, text: str, logprobs: list[TokenLogprobs]) -> list[bytes]:
         chunk = self.delta_chunk(text, index, logprobs)
         return [] if chunk is None else [sse(chunk)]
@@ -68,11 +75,15 @@ class _Encoder:
         return [DONE]
 
     def whole(
-        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+        self,
+        stream: RequestStream,
+        texts: list[str],
+        logprobs: list[list[TokenLogprobs]],
+        thinking: list[str],
     ) -> dict[str, Any]:
         counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
         reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
-        return self.full(texts, reasons, counts, logprobs)
+        return self.full(texts, reasons, counts, logprobs, thinking)
 
 
 @dataclass
@@ -141,6 +152,7 @@ class CompletionFormat(_Encoder):
         finish_reasons: list[str],
         counts: dict[str, int],
         logprobs: list[list[TokenLogprobs]] | None = None,
+        thinking: list[str] | None = None,
     ) -> dict[str, Any]:
         """One choice per text; `logprobs`, when given, holds each choice's tokens' logprobs."""
         logprobs = logprobs or [[] for _ in texts]
@@ -254,20 +266,30 @@ class ChatFormat(_Encoder):
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._chunk({}, None), "choices": [], "usage": counts}
 
+    def thinking_chunk(self, text: str, index: int) -> dict[str, Any]:
+        """Thinking as DeepSeek's API and llama.cpp send it (`reasoning_content`) and as vLLM
+        does (`reasoning`): clients read one or the other."""
+        return self._chunk({"reasoning_content": text, "reasoning": text}, None, index)
+
     def full(
         self,
         texts: list[str],
         finish_reasons: list[str],
         counts: dict[str, int],
         logprobs: list[list[TokenLogprobs]] | None = None,
+        thinking: list[str] | None = None,
     ) -> dict[str, Any]:
-        """One choice per text; `logprobs`, when given, holds each choice's tokens' logprobs."""
+        """One choice per text; `logprobs`, when given, holds each choice's tokens' logprobs,
+        `thinking` a reasoning model's thinking."""
         logprobs = logprobs or [[] for _ in texts]
+        thinking = thinking or ["" for _ in texts]
         choices = []
-        for i, (text, reason, entries) in enumerate(
-            zip(texts, finish_reasons, logprobs, strict=True)
+        for i, (text, reason, entries, thought) in enumerate(
+            zip(texts, finish_reasons, logprobs, thinking, strict=True)
         ):
             message, reason = self._message(text, reason)
+            if thought:
+                message["reasoning_content"] = message["reasoning"] = thought
             choice = {"index": i, "message": message, "logprobs": self._logprobs(entries)}
             choices.append({**choice, "finish_reason": reason})
         return {

@@ -110,6 +110,7 @@ class _GenerationRequest(Body):
     n: Annotated[int | None, Field(ge=1, le=MAX_N)] = None
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None  # chat's; vLLM takes it on completions too
+    thinking_token_budget: Annotated[int | None, Field(ge=0)] = None  # vLLM's: reasoning models
     user: str | None = None  # an opaque end-user id; it changes nothing about generation
 
     def default_max_tokens(self) -> int | None:
@@ -140,6 +141,7 @@ class _GenerationRequest(Body):
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": _token_keys(self.logit_bias),
             "logprobs": self.num_logprobs(),
+            "thinking_token_budget": self.thinking_token_budget,
         }
 
     def constraint(self) -> Constraint | None:
@@ -265,6 +267,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: one call at most (named or "required")
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: {"enable_thinking": false}
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -293,6 +296,7 @@ class ChatCompletionRequest(_GenerationRequest):
             tools=self.tools,
             tool_choice=self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
+            template_kwargs=self.chat_template_kwargs or {},
         )
 
 
@@ -303,6 +307,7 @@ class TokenizeRequest(Body):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: Annotated[bool, only(True)] = True
     return_token_strs: bool = False
@@ -314,7 +319,11 @@ class TokenizeRequest(Body):
         return self
 
     def chat_job(self) -> ChatJob:
-        return ChatJob({}, messages=[m.message() for m in self.messages or []])
+        return ChatJob(
+            {},
+            messages=[m.message() for m in self.messages or []],
+            template_kwargs=self.chat_template_kwargs or {},
+        )
 
     def token_ids(self, model: ServedModel) -> list[int]:
         if isinstance(self.prompt, list):

@@ -1,7 +1,8 @@
 """The Responses API's answers: a response object of output items, or its event stream.
 
 A stream is `response.created` and `response.in_progress`, then per output item
-`response.output_item.added`, its deltas (`response.content_part.added` and
+`response.output_item.added`, its deltas (`response.reasoning_text.delta` for a reasoning
+model's thinking, which comes first; `response.content_part.added` and
 `response.output_text.delta` for a message; `response.function_call_arguments.delta` for a
 function call), their `.done` events and `response.output_item.done`, then
 `response.completed` (or `response.incomplete` when max_output_tokens cut the answer; or
@@ -59,15 +60,15 @@ class ResponsesEncoder(BlockEncoder):
 
     # ------------------------------------------------------------- whole
     def whole(
-        self, stream: RequestStream, texts: list[str], logprobs: list[list[TokenLogprobs]]
+        self,
+        stream: RequestStream,
+        texts: list[str],
+        logprobs: list[list[TokenLogprobs]],
+        thinking: list[str],
     ) -> dict[str, Any]:
-        blocks = self.whole_blocks(stream, texts[0])
+        blocks = self.whole_blocks(stream, texts[0], thinking[0])
         output = [
-            _item(
-                block,
-                _item_id("msg" if block.kind == "text" else "fc"),
-                self._status(i, len(blocks)),
-            )
+            _item(block, _item_id(ITEM_PREFIXES[block.kind]), self._status(i, len(blocks)))
             for i, block in enumerate(blocks)
         ]
         return self._finished(output, blocks, stream)
@@ -148,55 +149,67 @@ class ResponsesEncoder(BlockEncoder):
         for event in events:
             at, block = event.index, event.block
             if event.kind == "open":
-                item = _item(
-                    block, _item_id("msg" if block.kind == "text" else "fc"), "in_progress"
-                )
-                self._items[at] = item
+                item = self._items[at] = _item(block, _item_id(ITEM_PREFIXES[block.kind]))
                 out.append(self._event("response.output_item.added", output_index=at, item=item))
                 if block.kind == "text":
-                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    out.append(self._event("response.content_part.added", item_id=item["id"],
-                                           output_index=at, content_index=0, part=part))  # fmt: skip
-                continue
-            item_id = self._items[at]["id"]
-            if event.kind == "append":
-                if block.kind == "text":
-                    out.append(self._event("response.output_text.delta", item_id=item_id,
-                                           output_index=at, content_index=0, delta=event.text,
-                                           logprobs=[]))  # fmt: skip
+                    out.append(self._part_event("added", at, _text_part("")))
+            elif event.kind == "append":
+                where = {"item_id": self._items[at]["id"], "output_index": at}
+                if block.kind == "call":
+                    kind = "response.function_call_arguments.delta"
+                    out.append(self._event(kind, **where, delta=event.text))
                 else:
-                    out.append(self._event("response.function_call_arguments.delta",
-                                           item_id=item_id, output_index=at, delta=event.text))  # fmt: skip
-                continue
-            done = self._items[at] = _item(
-                block, item_id, self._status(at, len(self.output.blocks))
-            )
-            if block.kind == "text":
-                out.append(self._event("response.output_text.done", item_id=item_id,
-                                       output_index=at, content_index=0, text=block.text,
-                                       logprobs=[]))  # fmt: skip
-                out.append(self._event("response.content_part.done", item_id=item_id,
-                                       output_index=at, content_index=0,
-                                       part=done["content"][0]))  # fmt: skip
+                    kind = f"response.{TEXT_EVENTS[block.kind]}.delta"
+                    extra = {"logprobs": []} if block.kind == "text" else {}
+                    out.append(self._event(kind, **where, content_index=0, delta=event.text,
+                                           **extra))  # fmt: skip
             else:
-                out.append(self._event("response.function_call_arguments.done",
-                                       item_id=item_id, output_index=at, name=block.name,
-                                       arguments=block.text))  # fmt: skip
-            out.append(self._event("response.output_item.done", output_index=at, item=done))
+                out += self._done(at, block)
         return out
 
+    def _done(self, at: int, block: Block) -> list[bytes]:
+        """A closed item's events: its text's or arguments' `.done`, then the item's."""
+        item_id = self._items[at]["id"]
+        done = self._items[at] = _item(block, item_id, self._status(at, len(self.output.blocks)))
+        where = {"item_id": item_id, "output_index": at}
+        if block.kind == "call":
+            kind = "response.function_call_arguments.done"
+            out = [self._event(kind, **where, name=block.name, arguments=block.text)]
+        else:
+            kind = f"response.{TEXT_EVENTS[block.kind]}.done"
+            extra = {"logprobs": []} if block.kind == "text" else {}
+            out = [self._event(kind, **where, content_index=0, text=block.text, **extra)]
+            if block.kind == "text":
+                out.append(self._part_event("done", at, done["content"][0]))
+        out.append(self._event("response.output_item.done", output_index=at, item=done))
+        return out
 
-def _item(block: Block, item_id: str, status: str) -> dict[str, Any]:
+    def _part_event(self, what: str, at: int, part: dict[str, Any]) -> bytes:
+        kind = f"response.content_part.{what}"
+        return self._event(kind, item_id=self._items[at]["id"], output_index=at, content_index=0,
+                           part=part)  # fmt: skip
+
+
+ITEM_PREFIXES = {"thinking": "rs", "text": "msg", "call": "fc"}
+TEXT_EVENTS = {"thinking": "reasoning_text", "text": "output_text"}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _item(block: Block, item_id: str, status: str = "in_progress") -> dict[str, Any]:
     """An output item as it stands; an item still open has no content yet."""
+    final = status != "in_progress"
     if block.kind == "call":
-        arguments = block.text if status != "in_progress" else ""
         return {"type": "function_call", "id": item_id, "call_id": block.call_id,
-                "name": block.name, "arguments": arguments, "status": status}  # fmt: skip
-    content = []
-    if status != "in_progress":
-        content = [{"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}]
+                "name": block.name, "arguments": block.text if final else "", "status": status}  # fmt: skip
+    if block.kind == "thinking":
+        content = [{"type": "reasoning_text", "text": block.text}] if final else []
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+                "status": status}  # fmt: skip
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": content}  # fmt: skip
+            "content": [_text_part(block.text)] if final else []}  # fmt: skip
 
 
 def _answer(blocks: list[Block]) -> Message:

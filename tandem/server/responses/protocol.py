@@ -28,7 +28,14 @@ from tandem.request import StructuredOutputsParams
 from tandem.server.frontend.errors import bad_request
 from tandem.server.generation.fields import Body, log_ignored
 from tandem.server.generation.prepare import made_constraint
-from tandem.server.generation.request import ChatJob, Constraint, Message, ToolCall, as_turns
+from tandem.server.generation.request import (
+    ChatJob,
+    Constraint,
+    Message,
+    ToolCall,
+    as_turns,
+    thinking_settings,
+)
 
 ENDPOINT = "/v1/responses"
 TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -67,6 +74,16 @@ class TextConfig(Body):
     format: TextFormat | None = None
 
 
+class Reasoning(Body):
+    """`effort`, for a reasoning model: none or minimal turns the thinking off, the others are
+    budgets (`generation/request.EFFORT_BUDGETS`); unset leaves it to the model."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def setting(self) -> str | None:
+        return "off" if self.effort in ("none", "minimal") else self.effort
+
+
 class ResponsesRequest(Body):
     model: str
     input: str | list[InputItem]
@@ -83,6 +100,10 @@ class ResponsesRequest(Body):
     store: bool = True
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    reasoning: Reasoning | None = None
+
+    def thinking(self) -> tuple[int | None, dict[str, Any]]:
+        return thinking_settings(self.reasoning.setting() if self.reasoning else None)
 
     def sampling(self) -> dict[str, Any]:
         return {
@@ -122,10 +143,12 @@ class ResponsesRequest(Body):
             None if forced else self.constraint(),
             clamp_max_tokens=True,
             param_names={"prompt": "input", "max_tokens": "max_output_tokens"},
+            thinking_budget=self.thinking()[0],
             messages=as_turns(system + history + self.messages()),
             tools=tools or None,
             tool_choice=choice,
             parallel_tool_calls=False if single else None,
+            template_kwargs=self.thinking()[1],
         )
         return job, ignored
 
