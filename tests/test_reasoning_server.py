@@ -202,3 +202,28 @@ def test_ollama_thinking(live: LiveServer, model: str, offline) -> None:
     off = client.chat(model=model, messages=HI, options=options, stream=False, think=False)
     assert off.message.thinking is None
     assert off.message.content == expected(offline, 0, enable_thinking=False)[1]
+
+
+def test_bad_thinking_settings_are_refused_by_name(live: LiveServer, model: str) -> None:
+    """Each API refuses a negative budget or an unknown effort with its own error shape, naming
+    the field; the server serves the next request."""
+    openai_client = live.client().with_options(max_retries=0)
+    with pytest.raises(Exception) as info:
+        openai_client.chat.completions.create(
+            model=model, messages=HI, max_tokens=2, extra_body={"thinking_token_budget": -1}
+        )
+    assert info.value.status_code == 400 and "thinking_token_budget" in str(info.value)
+    with pytest.raises(Exception) as info:
+        openai_client.responses.create(model=model, input="Hi", reasoning={"effort": "lots"})
+    assert info.value.status_code == 400 and "effort" in str(info.value)
+    claude = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(model=model, max_tokens=2, messages=HI,
+                               thinking={"type": "enabled", "budget_tokens": -5})  # fmt: skip
+    assert "budget_tokens" in str(info.value)
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama.Client(host=live.url).chat(model=model, messages=HI, think="lots")
+    assert "think" in str(info.value), str(info.value)
+    out = openai_client.chat.completions.create(model=model, messages=HI, max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+    assert_idle(live)
