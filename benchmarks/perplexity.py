@@ -21,6 +21,15 @@ the scored tokens). The same windows, the same scored tokens, for both engines:
 * llama.cpp: `llama-perplexity -m GGUF -f TEXT -c CONTEXT -b CONTEXT -t THREADS -ctk f32 -ctv
   f32` (the KV cache in float32, as Tandem's), its "Final estimate".
 
+A quantized KV cache is one more row per value: `--kv-cache-dtypes auto,int8` (Tandem's int8
+cache, a scale per token and head) beside `--llama-cache-types f32,q8_0` (llama.cpp's q8_0 cache,
+a scale per 32 values; every llama.cpp row then runs with flash attention, which llama.cpp
+requires for a quantized V cache); each row's
+`vs first` is over its engine's first row, so the two caches' changes read side by side:
+
+    python benchmarks/perplexity.py smollm2-135m-instruct --kv-cache-dtypes auto,int8 \
+        --llama-cache-types f32,q8_0 --greedy-tokens 64
+
 `vs first`: the row's perplexity over its engine's row on the first model (with the first
 --tandem-quantization value), the fp32 one by default. Greedy agreement (Tandem rows): the 64 chat
 questions of `tandem bench --workload chat` (tandem/bench/data/chat_prompts.txt, rendered by the
@@ -74,12 +83,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated values of LLM(quantization=...), a Tandem row each: "
                         "default (not passed), none, int8, ...; int8-activations: the file's "
                         "blocks with int8_activations=True")  # fmt: skip
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="comma-separated values of LLM(kv_cache_dtype=...), a Tandem row each per "
+                        "quantization: auto (float32), int8")  # fmt: skip
+    p.add_argument("--llama-cache-types", default="f32",
+                   help="comma-separated llama-perplexity -ctk/-ctv types, a llama.cpp row each: "
+                        "f32, f16, q8_0, ...")  # fmt: skip
     p.add_argument("--engines", default="tandem,llamacpp", help="tandem, llamacpp or both")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="llama-perplexity -t (default: every core); Tandem picks its own")  # fmt: skip
     p.add_argument("--greedy-tokens", type=int, default=64, help="0: no greedy agreement")
     args = p.parse_args(argv)
     args.quantizations = [q.strip() for q in args.tandem_quantization.split(",") if q.strip()]
+    args.kv_dtypes = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
+    args.cache_types = [c.strip() for c in args.llama_cache_types.split(",") if c.strip()]
     args.engine_list = {e.strip() for e in args.engines.split(",")}
     if args.engine_list - {"tandem", "llamacpp"} or args.context < 4:
         p.error("--engines takes tandem and/or llamacpp; --context must be >= 4")
@@ -124,10 +141,13 @@ def tandem_perplexity(llm: LLM, chunks: list[list[int]], context: int) -> tuple[
     return math.exp(sum(nll) / len(nll)), len(nll)
 
 
-def llama_perplexity(args: argparse.Namespace, gguf: Path) -> tuple[float, int]:
+def llama_perplexity(args: argparse.Namespace, gguf: Path, cache: str) -> tuple[float, int]:
     command = [str(llama_binary("llama-perplexity")), "-m", str(gguf), "-f", str(args.text),
                "-c", str(args.context), "-b", str(args.context), "-t", str(args.threads),
-               "-ctk", "f32", "-ctv", "f32"]  # fmt: skip
+               "-ctk", cache, "-ctv", cache]  # fmt: skip
+    # A quantized V cache needs flash attention; then every row has it, so rows differ by cache.
+    if any(c not in ("f32", "f16", "bf16") for c in args.cache_types):
+        command += ["-fa", "on"]
     if args.windows:
         command += ["--chunks", str(args.windows)]
     out = subprocess.run(command, capture_output=True, text=True)
@@ -179,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{gguf.name}: NOTE: llama.cpp tokenizes the text differently here", flush=True)
         first_ids = first_ids or ids
         chunks = windows(ids, gguf, args.context, args.windows)
-        for q in args.quantizations if "tandem" in args.engine_list else []:
+        variants = [(q, kv) for q in args.quantizations for kv in args.kv_dtypes]
+        for q, kv in variants if "tandem" in args.engine_list else []:
             engine = {"default": "tandem", "int8-activations": "tandem int8 activations"}.get(
                 q, f"tandem quantization={q}"
-            )
+            ) + ("" if kv == "auto" else f" kv {kv}")
             options = {"default": {}, "int8-activations": {"int8_activations": True}}.get(
                 q, {"quantization": q}
             )
+            options = {**options, "kv_cache_dtype": kv}
             start = time.perf_counter()
             try:
                 llm = LLM(str(gguf), **options)
@@ -207,13 +229,14 @@ def main(argv: list[str] | None = None) -> int:
                 llm.close()
             rows.append(row(gguf, engine, ppl, scored, same))
             print(f"{gguf.name} {engine}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-        if "llamacpp" in args.engine_list:
+        for cache in args.cache_types if "llamacpp" in args.engine_list else []:
+            engine = "llama.cpp" + ("" if cache == "f32" else f" kv {cache}")
             start = time.perf_counter()
             try:
-                rows.append(row(gguf, "llama.cpp", *llama_perplexity(args, gguf)))
+                rows.append(row(gguf, engine, *llama_perplexity(args, gguf, cache)))
             except RuntimeError as exc:
-                print(f"{gguf.name} llama.cpp: failed: {exc}", flush=True)
-            print(f"{gguf.name} llama.cpp: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+                print(f"{gguf.name} {engine}: failed: {exc}", flush=True)
+            print(f"{gguf.name} {engine}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     if not rows:
         return 1
     greedy_note = ""

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import fields
 
-from tandem.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
+from tandem.config import KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from tandem.reasoning import PARSER_CHOICES
 from tandem.request import SAMPLING_FIELDS, SamplingParams
 
@@ -45,6 +45,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto: the model's dtype; int8 (CPU) or fp8 (CUDA): a byte a value and "
+                   "a float32 scale per token and KV head, about a quarter (int8 beside "
+                   "float32) or half (fp8 beside bfloat16) of the bytes")  # fmt: skip
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size exactly")
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85,

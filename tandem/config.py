@@ -24,6 +24,10 @@ _DTYPES = {
 # auto: read the checkpoint's safetensors; dummy: build the model from config.json alone with
 # seeded random weights made on the device (shapes and speed of a model without its download).
 LOAD_FORMATS = ("auto", "dummy")
+# auto: the model's dtype; int8 (CPU) and fp8 (e4m3, CUDA): a byte a value and a float32 scale
+# per token and kv head (`ops/kv_quant.py`).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DEVICES = {"int8": "cpu", "fp8": "cuda"}
 QUANTIZATIONS = (None, "none", "int8", "fp8")  # EngineConfig.quantization
 FP8_MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with FP8 tensor cores (Ada)
 SPECULATIVE_METHODS = ("ngram", "draft_model")  # SpeculativeConfig.method
@@ -120,6 +124,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     num_kv_blocks: int | None = None  # fixes the cache size exactly
     kv_cache_memory_gib: float = 1.0  # CPU: cache size (per rank) when num_kv_blocks is not given
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory for the cache
@@ -192,6 +197,17 @@ class EngineConfig:
                 "int8_activations runs quantized layers on the CPU kernels: float32 on the CPU, "
                 "not with enforce_eager or quantization 'none' or 'fp8'"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        device = KV_CACHE_DEVICES.get(self.kv_cache_dtype)
+        if device is not None and self.torch_device.type != device:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on {device.upper()} only "
+                f"(int8 on the CPU, fp8 on CUDA); this engine runs on {self.torch_device.type}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -230,6 +246,13 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"unsupported device {self.device!r}: use 'cpu' or 'cuda'")
         return device
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype: the model's, or int8 codes, or fp8 codes as uint8."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -29,7 +29,8 @@ AVX2_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
 # What runs again under the AVX2 build: every check of a fused kernel against its reference
-# (the quantized linear layers' too), the model's logits and greedy tokens against transformers'.
+# (the quantized linear layers' and the int8 KV cache's too), the model's logits and greedy
+# tokens against transformers'.
 AVX2_CHECKS = [
     f"tests/test_kernels.py::{name}"
     for name in (
@@ -53,6 +54,17 @@ AVX2_CHECKS = [
     "tests/test_quantized.py::test_float_activations_keep_float_precision_at_every_magnitude",
     "tests/test_quantized.py::test_int8_activations_kernel_is_the_integer_reference",
     "tests/test_quantized.py::test_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them",
+]
+AVX2_CHECKS += [
+    f"tests/test_kv_int8.py::{name}"
+    for name in (
+        "test_store_kv_writes_kv_quants_codes_and_scales_bit_for_bit",
+        "test_decode_attention_reads_an_int8_cache_in_place",
+        "test_a_verifications_rows_over_an_int8_cache_are_each_its_decode",
+        "test_chunks_over_an_int8_cache_attend_as_the_portable_op",
+        "test_decode_attention_over_a_long_int8_context",
+        "test_the_fused_forward_reads_int8_caches_as_the_portable_attention",
+    )
 ]
 # Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.
 RUN_PYTEST = (

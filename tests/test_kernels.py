@@ -441,6 +441,36 @@ def test_a_short_chunk_after_a_cached_prefix_gives_its_decodes_logits(tiny_check
     assert torch.equal(chunk, decodes)
 
 
+@pytest.mark.parametrize("cached", [5, 70])  # the cached part shorter, and longer, than the chunk
+def test_a_long_chunk_after_a_cached_prefix_matches_the_portable_path(tiny_checkpoints, cached):
+    """A chunk too long to attend as decodes, after a cached prefix (the fused forward's two
+    flash calls merged, `attend_after_context`), gives the portable model's logits for every
+    query."""
+    tail = cpu_kernels.decode_like_tokens() + 9
+    n = cached + tail
+    prompt = random_prompts(random.Random(6), 1, 1024, n, n)[0]
+    ids, positions, block_size = torch.tensor(prompt), torch.arange(n), 4
+    tables = torch.arange(-(-n // block_size)).view(1, -1)
+    logits = {}
+    for eager in (True, False):
+        model = load_model(tiny_checkpoints["LlamaForCausalLM"], torch.float32, torch.device("cpu"))
+        model = model.model
+        plan = fast_path.prepare(model, torch.device("cpu"), torch.float32, eager)
+        assert plan.ops == ("portable" if eager else "fused-cpu")
+        spec = model.spec
+        shape = (2, tables.shape[1], block_size, spec.num_kv_heads, spec.head_dim)
+        caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
+        with torch.inference_mode():
+            for first, last in [(0, cached), (cached, n)]:
+                segment = PrefillSegment(0, last - first, last, 0)
+                meta = AttentionMetadata(positions[first:last], tables, torch.tensor([last]), 0,
+                                         tables.shape[1], [segment], block_size)  # fmt: skip
+                hidden = model(ids[first:last], positions[first:last], caches, meta)
+        assert not segment.attends_as_decodes
+        logits[eager] = model.compute_logits(hidden)
+    torch.testing.assert_close(logits[False], logits[True], rtol=0, atol=FAST_PATH_LOGITS_ATOL)
+
+
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MistralForCausalLM"])  # Mistral's tied
 def test_the_fast_path_keeps_panels_in_place_of_float_weights(tiny_checkpoints, arch) -> None:
     """Packed into panels, a linear layer holds no float weight beside them (it doubled the

@@ -4,6 +4,8 @@ Under Triton's interpreter (`TRITON_INTERPRET=1`) the kernels' own logic runs on
 is compared with `ops/attention.py`; shapes are tiny, since the interpreter runs every program of
 the grid in Python. Separately, Triton's real compiler builds the kernels down to sm_90 (H200)
 binaries without a GPU (tests/triton_sm90_compile.py), which the interpreter alone would not prove.
+Caches hold the model's dtype or fp8 (`kv_quant`: uint8 rows of e4m3 codes and a float32 scale),
+read by the portable path as the same values.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction  # conftest chose the interpreter
 
-from tandem.ops import attention
+from tandem.ops import attention, kv_quant
 from tandem.ops import triton_attention as ta
 from tandem.ops.attention import (
     AttentionMetadata,
@@ -32,21 +34,28 @@ _ROOT = Path(__file__).resolve().parents[1]
 assert isinstance(ta._decode_kernel, InterpretedFunction)
 
 
+FP8 = torch.uint8  # an fp8 KV cache's storage (`kv_quant`): e4m3 codes and a scale per row
+
+
 def _cache(num_blocks, block_size, kv_heads, dim, dtype, g):
-    """A cache full of nan: a kernel that loads any slot past a context would return nan."""
-    shape = (num_blocks, block_size, kv_heads, dim)
-    return torch.full(shape, float("nan"), dtype=dtype), torch.full(
-        shape, float("nan"), dtype=dtype
-    )
+    """A cache full of nan: a kernel that loads any slot past a context would return nan (fp8:
+    every byte 0xff, so every scale is nan)."""
+    shape = (num_blocks, block_size, kv_heads, kv_quant.row_width(dim, dtype))
+    fill = 0xFF if dtype == FP8 else float("nan")
+    return torch.full(shape, fill, dtype=dtype), torch.full(shape, fill, dtype=dtype)
 
 
 def _fill(k_cache, v_cache, table_row, length, g) -> None:
-    """Write random K/V into the first `length` positions of one request."""
-    bs, kv_heads, dim = k_cache.shape[1:]
+    """Write random K/V into the first `length` positions of one request (quantized by write_kv
+    into an fp8 cache)."""
+    bs, kv_heads, width = k_cache.shape[1:]
+    quantized = kv_quant.is_quantized(k_cache)
+    dim = width - kv_quant.SCALE_BYTES if quantized else width
     slots = torch.arange(length)
     flat = table_row[slots // bs] * bs + slots % bs
-    k = torch.randn(length, kv_heads, dim, generator=g).to(k_cache.dtype)
-    v = torch.randn(length, kv_heads, dim, generator=g).to(k_cache.dtype)
+    dtype = torch.float32 if quantized else k_cache.dtype
+    k = torch.randn(length, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(length, kv_heads, dim, generator=g).to(dtype)
     write_kv(k, v, k_cache, v_cache, flat)
 
 
@@ -64,8 +73,18 @@ def _tables(lens, block_size, num_blocks, g, extra_columns=1):
 
 
 def _clean(cache: torch.Tensor) -> torch.Tensor:
-    """The reference gathers whole blocks and masks afterwards: it needs finite padding."""
+    """The reference gathers whole blocks and masks afterwards: it needs finite padding (an fp8
+    cache's unwritten rows, of nan scales, become zeros)."""
+    if cache.dtype == FP8:
+        rows = cache.clone().view(-1, cache.shape[-1])
+        scales = rows[:, -kv_quant.SCALE_BYTES :].contiguous().view(torch.float32).view(-1)
+        rows[scales.isnan()] = 0
+        return rows.view(cache.shape)
     return torch.nan_to_num(cache.float(), nan=0.0)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 DECODE_CASES = [
@@ -88,18 +107,20 @@ ROTATING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype,dim,heads,kv_heads,bs,lens,window,splits,block_n", ROTATING_CASES)
 def test_decode_rotating_its_own_keys_matches_rotary_then_decode(
-    dtype, dim, heads, kv_heads, bs, lens, window, splits, block_n
+    dtype, dim, heads, kv_heads, bs, lens, window, splits, block_n, fp8
 ) -> None:
     """A plain decode step's kernel given the step's keys (`NewKeys`): it caches the same
-    rotated keys and values, bit for bit, as the rotary kernel, and attends as the decode kernel
-    does after it (the step's own key summed last: within a few ulps)."""
+    rotated keys and values, bit for bit, as the rotary kernel (fp8: the same codes and
+    scales), and attends as the decode kernel does after it (the step's own key summed last,
+    as read back from the cache: within a few ulps), and as the portable path does."""
     from tandem.ops import triton_elementwise as te
 
     g = torch.Generator().manual_seed(sum(lens) + dim)
     num_blocks = 40
-    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, dtype, g)
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, FP8 if fp8 else dtype, g)
     tables = _tables(lens, bs, num_blocks, g)
     for i, n in enumerate(lens):
         _fill(k_cache, v_cache, tables[i], n - 1, g)  # the keys before the step's own
@@ -123,9 +144,15 @@ def test_decode_rotating_its_own_keys_matches_rotary_then_decode(
         q, *fused_caches, tables, context, bs, 0.3, window, new_keys=new, **options
     )
     for mine, theirs in zip(fused_caches, caches, strict=True):
-        assert torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
+        assert _same_bytes(mine, theirs)
     ulp = torch.finfo(dtype).eps
     torch.testing.assert_close(got.float(), ref.float(), rtol=4 * ulp, atol=4 * ulp)
+    meta = AttentionMetadata(
+        slots, tables.clamp(max=num_blocks - 1), context, r, tables.shape[1], [], bs,
+    )  # fmt: skip
+    portable = _decode_attention(q_rot.float(), *map(_clean, caches), meta, 0.3, window)
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(got.float(), portable, rtol=tol, atol=tol)
 
 
 def test_only_bf16_fp16_and_whole_tiles_of_heads_fuse() -> None:
@@ -135,13 +162,16 @@ def test_only_bf16_fp16_and_whole_tiles_of_heads_fuse() -> None:
     assert not ta.fuses_new_keys(q[..., :48], k[..., :48], k[..., :48])  # 48: halves of 24
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=["fp32-cache", "fp8-cache"])
 @pytest.mark.parametrize("dim,heads,kv_heads,bs,lens,window,splits,block_n", DECODE_CASES)
 def test_decode_matches_portable_attention(
-    dim, heads, kv_heads, bs, lens, window, splits, block_n
+    dim, heads, kv_heads, bs, lens, window, splits, block_n, cache_dtype
 ) -> None:
+    """fp32 queries over an fp32 cache, or an fp8 one read as the portable path reads it (code
+    times scale in fp32): the same numbers but for the order of sums."""
     g = torch.Generator().manual_seed(sum(lens) + dim)
     num_blocks = 24
-    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, torch.float32, g)
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, cache_dtype, g)
     tables = _tables(lens, bs, num_blocks, g)
     for i, n in enumerate(lens):
         _fill(k_cache, v_cache, tables[i], n, g)
@@ -163,15 +193,16 @@ def test_decode_matches_portable_attention(
     assert torch.equal(out[r:], torch.zeros_like(out[r:]))  # padding rows: zeros, not nan
 
 
-def _packed_batch(dim, heads, kv_heads, bs, decode_lens, chunks, dtype, g):
+def _packed_batch(dim, heads, kv_heads, bs, decode_lens, chunks, dtype, g, cache_dtype=None):
     """A mixed step as the runner makes one: decodes first, then prefill chunks.
 
-    chunks: (cached prefix, chunk tokens) per prefill. Returns q, k, v, caches and metadata, the
-    caches holding every request's context before this step (nan elsewhere)."""
+    chunks: (cached prefix, chunk tokens) per prefill. Returns q, k, v, caches (of `dtype`, or
+    `cache_dtype`) and metadata, the caches holding every request's context before this step
+    (nan elsewhere)."""
     lens = [n - 1 for n in decode_lens] + [prefix for prefix, _ in chunks]
     ends = list(decode_lens) + [prefix + n for prefix, n in chunks]
     num_blocks = sum(-(-n // bs) for n in ends) + 3
-    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, dtype, g)
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, cache_dtype or dtype, g)
     tables = _tables(ends, bs, num_blocks, g)
     for i, n in enumerate(lens):
         _fill(k_cache, v_cache, tables[i], n, g)
@@ -216,14 +247,16 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32-cache", "fp8-cache"])
 @pytest.mark.parametrize("dim,heads,kv_heads,bs,decode_lens,chunks,window", PREFILL_CASES)
 def test_packed_batch_matches_portable_attention(
-    dim, heads, kv_heads, bs, decode_lens, chunks, window
+    dim, heads, kv_heads, bs, decode_lens, chunks, window, fp8
 ) -> None:
-    """What the CUDA dispatch runs: write_kv, then decodes and chunks read the cache in place."""
+    """What the CUDA dispatch runs: write_kv, then decodes and chunks read the cache in place
+    (a chunk its own keys too: over an fp8 cache, as the portable path reads them back)."""
     g = torch.Generator().manual_seed(dim + len(chunks) + (window or 0))
     q, k, v, k_cache, v_cache, meta = _packed_batch(
-        dim, heads, kv_heads, bs, decode_lens, chunks, torch.float32, g
+        dim, heads, kv_heads, bs, decode_lens, chunks, torch.float32, g, FP8 if fp8 else None
     )
     ref = _portable(q, k, v, k_cache, v_cache, meta, 0.25, window)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -231,12 +264,13 @@ def test_packed_batch_matches_portable_attention(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32-cache", "fp8-cache"])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
-def test_prefill_tiles_smaller_than_the_chunk(block_m, block_n) -> None:
+def test_prefill_tiles_smaller_than_the_chunk(block_m, block_n, fp8) -> None:
     """Several query tiles (a tile ends inside a GQA group's rows) and key tiles per chunk."""
     g = torch.Generator().manual_seed(block_m)
     q, k, v, k_cache, v_cache, meta = _packed_batch(
-        32, 6, 2, 16, [], [(21, 19)], torch.float32, g
+        32, 6, 2, 16, [], [(21, 19)], torch.float32, g, FP8 if fp8 else None
     )  # group of 3: 57 rows, tiles of 16 split groups
     ref = _portable(q, k, v, k_cache, v_cache, meta, 0.25, 11)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -249,11 +283,15 @@ def test_prefill_tiles_smaller_than_the_chunk(block_m, block_n) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_within_tolerance(dtype) -> None:
-    """bf16/fp16 inputs: fp32 softmax and accumulation, probabilities rounded for the PV dot."""
+def test_half_precision_within_tolerance(dtype, fp8) -> None:
+    """bf16/fp16 inputs: fp32 softmax and accumulation, probabilities rounded for the PV dot
+    (an fp8 cache's values rounded to the model's dtype, as the portable path reads them)."""
     g = torch.Generator().manual_seed(7)
-    q, k, v, k_cache, v_cache, meta = _packed_batch(64, 8, 2, 16, [30, 70], [(18, 14)], dtype, g)
+    q, k, v, k_cache, v_cache, meta = _packed_batch(
+        64, 8, 2, 16, [30, 70], [(18, 14)], dtype, g, FP8 if fp8 else None
+    )
     ref = _portable(q, k, v, k_cache, v_cache, meta, 0.125, None)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = ta.paged_attention(q, k_cache, v_cache, meta, 0.125, None)
@@ -317,9 +355,10 @@ LONG_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("lens,window,fill,split_tokens,rotate,partials", LONG_CASES)
 def test_long_contexts_split_more_and_merge_in_their_last_split(
-    monkeypatch, lens, window, fill, split_tokens, rotate, partials
+    monkeypatch, lens, window, fill, split_tokens, rotate, partials, fp8
 ) -> None:
     """A long context gets a split per `split_tokens` keys beyond the fill (up to LONG_SPLITS),
     a short one only the fill's, each split with a tile; the last split to finish merges them
@@ -330,7 +369,7 @@ def test_long_contexts_split_more_and_merge_in_their_last_split(
     dtype, dim, heads, kv_heads, bs, block_n = torch.bfloat16, 32, 4, 2, 16, 16
     g = torch.Generator().manual_seed(sum(lens) + fill)
     num_blocks = sum(-(-n // bs) for n in lens) + 2
-    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, dtype, g)
+    k_cache, v_cache = _cache(num_blocks, bs, kv_heads, dim, FP8 if fp8 else dtype, g)
     tables = _tables(lens, bs, num_blocks, g)
     for i, n in enumerate(lens):
         _fill(k_cache, v_cache, tables[i], n - 1, g)  # the keys before the step's own
@@ -395,6 +434,25 @@ def test_triton_kernels_lookup_and_off_switch(monkeypatch) -> None:
         attention.triton_kernels.cache_clear()
 
 
+def test_caches_the_kernels_refuse() -> None:
+    """An fp8 cache needs its rows (so their scales) 4-byte aligned, head_dim in 4s, and rows of
+    head_dim + 4 bytes; int8 is the CPU's cache; any other must share q's dtype."""
+    q = torch.zeros(2, 4, 36)
+    fp8 = torch.zeros(4, 16, 2, 40, dtype=FP8)
+    ta._check(q, fp8, fp8)
+    ta._check(q.bfloat16(), fp8, fp8)
+    refused = [
+        (q[..., :18], torch.zeros(4, 16, 2, 22, dtype=FP8), "in 4s"),
+        (q, torch.zeros(4, 16, 2, 40, dtype=torch.int8), "CPU"),
+        (q, fp8[..., :36], "do not hold"),
+        (q, torch.zeros(4 * 16 * 2 * 40 + 2, dtype=FP8)[2:].view(fp8.shape), "aligned"),
+        (q.bfloat16(), torch.zeros(4, 16, 2, 36), "dtype"),
+    ]
+    for query, cache, message in refused:
+        with pytest.raises(ValueError, match=message):
+            ta._check(query, cache, cache)
+
+
 def test_default_split_count_ignores_context_lengths() -> None:
     cpu = torch.device("cpu")
     assert ta.default_num_splits(32, 8, cpu) == 1
@@ -405,6 +463,7 @@ H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
 
 
 CASE_NAMES = ("llama8b-bf16", "llama1b-bf16", "group7-window-fp16", "fp32-dim48")
+FP8_KV_CASES = ("llama8b-bf16-fp8kv", "group7-window-fp16-fp8kv", "fp32-dim48-fp8kv")
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -414,7 +473,9 @@ def test_kernels_compile_for_sm90() -> None:
     case's dtype, and the few-rows GEMM of ops/triton_gemm.py in bf16 and fp16 on tensor cores;
     the decode kernel also as it rotates and caches a plain step's keys (bf16, fp16), the GEMM
     over FP8 weights' e4m3 codes and the gate/up GEMM ending in SiLU; all but the SiLU with
-    programmatic dependent launch."""
+    programmatic dependent launch. Over fp8 KV caches, the kernels that touch the cache: the
+    attention reading e4m3 codes (converted in registers, the dots still on tensor cores) and
+    the rotary and rotating decode writing them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -442,19 +503,37 @@ def test_kernels_compile_for_sm90() -> None:
         ("group7-window-fp16", "_decode_kernel"),
         ("group7-window-fp16", "_prefill_kernel"),
         ("fp32-dim48", "_decode_kernel"),
+        ("llama8b-bf16-fp8kv", "_decode_kernel"),
+        ("llama8b-bf16-fp8kv", "_prefill_kernel"),
+        ("group7-window-fp16-fp8kv", "_decode_kernel"),
+        ("group7-window-fp16-fp8kv", "_prefill_kernel"),
+        ("fp32-dim48-fp8kv", "_decode_kernel"),
     }
     assert {(case, name) for case in CASE_NAMES for name in elementwise} <= kernels
+    fp8_kv = {(r["case"], r["kernel"]) for r in records if r["fp8_kv"]}  # only the cache's
+    assert {case for case, _ in fp8_kv} == set(FP8_KV_CASES)
+    assert {name for _, name in fp8_kv} == {"_decode_kernel", "_prefill_kernel", "_rotary_kernel"}
     rotating = {r["case"] for r in records if r["rotates"]}  # plain decode steps' kernel
-    assert rotating == {"llama8b-bf16", "llama1b-bf16", "group7-window-fp16"}
+    assert rotating == {"llama8b-bf16", "llama1b-bf16", "group7-window-fp16", *FP8_KV_CASES[:2]}
     # split decodes merge in their last split: every thread's partials stored (bar.sync), then
     # one thread's acquire-release count, the partials read back from L2
     merging = {(r["case"], r["rotates"]) for r in records if r["counts_splits"]}
-    assert merging == {("llama8b-bf16", False), ("llama8b-bf16", True), ("fp32-dim48", False)}
+    assert merging == {
+        (case, rotates)
+        for case in ("llama8b-bf16", "llama8b-bf16-fp8kv")
+        for rotates in (False, True)
+    } | {("fp32-dim48", False), ("fp32-dim48-fp8kv", False)}
     for r in records:
         assert r["cubin_bytes"] > 0 and r["shared"] <= H200_SHARED_MEMORY, r
         if r["kernel"] in ("_rms_norm_kernel", "_rotary_kernel", "_quantize_rows_fp8_kernel"):
             assert not r["fma"], r  # PyTorch's two roundings, not a contracted a*b + c
-        assert r["e4m3"] == (r["kernel"] == "_quantize_rows_fp8_kernel" or r["scaled"]), r
+        assert r["e4m3"] == (
+            r["kernel"] == "_quantize_rows_fp8_kernel" or r["scaled"] or r["fp8_kv"]
+        ), r
+        if r["fp8_kv"]:  # codes read by the attention, written by the rotary and rotating decode
+            assert r["from_e4m3"] == (r["kernel"] != "_rotary_kernel"), r
+            assert r["to_e4m3"] == (r["kernel"] == "_rotary_kernel" or r["rotates"]), r
+            assert not r["byte_loads"], r  # 4 codes a load at least: rows are 4-byte aligned
         # launched dependent: waits for the kernel before it, lets the next launch at its end
         dependent = r["kernel"] != "_silu_and_mul_kernel"
         assert r["pdl"] == r["lets_next_launch"] == dependent, r

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tandem.models.loader import load_model
-from tandem.ops import attention, elementwise, fp8, triton_attention, triton_elementwise
+from tandem.ops import attention, elementwise, fp8, kv_quant, triton_attention, triton_elementwise
+from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 from conftest import random_prompts
 from helpers import prefill_then_decode_logits
@@ -114,6 +115,80 @@ def test_rotary_and_cache_writes_the_rotated_keys_and_values(dtype, dim, heads, 
                        caches[0].view(-1, kv_heads, dim)[untouched])  # fmt: skip
 
 
+def _rotary_and_cache_both(qkv, heads, kv_heads, dim, positions, cos, sin, caches, slots):
+    """Each ops module's rotary_and_cache on its own copies: [(q, k, k_cache, v_cache)] for the
+    portable ops, then the Triton kernel."""
+    results = []
+    for ops in (elementwise, triton_elementwise):
+        q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = (t.view(len(qkv), -1, dim) for t in (q, k, v))
+        k_cache, v_cache = (c.clone() for c in caches)
+        q, k = ops.rotary_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+        results.append((q, k, k_cache, v_cache))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,heads,kv_heads", [(32, 4, 2), (48, 3, 1)])
+def test_rotary_and_cache_into_fp8_is_kv_quant_bit_for_bit(dtype, dim, heads, kv_heads) -> None:
+    """Into an fp8 cache (uint8 rows: e4m3 codes, then a float32 scale) the kernel writes
+    `kv_quant.quantize`'s bytes of the rotated k and of v: rows of magnitudes 1e-6 (the least
+    scale: codes among e4m3's subnormals) to 1e3, an all-zero one; every other slot untouched.
+    fp32 and fp16 rotate as PyTorch does, so the whole cache is the portable rotary and
+    write_kv's."""
+    g = torch.Generator().manual_seed(dim + 1)
+    tokens, blocks, block_size = 6, 6, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    qkv = (qkv * torch.logspace(-6, 3, tokens)[:, None]).to(dtype)
+    qkv[2] = 0
+    cos, sin = torch.randn(64, dim, generator=g), torch.randn(64, dim, generator=g)
+    positions = torch.tensor([0, 5, 63, 17, 1, 40])
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    shape = (blocks, block_size, kv_heads, dim + kv_quant.SCALE_BYTES)
+    caches = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=g) for _ in "kv"]
+    portable, (_, k, k_cache, v_cache) = _rotary_and_cache_both(
+        qkv, heads, kv_heads, dim, positions, cos, sin, caches, slots
+    )
+    written = k_cache.view(-1, kv_heads, shape[-1])[slots]
+    assert torch.equal(written, kv_quant.quantize(k, torch.uint8))  # the kernel's rotated k
+    assert torch.equal(v_cache, portable[3])
+    if dtype != torch.bfloat16:  # the interpreter's truncating casts rotate bf16 within an ulp
+        assert torch.equal(k_cache, portable[2])
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    for cache, before in zip((k_cache, v_cache), caches, strict=True):
+        assert torch.equal(cache.view(-1, *shape[2:])[untouched],
+                           before.view(-1, *shape[2:])[untouched])  # fmt: skip
+
+
+def test_fp8_cache_rounds_ties_to_even_at_every_e4m3_value() -> None:
+    """Every finite e4m3 value, the midpoints between neighbours and a hair either side of
+    them, as keys and values of rows whose largest value is 448 (scale 1): the fp8 cache holds
+    PyTorch's nearest-even codes, as `kv_quant.quantize` writes them."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8.FP8_DTYPE).float()
+    values = values[values.isfinite() & (values >= 0)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    row = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(values[1:])])
+    row = torch.cat([row, -row])
+    dim = 64
+    tokens = -(-len(row) // (dim - 1))
+    rest = torch.zeros(tokens * (dim - 1))
+    rest[: len(row)] = row
+    x = torch.cat([torch.full((tokens, 1), 448.0), rest.view(tokens, dim - 1)], dim=1)
+    qkv = torch.cat([x, x, x], dim=1)  # one head each of q, k and v
+    cos, sin = torch.ones(1, dim), torch.zeros(1, dim)  # rotation leaves the keys
+    shape = (tokens, 1, 1, dim + kv_quant.SCALE_BYTES)
+    caches = [torch.zeros(shape, dtype=torch.uint8) for _ in "kv"]
+    positions, slots = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
+    portable, fused = _rotary_and_cache_both(qkv, 1, 1, dim, positions, cos, sin, caches, slots)
+    for mine, theirs in zip(fused[2:], portable[2:], strict=True):
+        assert torch.equal(mine, theirs)
+        scales = mine[..., dim:].contiguous().view(torch.float32)
+        assert torch.equal(scales, torch.ones_like(scales))
+    expected = x.to(fp8.FP8_DTYPE).view(torch.uint8)
+    assert torch.equal(fused[3][:, 0, 0, :dim], expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [2 * 40, 2 * 1500])  # 1500: two column blocks, the last masked
 def test_silu_and_mul(dtype, width) -> None:
@@ -185,6 +260,67 @@ def test_plain_decode_step_rotating_in_the_attention_kernel(
     error = {n: (logits[n][-1] - exact).abs().max().item() for n in ("unfused", "fused")}
     assert 0 < error["fused"] < 2 * error["unfused"], error
     assert logits["fused"][-1].argmax() == exact.argmax()
+
+
+def _over_fp8_caches(model, prompt: list[int], distinct_decodes: bool, block_size: int = 4):
+    """`prefill_then_decode_logits` over fp8 KV caches: the logits, and the caches after."""
+    spec, n = model.spec, len(prompt)
+    num_blocks = -(-n // block_size)
+    width = kv_quant.row_width(spec.head_dim, torch.uint8)
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, width)
+    caches = [torch.zeros(shape, dtype=torch.uint8) for _ in range(spec.num_layers)]
+    tables = torch.arange(num_blocks).view(1, -1)
+    ids, positions = torch.tensor(prompt), torch.arange(n)
+    prefill = AttentionMetadata(
+        positions[: n - 1], tables, torch.tensor([n - 1]), 0, 0,
+        [PrefillSegment(0, n - 1, n - 1, 0)], block_size,
+    )  # fmt: skip
+    decode = AttentionMetadata(
+        positions[n - 1 :], tables, torch.tensor([n]), 1, num_blocks, [], block_size,
+        distinct_decodes=distinct_decodes,
+    )  # fmt: skip
+    with torch.inference_mode():
+        first = model(ids[: n - 1], positions[: n - 1], caches, prefill)
+        last = model(ids[n - 1 :], positions[n - 1 :], caches, decode)
+        return model.compute_logits(torch.cat([first, last])).float(), caches
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_plain_decode_step_over_fp8_caches(tiny_checkpoints, arch, monkeypatch) -> None:
+    """A bf16 model over fp8 KV caches with the Triton ops: the prefill's keys and values
+    written as codes and scales by the rotary kernel; in a decode step marked plain, the
+    attention kernel rotates, caches and attends to the step's row itself. It caches the
+    rotary kernel's bytes, and is held, as the unmarked step (whose attention, on a CPU, is the
+    portable op over dequantized rows), to the float32 model over fp8 caches: as near, the
+    same greedy token."""
+    prompt = random_prompts(random.Random(8), 1, 1024, 20, 20)[0]
+    rotating, decode_attention = [], triton_attention.decode_attention
+
+    def recorded(*args, new_keys=None, **kwargs):
+        rotating.append(new_keys is not None)
+        return decode_attention(*args, new_keys=new_keys, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", recorded)
+    runs = {}
+    for fused in (False, True):
+        model = load_model(tiny_checkpoints[arch], torch.bfloat16, torch.device("cpu")).model
+        model.ops = triton_elementwise
+        runs[fused] = _over_fp8_caches(model, prompt, distinct_decodes=fused)
+    model = load_model(tiny_checkpoints[arch], torch.float32, torch.device("cpu")).model
+    model.ops = elementwise  # the portable ops: write_kv quantizes, attention dequantizes
+    exact = _over_fp8_caches(model, prompt, distinct_decodes=False)[0][-1]
+    assert rotating == [True] * model.spec.num_layers  # the fused step's layers only
+    (unfused, unfused_caches), (fused, fused_caches) = runs[False], runs[True]
+    assert torch.equal(fused[:-1], unfused[:-1])  # the same prefill
+    # The step's row of the first layer (whose input is the same in both), all layers' before
+    n = len(prompt)
+    assert torch.equal(fused_caches[0], unfused_caches[0])
+    for mine, theirs in zip(fused_caches, unfused_caches, strict=True):
+        before = [t.flatten(1, 2)[:, : n - 1] for t in (mine, theirs)]
+        assert torch.equal(*before)
+    error = {name: (logits[-1] - exact).abs().max().item() for name, (logits, _) in runs.items()}
+    assert 0 < error[True] < 2 * error[False], error
+    assert fused[-1].argmax() == unfused[-1].argmax() == exact.argmax()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,6 +38,7 @@ from tandem.models.catalog import resolve_model
 from tandem.models.errors import ModelLoadError
 from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
+from tandem.ops.kv_quant import row_width
 from tandem.reasoning import resolve_parser
 from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.sampler.inputs import GrammarRows, LogprobRows
@@ -140,7 +141,13 @@ class Engine:
         on_cuda = config.torch_device.type == "cuda"
         self._bitmasks = StepBitmasks(self.grammars.bitmask_width, pin_memory=on_cuda)
         self.history = StepHistory()
-        self._kv_bytes = self.spec.kv_bytes_by_window(config.torch_dtype.itemsize)
+        storage = config.kv_storage_dtype
+        row_bytes = row_width(self.spec.head_dim, storage) * storage.itemsize
+        self._kv_bytes = self.spec.kv_bytes_by_window(row_bytes)
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s, %d bytes a token", num_blocks,
+            config.block_size, kv_cache_kind(config), self.kv_bytes_per_token,
+        )  # fmt: skip
         self._speculative_stats = SpeculativeStats()
         self._inflight: deque[_InFlight] = deque()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -221,6 +228,11 @@ class Engine:
     @property
     def async_scheduling(self) -> bool:
         return self._depth == 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one cached token holds over every layer (and every rank's heads)."""
+        return sum(self._kv_bytes.values())
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -504,6 +516,13 @@ class Engine:
 def is_answer(request: Request) -> bool:
     """Whether the sample's latest retired token belongs to the answer (not to its thinking)."""
     return request.reasoning is None or request.reasoning.last_kind == "content"
+
+
+def kv_cache_kind(config: EngineConfig) -> str:
+    """e.g. "float32" or "int8 codes, a float32 scale per token and KV head"."""
+    if config.kv_cache_dtype == "auto":
+        return str(config.torch_dtype).removeprefix("torch.")
+    return f"{config.kv_cache_dtype} codes, a float32 scale per token and KV head"
 
 
 def _check_speculation(spec: SpeculativeConfig | None, groups: KVGroups) -> None:

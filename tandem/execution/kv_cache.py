@@ -6,6 +6,7 @@ import torch
 
 from tandem.models.spec import LlamaSpec
 from tandem.ops import huge_pages
+from tandem.ops.kv_quant import row_width
 from tandem.scheduling.kv_groups import KVGroups, kv_groups
 
 
@@ -17,7 +18,8 @@ def layer_groups(spec: LlamaSpec, max_model_len: int | None) -> KVGroups:
 def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    """Bytes of one block in every cache tensor: K and V rows, their scales where quantized."""
+    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * dtype.itemsize
 
 
 def num_blocks_for_budget(
@@ -41,6 +43,7 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One tensor per layer, [2 (k, v), blocks, block_size, kv_heads, head_dim]."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    """One tensor per layer, [2 (k, v), blocks, block_size, kv_heads, head_dim], or head_dim + 4
+    bytes a row in a cache of one byte a value (`ops/kv_quant.py`)."""
+    shape = (2, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
     return [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]

@@ -63,10 +63,10 @@ class LlamaSpec:
             return [self.sliding_window] * self.num_layers
         return [self.sliding_window if s else None for s in self.sliding_layers]
 
-    def kv_bytes_by_window(self, element_size: int) -> dict[int | None, int]:
+    def kv_bytes_by_window(self, row_bytes: int) -> dict[int | None, int]:
         """Bytes of K and V one cached position holds in the layers of each window (None: all
-        keys), at `element_size` bytes a value."""
-        per_layer = 2 * self.num_kv_heads * self.head_dim * element_size
+        keys), at `row_bytes` a kv head's row (its scale included in a quantized cache)."""
+        per_layer = 2 * self.num_kv_heads * row_bytes
         by_window: dict[int | None, int] = {}
         for window in self.layer_windows():
             by_window[window] = by_window.get(window, 0) + per_layer

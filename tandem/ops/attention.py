@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from tandem.ops import kv_quant
 from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 
@@ -29,7 +30,10 @@ def write_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Scatter the step's keys and values into the paged cache ([blocks, block_size, heads, dim])."""
+    """Scatter the step's keys and values into the paged cache ([blocks, block_size, heads, dim]),
+    as codes and scales where the cache is one byte a value (`kv_quant`)."""
+    if kv_quant.is_quantized(k_cache):
+        k, v = kv_quant.quantize(k, k_cache.dtype), kv_quant.quantize(v, v_cache.dtype)
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
@@ -120,7 +124,8 @@ def portable_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` in PyTorch ops on any device, once the step's K/V are in the cache."""
+    """`paged_attention` in PyTorch ops on any device, once the step's K/V are in the cache (a
+    cache of one byte a value is read dequantized to q's dtype)."""
     out = torch.empty_like(q)
     d = meta.num_decodes
     if d:
@@ -128,13 +133,14 @@ def portable_attention(
     for seg in meta.prefills:
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
         first = 0  # the first key position any query of the chunk sees
-        if seg.context_len == seg.num_tokens:  # no cached prefix: attend to the fresh K/V
-            keys, values = k[rows], v[rows]
+        if seg.context_len == seg.num_tokens:  # no cached prefix: the fresh K/V, as cached
+            keys = kv_quant.cached_values(k[rows], k_cache)
+            values = kv_quant.cached_values(v[rows], v_cache)
         else:
             if sliding_window is not None:  # blocks before the window may be given back
                 start = seg.context_len - seg.num_tokens
                 first = max(0, start - sliding_window + 1) // meta.block_size * meta.block_size
-            keys, values = _gather_context(k_cache, v_cache, meta, seg, first)
+            keys, values = _gather_context(k_cache, v_cache, meta, seg, first, q.dtype)
         out[rows] = _chunk_attention(q[rows], keys, values, seg, scale, sliding_window, first)
     return out
 
@@ -153,13 +159,22 @@ def triton_kernels() -> ModuleType | None:
     return triton_attention
 
 
-def _gather_context(k_cache, v_cache, meta: AttentionMetadata, seg: PrefillSegment, first: int):
-    """The chunk's keys and values from position `first` (a block boundary) to its end."""
+def _gather_context(
+    k_cache, v_cache, meta: AttentionMetadata, seg: PrefillSegment, first: int, dtype: torch.dtype
+):
+    """The chunk's keys and values (as `dtype`) from position `first` (a block boundary) to its
+    end."""
     bs = meta.block_size
     blocks = meta.block_tables[seg.row, first // bs : -(-seg.context_len // bs)]
     shape = (len(blocks) * bs, *k_cache.shape[2:])
     length = seg.context_len - first
-    return k_cache[blocks].view(shape)[:length], v_cache[blocks].view(shape)[:length]
+    keys, values = k_cache[blocks].view(shape)[:length], v_cache[blocks].view(shape)[:length]
+    return _read(keys, dtype), _read(values, dtype)
+
+
+def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as values: themselves, or dequantized to `dtype`."""
+    return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(rows) else rows
 
 
 def _chunk_attention(q, keys, values, seg: PrefillSegment, scale, sliding_window, first=0):
@@ -189,8 +204,9 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, slidi
     d, width = meta.num_decodes, meta.decode_max_blocks
     blocks = meta.block_tables[:d, :width]
     length = width * meta.block_size
-    keys = k_cache[blocks].view(d, length, *k_cache.shape[2:]).transpose(1, 2)
-    values = v_cache[blocks].view(d, length, *v_cache.shape[2:]).transpose(1, 2)
+    keys, values = _read(k_cache[blocks], q.dtype), _read(v_cache[blocks], q.dtype)
+    keys = keys.view(d, length, *keys.shape[-2:]).transpose(1, 2)
+    values = values.view(d, length, *values.shape[-2:]).transpose(1, 2)
     ctx = meta.context_lens[:d, None]
     k_pos = torch.arange(length, device=q.device)[None, :]
     mask = k_pos < ctx

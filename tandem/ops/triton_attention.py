@@ -26,6 +26,15 @@ Prefill (`prefill_attention`) runs one launch per chunk from the host ints of it
 `PrefillSegment`: the chunk's keys, already written into the cache (`rotary_and_cache`), and its cached
 prefix are read through the block table, causally (and within the sliding window).
 
+An fp8 KV cache (`kv_quant`: uint8 rows of head_dim e4m3 codes, then the row's float32 scale) is
+a constexpr switch (`FP8`) of both kernels. A tile's codes are loaded, converted in registers,
+multiplied by their row's scale in fp32 and rounded to the model's dtype (`kv_quant.dequantize`),
+so the dots are those of a bf16/fp16 cache, and a chunk reads its own keys as cached, like the
+portable path. Rows are head_dim + 4 bytes, so only 4-byte aligned: the kernels say so
+(`tl.multiple_of`), without which Triton loads the codes a byte at a time and does not prefetch
+them. The fused decode writes the step's key and value as codes and a scale too (the bits of
+`rotary_and_cache`'s), and attends to them as read back.
+
 tests/test_triton_attention.py runs these kernels on CPU tensors in Triton's interpreter
 (`TRITON_INTERPRET=1`, set before triton is imported) against the portable path, and compiles
 them for sm_90 with Triton's compiler; benchmarks/triton_attention_check.py runs them on a GPU.
@@ -41,6 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.ops.triton_elementwise import (
+    check_cache,
+    kv_fp8_codes,
+    kv_fp8_scale,
+    kv_fp8_values,
+)
 from tandem.ops.triton_launch import (
     let_next_kernel_launch,
     pdl_options,
@@ -98,8 +113,10 @@ def _attend_tiles(
     WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_lo, tile_hi); returns the updated (acc, m, l)."""
     for t in range(tile_lo, tile_hi):
@@ -107,17 +124,12 @@ def _attend_tiles(
         in_ctx = k_pos < kv_len
         block = tl.load(table_row_ptr + k_pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
         within = (k_pos % BLOCK_SIZE).to(tl.int64)
-        load_mask = in_ctx[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_ptr + (block * stride_kb + within * stride_kt)[:, None] + offs_d[None, :],
-            mask=load_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + (block * stride_vb + within * stride_vt)[:, None] + offs_d[None, :],
-            mask=load_mask,
-            other=0.0,
-        )
+        k_rows = k_ptr + block * stride_kb + within * stride_kt
+        v_rows = v_ptr + block * stride_vb + within * stride_vt
+        if FP8:  # rows of head_dim (in 4s) + 4 bytes: 4 codes a load, prefetched (see above)
+            k_rows, v_rows = tl.multiple_of(k_rows, 4), tl.multiple_of(v_rows, 4)
+        k = _cache_rows(k_rows, offs_d, in_ctx, mask_d, q.dtype, HEAD_DIM, FP8)
+        v = _cache_rows(v_rows, offs_d, in_ctx, mask_d, q.dtype, HEAD_DIM, FP8)
         s = _dot(q, tl.trans(k), PRECISION, BF16_AS_FP32) * qk_scale
         keep = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
         if WINDOW > 0:
@@ -130,6 +142,48 @@ def _attend_tiles(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, BF16_AS_FP32)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _cache_rows(rows_ptr, offs_d, in_ctx, mask_d, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                FP8: tl.constexpr):  # fmt: skip
+    """Cache rows (`rows_ptr`: each one's start) as values of DTYPE, the model's: as stored, or
+    (FP8) e4m3 codes times the row's float32 scale, read from its 4 bytes after the codes."""
+    mask = in_ctx[:, None] & mask_d[None, :]
+    if FP8:
+        codes = tl.load(rows_ptr[:, None] + offs_d[None, :], mask=mask, other=0)
+        scale_ptr = (rows_ptr + HEAD_DIM).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr, mask=in_ctx, other=0.0)
+        rows = kv_fp8_values(codes.to(tl.float8e4nv, bitcast=True), scale[:, None], DTYPE)
+    else:
+        rows = tl.load(rows_ptr[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return rows
+
+
+@triton.jit
+def _fp8_row(x):
+    """One row [1, D] as an fp8 cache holds it: e4m3 codes and a float32 scale."""
+    xf = x.to(tl.float32)
+    scale = kv_fp8_scale(tl.max(tl.abs(xf)))
+    return kv_fp8_codes(xf, scale), scale
+
+
+@triton.jit
+def _read_back(x):
+    """One row [1, D] in its dtype as an fp8 cache gives it back."""
+    codes, scale = _fp8_row(x)
+    return kv_fp8_values(codes, scale, x.dtype)
+
+
+@triton.jit
+def _store_row(at, offs_d, x, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """One row [1, D] into the cache at `at`: as it is, or (FP8) its codes, then its scale."""
+    if FP8:
+        codes, scale = _fp8_row(x)
+        tl.store(at + offs_d[None, :], codes.to(tl.uint8, bitcast=True))
+        tl.store((at + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale)
+    else:
+        tl.store(at + offs_d[None, :], x)
 
 
 @triton.jit
@@ -190,6 +244,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
     ROTATE: tl.constexpr,
+    FP8: tl.constexpr,  # the caches hold e4m3 codes and a scale per row (uint8)
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -246,8 +301,10 @@ def _decode_kernel(
             block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             k_at = k_cache_ptr + block * stride_kb + within * stride_kt + kv_head * stride_kh
             v_at = v_cache_ptr + block * stride_vb + within * stride_vt + kv_head * stride_vh
-            tl.store(k_at + offs_d[None, :], k_new)
-            tl.store(v_at + offs_d[None, :], v_new)
+            _store_row(k_at, offs_d, k_new, HEAD_DIM, FP8)
+            _store_row(v_at, offs_d, v_new, HEAD_DIM, FP8)
+        if FP8:  # the step's own key and value attended as read back, as every other one
+            k_new, v_new = _read_back(k_new), _read_back(v_new)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
@@ -277,8 +334,10 @@ def _decode_kernel(
         WINDOW,
         BLOCK_SIZE,
         BLOCK_N,
+        HEAD_DIM,
         PRECISION,
         BF16_AS_FP32,
+        FP8,
     )
     if ROTATE:  # noqa: SIM102 - a constexpr: without it the body (k_new, v_new) is not compiled
         if split == splits - 1:  # the step's own key, the last of the context
@@ -386,6 +445,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -440,8 +500,10 @@ def _prefill_kernel(
         WINDOW,
         BLOCK_SIZE,
         BLOCK_N,
+        HEAD_DIM,
         PRECISION,
         BF16_AS_FP32,
+        FP8,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -459,10 +521,11 @@ _INTERPRETED = not isinstance(_decode_kernel, triton.runtime.JITFunction)  # TRI
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, kv_heads, dim]")
-    if q.shape[-1] != k_cache.shape[-1] or q.shape[1] % k_cache.shape[2]:
+    check_cache(k_cache, q.shape[-1])
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, torch.uint8):
+        raise ValueError("the caches must share q's dtype, or both be fp8 (uint8)")
+    if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k_cache.shape)}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError("q and the caches must share a dtype")
     for t in (q, k_cache, v_cache):
         if t.stride(-1) != 1:
             raise ValueError("the head dimension must be contiguous")
@@ -571,7 +634,7 @@ def _partials(
 
 def decode_attention(
     q: torch.Tensor,  # [R, H, D], one query per request
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], or fp8: uint8 rows of D + 4
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [>= R, W] int
     context_lens: torch.Tensor,  # [>= R] int; 0 for padding rows
@@ -640,6 +703,7 @@ def decode_attention(
         PRECISION=_precision(q.dtype),
         BF16_AS_FP32=_INTERPRETED and q.dtype == torch.bfloat16,
         ROTATE=new_keys is not None,
+        FP8=k_cache.dtype == torch.uint8,
         **_LAUNCH,
         **pdl_options(q.device),
     )
@@ -690,6 +754,7 @@ def prefill_attention(
         HEAD_DIM=dim,
         PRECISION=_precision(q.dtype),
         BF16_AS_FP32=_INTERPRETED and q.dtype == torch.bfloat16,
+        FP8=k_cache.dtype == torch.uint8,
         **_LAUNCH,
         **pdl_options(q.device),
     )

@@ -12,6 +12,10 @@ model's dtype is rounded here too, products and sums are not contracted into FMA
 and rsqrt its hardware approximation, as PyTorch's `rsqrtf`; only the RMSNorm's sum of squares
 adds in another order. The CPU suite runs them under Triton's interpreter against the portable ops
 (where exp is numpy's, and a cast to bf16 truncates instead of rounding).
+
+Into an fp8 KV cache (`kv_quant`) the rotary kernel writes each row's e4m3 codes and scale with
+the bits of `kv_quant.quantize` (float32 division, ties to even); `kv_fp8_*` are the rules it
+shares with the attention kernels (`triton_attention.py`), which read such a cache.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton.language as tl
 
 from tandem.ops.attention import paged_attention, rotate_cache_attend
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from tandem.ops.kv_quant import SCALE_BYTES, row_width
 from tandem.ops.triton_launch import (
     INTERPRETED,
     let_next_kernel_launch,
@@ -122,7 +127,7 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_slot, stride_cache_h, n_q_heads, n_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, PDL: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -144,13 +149,28 @@ def _rotary_kernel(
     )  # fmt: skip
     if WRITE_CACHE:  # the step's rotated K and its V into the paged cache, at the token's slot
         slot = tl.load(slots_ptr + token).to(tl.int64)
-        cached = slot * stride_slot + heads[:, None] * stride_cache_h + offs_d[None, :]
-        tl.store(k_cache_ptr + cached, k1, mask=mask)
-        tl.store(k_cache_ptr + cached + HALF, k2, mask=mask)
+        rows = slot * stride_slot + heads * stride_cache_h
         v_first = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
-        tl.store(v_cache_ptr + cached, tl.load(v_first, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + cached + HALF, tl.load(v_first + HALF, mask=mask), mask=mask)
+        v1, v2 = tl.load(v_first, mask=mask), tl.load(v_first + HALF, mask=mask)
+        _cache_halves(k_cache_ptr + rows, k1, k2, offs_d, mask, heads < n_k_heads, HALF, FP8)
+        _cache_halves(v_cache_ptr + rows, v1, v2, offs_d, mask, heads < n_k_heads, HALF, FP8)
     let_next_kernel_launch(PDL)
+
+
+@triton.jit
+def _cache_halves(rows_ptr, x1, x2, offs_d, mask, mask_rows, HALF: tl.constexpr, FP8: tl.constexpr):
+    """Cache rows (`rows_ptr`: each row's start) from their halves: as they are, or (FP8) as
+    e4m3 codes with the row's float32 scale in its 4 bytes after them (`kv_quant.quantize`)."""
+    at = rows_ptr[:, None] + offs_d[None, :]
+    if FP8:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        scale = kv_fp8_scale(tl.maximum(tl.max(tl.abs(a), 1), tl.max(tl.abs(b), 1)))
+        tl.store(at, kv_fp8_codes(a, scale[:, None]).to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(at + HALF, kv_fp8_codes(b, scale[:, None]).to(tl.uint8, bitcast=True), mask=mask)
+        tl.store((rows_ptr + 2 * HALF).to(tl.pointer_type(tl.float32)), scale, mask=mask_rows)
+    else:
+        tl.store(at, x1, mask=mask)
+        tl.store(at + HALF, x2, mask=mask)
 
 
 def rotary(
@@ -173,7 +193,7 @@ def rotary_and_cache(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [blocks, block_size, Hkv, D], or fp8: uint8 rows of D + 4
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [T]: block * block_size + offset
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +214,7 @@ def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> Non
     write = k_cache is not None
     if write:
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        check_cache(k_cache, dim)
     half = dim // 2
     _rotary_kernel[(tokens,)](
         q, k, v if write else k, positions, cos, sin, slots if write else positions,
@@ -202,7 +223,8 @@ def _launch_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> Non
         k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0, q.shape[1],
         k.shape[1], HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        WRITE_CACHE=write, **_EXACT, **pdl_options(q.device),
+        WRITE_CACHE=write, FP8=write and k_cache.dtype == torch.uint8, **_EXACT,
+        **pdl_options(q.device),
     )  # fmt: skip
 
 
@@ -247,6 +269,42 @@ def _round_to_e4m3(v):
     step = step_bits.to(tl.float32, bitcast=True)
     rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step
     return tl.where(bits < 0, -rounded, rounded)  # the sign bit: -0 included
+
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def kv_fp8_scale(amax):
+    """A cache row's float32 scale from its largest magnitude, as `kv_quant.quantize` takes it."""
+    return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+
+
+@triton.jit
+def kv_fp8_codes(x, scale):
+    """x (float32) over its row's scale as e4m3 codes (float8e4nv): `kv_quant.quantize`'s bits."""
+    return _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)).to(tl.float8e4nv)
+
+
+@triton.jit
+def kv_fp8_values(codes, scale, DTYPE: tl.constexpr):
+    """e4m3 codes read back as `kv_quant.dequantize` does: code * scale in float32, then DTYPE."""
+    return (codes.to(tl.float32) * scale).to(DTYPE)
+
+
+def check_cache(cache: torch.Tensor, head_dim: int) -> None:
+    """A cache the Triton kernels read and write: the model's dtype with rows of `head_dim`, or
+    fp8 (`kv_quant`): uint8 rows of head_dim codes and a scale, 4-byte aligned for its load."""
+    if cache.dtype == torch.int8:
+        raise ValueError("an int8 KV cache is the CPU's; CUDA's one-byte cache is fp8")
+    if cache.dtype == torch.uint8 and head_dim % SCALE_BYTES:
+        raise ValueError(f"an fp8 KV cache needs a head_dim in 4s, not {head_dim}")
+    starts = (cache.data_ptr(), *cache.stride()[:-1])  # where its rows start, in bytes
+    if cache.dtype == torch.uint8 and any(start % SCALE_BYTES for start in starts):
+        raise ValueError("an fp8 KV cache's rows must start 4-byte aligned")
+    if cache.shape[-1] != row_width(head_dim, cache.dtype):
+        raise ValueError(f"cache rows of {cache.shape[-1]} do not hold heads of {head_dim}")
 
 
 @triton.jit

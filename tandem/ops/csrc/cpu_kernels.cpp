@@ -18,6 +18,7 @@
 #include "tasks.h"
 #include "vectors.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -39,6 +40,41 @@ void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
   TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+// A KV cache of one byte a value (tandem/ops/kv_quant.py, the contract): each (token, kv head)
+// row is head_dim int8 codes, then its float32 scale in the row's last kScaleBytes bytes.
+constexpr int64_t kScaleBytes = 4;
+constexpr float kInt8Max = 127.f;
+
+// A cache of float32 values, or of int8 rows of codes and scales, `dim` values a kv head.
+void check_cache(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kChar, name,
+              " must be float32, or int8 codes and scales");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  const int64_t width = t.scalar_type() == at::kChar ? dim + kScaleBytes : dim;
+  TORCH_CHECK(t.size(-1) == width, name, " rows must hold ", width, " values");
+}
+
+inline float row_scale(const int8_t* scale_bytes) {
+  float scale;
+  std::memcpy(&scale, scale_bytes, sizeof(scale));
+  return scale;
+}
+
+// One row of `dim` values as the cache holds it: kv_quant.quantize's rule bit for bit (scale =
+// max|x| / 127; code = x / scale rounded half to even, in [-127, 127]; 0 where the scale is),
+// the scale after the codes.
+inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(x[d]));
+  const float scale = amax / kInt8Max;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float code = scale > 0.f ? std::nearbyint(x[d] / scale) : 0.f;
+    out[d] = static_cast<int8_t>(std::clamp(code, -kInt8Max, kInt8Max));
+  }
+  std::memcpy(out + dim, &scale, sizeof(scale));
 }
 
 // The clamp and the 2^n of fast_exp, for a float and for a vector of kLanes floats: the same
@@ -173,24 +209,26 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
 }
 
 // Each token's K and V rows ([T, kv_heads, D], any token stride) into their cache slots (the
-// caches contiguous, a slot every kv_heads * D floats: [blocks, block_size, kv_heads, D]), as
-// `index_copy_` along the slots would. Why: a decode step writes one row per layer, and
-// index_copy_'s generic path cost more than the copy itself.
+// caches contiguous, a slot every kv_heads rows: [blocks, block_size, kv_heads, D]), as
+// `index_copy_` along the slots would; into an int8 cache ([..., D + 4]) as codes and scales
+// (quantize_row). Why: a decode step writes one row per layer, and index_copy_'s generic path
+// cost more than the copy itself.
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
               const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   check_float_rows(k, "k");
   check_float_rows(v, "v");
-  check_float_rows(k_cache, "k_cache");
-  check_float_rows(v_cache, "v_cache");
   TORCH_CHECK(k.dim() == 3 && k.stride(1) == k.size(2) && v.sizes() == k.sizes() &&
                   v.stride(1) == v.size(2),
               "k and v must be [T, kv_heads, D] alike, heads packed");
-  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  check_cache(k_cache, "k_cache", dim);
+  check_cache(v_cache, "v_cache", dim);
+  const bool codes = k_cache.scalar_type() == at::kChar;
+  const int64_t width = k_cache.size(-1), row = heads * width;  // a slot, in cache elements
   const int64_t slots = row > 0 ? k_cache.numel() / row : 0;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(-1) == k.size(2) && k_cache.numel() == slots * row &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "the caches must be contiguous alike, in slots of kv_heads x D");
+  TORCH_CHECK(k_cache.numel() == slots * row && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must be alike, in slots of kv_heads rows");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens,
               "slot_mapping must be int64, one slot per token");
   const at::Tensor slots_held = slot_mapping.contiguous();
@@ -199,9 +237,22 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  if (codes) {
+    int8_t* kc = k_cache.data_ptr<int8_t>();
+    int8_t* vc = v_cache.data_ptr<int8_t>();
+    at::parallel_for(0, tokens, grain_rows(2 * heads * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          quantize_row(kp + t * ks + h * dim, dim, kc + slot[t] * row + h * width);
+          quantize_row(vp + t * vs + h * dim, dim, vc + slot[t] * row + h * width);
+        }
+      }
+    });
+    return;
+  }
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, tokens, grain_rows(2 * row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(kc + slot[t] * row, kp + t * ks, row * sizeof(float));
@@ -251,7 +302,8 @@ inline float exp_scores(float* s, int64_t n) {
 
 // Decode queries against their paged K/V, read in place through the block tables.
 //   q [N, H, D] (any row stride), caches [blocks, block_size, Hkv, D] contiguous, out [N, H, D]
-//   contiguous.
+//   contiguous. An int8 cache's rows ([..., D + 4]: codes, then a scale) are dequantized in
+//   registers: a score is (q . codes) * scale, and a value row's scale is folded into its weight.
 // Queries come in runs: `queries` consecutive rows of one request at consecutive positions,
 // query i seeing the first len - (queries - 1 - i) tokens of the run's blocks. A decode is a run
 // of one; a verification's k + 1 rows, or a short chunk after a cached context, a longer one,
@@ -267,8 +319,8 @@ struct QueryRun {
 
 struct DecodeProblem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // float32 values, or int8 codes and scales
+  const void* v;
   float* out;
   int64_t heads, kv_heads, group, block_size, q_stride, sliding_window;
   float scale;
@@ -279,43 +331,54 @@ struct DecodeProblem {
   }
 };
 
-// Query i of `run`, its query heads of kv heads [h0, h1). DIM > 0 fixes the head size at
-// compile time (unrolled dot products); 0 reads it from `dim`. Taking several kv heads at once
-// uses every byte of each cache line a token's K/V row spans (heads are interleaved per token).
-template <int64_t DIM>
+// A cache's elements per kv head's row: its values, and an int8 row's scale bytes.
+template <typename T>
+constexpr int64_t head_row(int64_t dim) {
+  return std::is_same_v<T, int8_t> ? dim + kScaleBytes : dim;
+}
+
+// Query i of `run`, its query heads of kv heads [h0, h1), over a cache of T (float or int8_t).
+// DIM > 0 fixes the head size at compile time (unrolled dot products); 0 reads it from `dim`.
+// Taking several kv heads at once uses every byte of each cache line a token's K/V row spans
+// (heads are interleaved per token).
+template <typename T, int64_t DIM>
 void attend(const DecodeProblem& p, const QueryRun& run, int64_t i, int64_t h0, int64_t h1,
             int64_t dim, std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t D = DIM > 0 ? DIM : dim;
-  const int64_t G = p.group, token_stride = p.kv_heads * D, nh = (h1 - h0) * G;
+  constexpr bool kCodes = std::is_same_v<T, int8_t>;
+  const int64_t D = DIM > 0 ? DIM : dim, R = head_row<T>(D);
+  const int64_t G = p.group, token_stride = p.kv_heads * R, nh = (h1 - h0) * G;
   const int64_t len = run.len_of(i), first = p.first_of(len), n = len - first;
   scores.resize(nh * n);
   acc.assign(nh * D, 0.f);
   const float* qr = p.q + (run.row + i) * p.q_stride + h0 * G * D;  // nh query heads, D apart
   // Rows of K (then V) are visited block by block, each row serving every query head it feeds.
-  auto for_each_row = [&](const float* cache, auto&& body) {
+  auto for_each_row = [&](const void* cache, auto&& body) {
     for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
       const int64_t t0 = b * p.block_size;
       const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
-      const float* base = cache + (run.blocks[b] * p.block_size) * token_stride + h0 * D;
+      const T* base =
+          static_cast<const T*>(cache) + (run.blocks[b] * p.block_size) * token_stride + h0 * R;
       for (int64_t o = lo; o < hi; ++o) body(t0 + o - first, base + o * token_stride);
     }
   };
-  for_each_row(p.k, [&](int64_t t, const float* row) {
+  for_each_row(p.k, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nh; ++j) {  // query head j reads kv head j / G of this row
       const float* qj = qr + j * D;
-      const float* kj = row + (j / G) * D;
+      const T* kj = row + (j / G) * R;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < D; ++d) s += qj[d] * kj[d];
+      if constexpr (kCodes) s *= row_scale(kj + D);
       scores[j * n + t] = s * p.scale;
     }
   });
   std::vector<float> inv_sums(nh);
   for (int64_t j = 0; j < nh; ++j) inv_sums[j] = exp_scores(scores.data() + j * n, n);
-  for_each_row(p.v, [&](int64_t t, const float* row) {
+  for_each_row(p.v, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nh; ++j) {
-      const float w = scores[j * n + t];
-      const float* vj = row + (j / G) * D;
+      const T* vj = row + (j / G) * R;
+      float w = scores[j * n + t];
+      if constexpr (kCodes) w *= row_scale(vj + D);
       float* a = acc.data() + j * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] += w * vj[d];
@@ -343,6 +406,18 @@ using Vec16Unaligned = float __attribute__((vector_size(64), aligned(4), may_ali
 inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16Unaligned*>(p); }
 
 constexpr int64_t kLineFloats = kCacheLineBytes / sizeof(float);
+
+// kLanes int8 codes as floats (exact): a sign extension and a conversion per vector. In
+// intrinsics: GCC turns the same `__builtin_convertvector` into a scalar load and conversion
+// per lane, which made the int8 kernel slower than the float one.
+inline VecL load_codes(const int8_t* p) {
+  const auto* codes = reinterpret_cast<const __m128i*>(p);
+#ifdef __AVX512F__
+  return reinterpret_cast<VecL>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes))));
+#else
+  return reinterpret_cast<VecL>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))));
+#endif
+}
 
 // Lane t of the result is the sum of the kLanes lanes of v[t]. Each level adds the two halves of
 // every token's partial sums, packing two vectors' tokens into one, in order. (A mask indexes
@@ -404,6 +479,45 @@ struct LinePrefetcher {
   }
 };
 
+// The same walk over an int8 cache, a row at a time: its rows (D + 4 bytes a kv head) start
+// anywhere in a line, so each row asks for the one to three lines it spans. Calls give parts of
+// a row (`ahead(parts)`, `cost` parts a row), so that a pass's calls keep pace with its reads.
+// Why rows: counted line by line, the walk's bookkeeping was a third of the int8 kernel's
+// instructions.
+struct RowPrefetcher {
+  const int8_t* cache;
+  const int64_t* blocks;
+  int64_t block_size, token_stride, offset, row_bytes, len;
+  int64_t block = 0, row = 0, credit = 0, cost = 1;  // the next row; parts given, a row's parts
+
+  // Restart at `token` of `cache_start`, `rows` ahead, then a row per `parts_per_row` parts.
+  void start(const int8_t* cache_start, int64_t token, int64_t rows, int64_t parts_per_row) {
+    cache = cache_start;
+    block = token / block_size;
+    row = token % block_size;
+    credit = 0;
+    cost = parts_per_row;
+    for (int64_t i = 0; i < rows; ++i) next_row();
+  }
+  inline void ahead(int64_t parts) {
+    for (credit += parts; credit >= cost; credit -= cost) next_row();
+  }
+  // Prefetch (into L2) the next row's lines, stopping at the context's end.
+  inline void next_row() {
+    if (block * block_size + row >= len) return;
+    const int8_t* at = cache + (blocks[block] * block_size + row) * token_stride + offset;
+    const uintptr_t mask = ~uintptr_t{kCacheLineBytes - 1};
+    const uintptr_t last = reinterpret_cast<uintptr_t>(at + row_bytes - 1) & mask;
+    for (uintptr_t line = reinterpret_cast<uintptr_t>(at) & mask; line <= last;
+         line += kCacheLineBytes)
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
+    if (++row == block_size) {
+      row = 0;
+      ++block;
+    }
+  }
+};
+
 // How far the prefetch runs ahead: 256 lines (16 KiB; the shortest distance that reached full
 // bandwidth for small rows, docs/experiments.md), or two groups of kLanes rows where that is
 // more. Why the groups: each pass takes a group's rows kv head by kv head, so it wants the
@@ -440,11 +554,18 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
 //
 // kOne: a single query (a decode), compiled apart: its K pass keeps no mask of rows past a
 // query's context in a register, which had cost a decode a tenth of its speed (K/V in cache).
-template <int64_t D, int64_t G, bool kOne>
+//
+// An int8 cache (T = int8_t) is read in place, its codes made floats in registers (exact): the K
+// pass converts a group's rows of a kv head once, into a tile in L1 that its G query heads and
+// every query of the run read as the float kernel reads the cache, and scales each score by its
+// row's scale; the V pass folds each row's scale into the softmax weight it is multiplied by.
+// The prefetch runs as far ahead in bytes, four times as many rows.
+template <typename T, int64_t D, int64_t G, bool kOne>
 void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1, int64_t i0,
                 int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
-  constexpr int64_t W = kLanes, C = D / W, S = v_slice(C, G);
-  const int64_t token_stride = p.kv_heads * D, len = run.len_of(i1 - 1);
+  constexpr bool kCodes = std::is_same_v<T, int8_t>;
+  constexpr int64_t W = kLanes, C = D / W, S = v_slice(C, G), R = head_row<T>(D);
+  const int64_t token_stride = p.kv_heads * R, len = run.len_of(i1 - 1);
   const int64_t first = p.first_of(run.len_of(i0)), n = len - first;
   const int64_t nq = kOne ? 1 : i1 - i0, heads = h1 - h0, nh = heads * G, all = nq * nh;
   const int64_t stride = (n + W - 1) / W * W;  // each query head's scores, whole groups of W
@@ -462,23 +583,42 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
   auto query_heads = [&](int64_t x) {  // query x's nh query heads, D apart
     return p.q + (run.row + i0 + x) * p.q_stride + h0 * G * D;
   };
+  // What a call asks for, so that a group's calls cover its W rows: one call per query head in
+  // the K pass, one per kv head, slice and row in the V pass (the run's last query's, which sees
+  // every row). Float rows fill whole lines, counted as lines; int8 rows as parts of a row.
+  using Prefetcher = std::conditional_t<kCodes, RowPrefetcher, LinePrefetcher>;
   const int64_t lines_per_row = heads * D / kLineFloats;
-  LinePrefetcher prefetch{nullptr, run.blocks, p.block_size, token_stride, h0 * D, len,
-                          lines_per_row};
-  // Lines per call, so that a group's calls cover its W rows: one call per query head in the K
-  // pass, one per kv head, slice and row in the V pass (the run's last query's, which sees every
-  // row).
-  const int64_t k_lines = (W * lines_per_row + nh - 1) / nh;
-  const int64_t v_lines = (lines_per_row + heads * (C / S) - 1) / (heads * (C / S));
+  const int64_t v_calls = heads * (C / S);  // per row
+  Prefetcher prefetch;
+  int64_t distance, k_step, v_step;
+  if constexpr (kCodes) {
+    const int64_t row_bytes = heads * R;  // a token's row of kv heads [h0, h1)
+    prefetch = {nullptr, run.blocks, p.block_size, token_stride, h0 * R, row_bytes, len};
+    distance = std::max(kPrefetchLines * kCacheLineBytes / row_bytes, 2 * W);  // in rows
+    k_step = W;  // parts, a row being nh of them in the K pass, v_calls in the V pass
+    v_step = 1;
+  } else {
+    prefetch = {nullptr, run.blocks, p.block_size, token_stride, h0 * D, len, lines_per_row};
+    distance = std::max(kPrefetchLines, 2 * W * lines_per_row);
+    k_step = (W * lines_per_row + nh - 1) / nh;
+    v_step = (lines_per_row + v_calls - 1) / v_calls;
+  }
+  auto start_prefetch = [&](const void* cache, int64_t calls_per_row) {
+    if constexpr (kCodes)
+      prefetch.start(static_cast<const int8_t*>(cache), first, distance, calls_per_row);
+    else
+      prefetch.start(static_cast<const float*>(cache), first, distance);
+  };
   // Calls body(rows, count, index) with up to W row pointers (kv head h0 of each token);
   // a short group repeats its first row, and only `count` rows are real.
-  auto for_each_group = [&](const float* cache, auto&& body) {
-    const float* rows[W];
+  auto for_each_group = [&](const void* cache, auto&& body) {
+    const T* rows[W];
     int64_t count = 0, index = 0;
     for (int64_t b = first / p.block_size; b * p.block_size < len; ++b) {
       const int64_t t0 = b * p.block_size;
       const int64_t lo = std::max(first, t0) - t0, hi = std::min(len - t0, p.block_size);
-      const float* base = cache + (run.blocks[b] * p.block_size) * token_stride + h0 * D;
+      const T* base =
+          static_cast<const T*>(cache) + (run.blocks[b] * p.block_size) * token_stride + h0 * R;
       for (int64_t o = lo; o < hi; ++o) {
         rows[count++] = base + o * token_stride;
         if (count == W) {
@@ -493,12 +633,21 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
       body(rows, count, index);
     }
   };
-  const int64_t distance = std::max(kPrefetchLines, 2 * W * lines_per_row);
-  prefetch.start(p.k, first, distance);
-  for_each_group(p.k, [&](const float* const* rows, int64_t count, int64_t index) {
+  alignas(kCacheLineBytes) float key_tile[kCodes ? W * D : 1];  // int8: a group's K as floats
+  start_prefetch(p.k, nh);
+  for_each_group(p.k, [&](const T* const* rows, int64_t count, int64_t index) {
     for (int64_t h = 0; h < heads; ++h) {
+      VecL key_scale;  // int8: each row's scale times the softmax's
+      if constexpr (kCodes) {
+        for (int64_t t = 0; t < W; ++t) {
+          const int8_t* k = rows[t] + h * R;
+          for (int64_t c = 0; c < C; ++c)
+            store_lanes(key_tile + t * D + c * W, load_codes(k + c * W));
+          key_scale[t] = row_scale(k + D) * p.scale;
+        }
+      }
       for (int64_t j = 0; j < G; ++j) {
-        prefetch.ahead(k_lines);
+        prefetch.ahead(k_step);
         for (int64_t x = 0; x < nq; ++x) {
           const int64_t real = kOne ? count : seen[x] - index;  // rows of the group x sees
           if (!kOne && real <= 0) continue;
@@ -507,12 +656,16 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
           for (int64_t c = 0; c < C; ++c) q[c] = load_lanes(qj + c * W);
           VecL part[W];
           for (int64_t t = 0; t < W; ++t) {
-            const float* k = rows[t] + h * D;
+            const float* k;
+            if constexpr (kCodes) k = key_tile + t * D;
+            else k = rows[t] + h * D;
             VecL a = q[0] * load_lanes(k);
             for (int64_t c = 1; c < C; ++c) a += q[c] * load_lanes(k + c * W);
             part[t] = a;
           }
-          const VecL s = sum_lanes(part) * p.scale;
+          VecL s;
+          if constexpr (kCodes) s = sum_lanes(part) * key_scale;
+          else s = sum_lanes(part) * p.scale;
           const int64_t item = x * nh + h * G + j;
           store_lanes(scores.data() + item * stride + index, s);
           // A short group's extra lanes repeat a real row; rows past the query's context are
@@ -533,10 +686,16 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
     head_max[item] = lane_max[item][0];
     for (int l = 1; l < W; ++l) head_max[item] = std::max(head_max[item], lane_max[item][l]);
   }
-  prefetch.start(p.v, first, distance);
-  for_each_group(p.v, [&](const float* const* rows, int64_t count, int64_t index) {
+  std::vector<VecL> value_scale(kCodes ? heads : 0);  // int8: each kv head's rows' scales
+  start_prefetch(p.v, v_calls);
+  for_each_group(p.v, [&](const T* const* rows, int64_t count, int64_t index) {
+    if constexpr (kCodes) {
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t t = 0; t < W; ++t) value_scale[h][t] = row_scale(rows[t] + h * R + D);
+    }
     // The softmax's numerators of these W tokens, made here rather than in a pass of their own
-    // so that the arithmetic overlaps the V rows' arrival.
+    // so that the arithmetic overlaps the V rows' arrival (the sum takes them as they are, the
+    // weights of int8 rows times their scales).
     for (int64_t x = 0; x < nq; ++x) {
       const int64_t real = kOne ? count : std::min(count, seen[x] - index);
       if (!kOne && real <= 0) continue;
@@ -546,7 +705,8 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
         const VecL e = fast_exp(load_lanes(w) - head_max[item]);
         // Lanes past `real` hold no token of this query.
         const VecL numerators = lane_index < static_cast<int32_t>(real) ? e : VecL{};
-        store_lanes(w, numerators);
+        if constexpr (kCodes) store_lanes(w, numerators * value_scale[j / G]);
+        else store_lanes(w, numerators);
         lane_sum[item] += numerators;
       }
     }
@@ -561,9 +721,13 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
           for (int64_t j = 0; j < G; ++j)
             for (int64_t c = 0; c < S; ++c) a[j][c] = acc[(item + j) * C + c0 + c];
           for (int64_t t = 0; t < real; ++t) {  // each V slice is loaded once for the G queries
-            if (x == nq - 1) prefetch.ahead(v_lines);
+            if (x == nq - 1) prefetch.ahead(v_step);
+            const T* row = rows[t] + h * R + c0 * W;
             VecL v[S];
-            for (int64_t c = 0; c < S; ++c) v[c] = load_lanes(rows[t] + h * D + (c0 + c) * W);
+            for (int64_t c = 0; c < S; ++c) {
+              if constexpr (kCodes) v[c] = load_codes(row + c * W);
+              else v[c] = load_lanes(row + c * W);
+            }
             for (int64_t j = 0; j < G; ++j)
               for (int64_t c = 0; c < S; ++c) a[j][c] += w[j * stride + t] * v[c];
           }
@@ -604,32 +768,33 @@ std::atomic<bool> portable_attention{false};
 
 bool set_generic_decode_attention(bool generic) { return portable_attention.exchange(generic); }
 
-template <int64_t D, int64_t G>
+template <typename T, int64_t D, int64_t G>
 void attend_queries(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1,
                     int64_t i0, int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
-  if (i1 - i0 == 1) attend_vec<D, G, true>(p, run, h0, h1, i0, i1, scores, acc);
-  else attend_vec<D, G, false>(p, run, h0, h1, i0, i1, scores, acc);
+  if (i1 - i0 == 1) attend_vec<T, D, G, true>(p, run, h0, h1, i0, i1, scores, acc);
+  else attend_vec<T, D, G, false>(p, run, h0, h1, i0, i1, scores, acc);
 }
 
 // The vector kernel for this head size and group, or null where only the generic loop fits.
 using AttendVec = void (*)(const DecodeProblem&, const QueryRun&, int64_t, int64_t, int64_t,
                            int64_t, std::vector<float>&, std::vector<VecL>&);
-template <int64_t D>
+template <typename T, int64_t D>
 AttendVec vector_kernel_for_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_queries<D, 1>;
-    case 2: return &attend_queries<D, 2>;
-    case 3: return &attend_queries<D, 3>;
-    case 4: return &attend_queries<D, 4>;
-    case 8: return &attend_queries<D, 8>;
+    case 1: return &attend_queries<T, D, 1>;
+    case 2: return &attend_queries<T, D, 2>;
+    case 3: return &attend_queries<T, D, 3>;
+    case 4: return &attend_queries<T, D, 4>;
+    case 8: return &attend_queries<T, D, 8>;
     default: return nullptr;
   }
 }
+template <typename T>
 AttendVec vector_kernel(int64_t dim, int64_t group) {
   switch (dim) {
-    case 32: return vector_kernel_for_group<32>(group);
-    case 64: return vector_kernel_for_group<64>(group);
-    case 128: return vector_kernel_for_group<128>(group);
+    case 32: return vector_kernel_for_group<T, 32>(group);
+    case 64: return vector_kernel_for_group<T, 64>(group);
+    case 128: return vector_kernel_for_group<T, 128>(group);
     default: return nullptr;
   }
 }
@@ -668,7 +833,8 @@ std::vector<QueryRun> decode_runs(const at::Tensor& block_tables, const at::Tens
 // Attention of every query of `runs` (a window cuts no context of a run of several queries:
 // decode_runs). Tasks are runs, or (run, kv head) when runs are too few to share out by
 // themselves, and a run whose tasks would still leave a core idle splits its queries into parts
-// (each part reads the run's K/V once).
+// (each part reads the run's K/V once). T: the cache's element, float or int8_t.
+template <typename T>
 void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun>& runs) {
   // Every core reads, whatever torch's thread count (tuned for the GEMMs): attention is bound by
   // memory bandwidth, which a second core nearly doubles. Where torch computes on one thread,
@@ -707,7 +873,7 @@ void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun
       for (int64_t h = 0; h < tasks_per_run; ++h) tasks.push_back({r, h * heads_per_task, i0, i1});
     }
   }
-  const AttendVec fast = portable_attention ? nullptr : vector_kernel(dim, p.group);
+  const AttendVec fast = portable_attention ? nullptr : vector_kernel<T>(dim, p.group);
   const int64_t items = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   auto work = [&] {
@@ -723,10 +889,10 @@ void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun
       }
       for (int64_t i = t.i0; i < t.i1; ++i) {
         switch (dim) {
-          case 64: attend<64>(p, run, i, t.h0, h1, dim, scores, acc); break;
-          case 128: attend<128>(p, run, i, t.h0, h1, dim, scores, acc); break;
-          case 32: attend<32>(p, run, i, t.h0, h1, dim, scores, acc); break;
-          default: attend<0>(p, run, i, t.h0, h1, dim, scores, acc);
+          case 64: attend<T, 64>(p, run, i, t.h0, h1, dim, scores, acc); break;
+          case 128: attend<T, 128>(p, run, i, t.h0, h1, dim, scores, acc); break;
+          case 32: attend<T, 32>(p, run, i, t.h0, h1, dim, scores, acc); break;
+          default: attend<T, 0>(p, run, i, t.h0, h1, dim, scores, acc);
         }
       }
     }
@@ -760,17 +926,22 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   check_float_rows(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [R, H, D], heads packed");
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1), "out must be shaped like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  check_cache(k_cache, "k_cache", q.size(2));
+  check_cache(v_cache, "v_cache", q.size(2));
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must be alike");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.stride(1) == 1 && context_lens.is_contiguous(),
               "block table rows and context_lens must be contiguous");
   const int64_t reqs = q.size(0), dim = q.size(2), kv_heads = k_cache.size(2);
-  DecodeProblem p{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  DecodeProblem p{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                   out.data_ptr<float>(), q.size(1), kv_heads, q.size(1) / kv_heads,
                   k_cache.size(1), q.stride(0), sliding_window, (float)scale};
-  attend_runs(p, dim, decode_runs(block_tables, context_lens, reqs, p.block_size, sliding_window));
+  const auto runs = decode_runs(block_tables, context_lens, reqs, p.block_size, sliding_window);
+  if (k_cache.scalar_type() == at::kChar) attend_runs<int8_t>(p, dim, runs);
+  else attend_runs<float>(p, dim, runs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -958,12 +1129,100 @@ struct ForwardShape {
   double eps, scale;
 };
 
+// Positions [0, len) of the cache from block blocks[0] on, as float rows [len, kv_heads,
+// head_dim]: gathered, or an int8 cache's codes times their scales (kv_quant.dequantize's
+// arithmetic, so the portable path reads the same values).
+at::Tensor context_rows(const at::Tensor& cache, const at::Tensor& blocks, int64_t len,
+                        const ForwardShape& s) {
+  const int64_t nb = blocks.size(0), heads = s.kv_heads, D = s.head_dim;
+  if (cache.scalar_type() == at::kFloat)
+    return cache.index_select(0, blocks).view({nb * s.block_size, heads, D}).narrow(0, 0, len);
+  auto out = at::empty({len, heads, D}, cache.options().dtype(at::kFloat));
+  const at::Tensor held = blocks.contiguous();
+  const int64_t* bp = held.data_ptr<int64_t>();
+  const int8_t* cp = cache.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t R = D + kScaleBytes;
+  at::parallel_for(0, len, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int8_t* src = cp + (bp[t / s.block_size] * s.block_size + t % s.block_size) * heads * R;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int8_t* codes = src + h * R;
+        const float scale = row_scale(codes + D);
+        float* dst = op + (t * heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(codes[d]) * scale;
+      }
+    }
+  });
+  return out;
+}
+
+// A chunk's own K or V rows [T, kv_heads, D] as attention reads them back from `cache`:
+// themselves, or quantized and dequantized (kv_quant.cached_values), so that a chunk's result
+// does not depend on whether its context was cached before it.
+at::Tensor cached_rows(const at::Tensor& x, const at::Tensor& cache) {
+  if (cache.scalar_type() == at::kFloat) return x;
+  const int64_t tokens = x.size(0), heads = x.size(1), D = x.size(2), stride = x.stride(0);
+  auto out = at::empty({tokens, heads, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> row(D + kScaleBytes);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        quantize_row(xp + t * stride + h * D, D, row.data());
+        const float scale = row_scale(row.data() + D);
+        float* dst = op + (t * heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(row[d]) * scale;
+      }
+    }
+  });
+  return out;
+}
+
+// A chunk's attention after `past` cached keys ([1, heads, queries, D] of q; keys and values
+// [1, kv_heads, past + queries, D]), as [queries, heads, D]: every query sees the cached keys,
+// and the chunk's own keys causally. Two flash calls, the cached keys unmasked and the chunk's
+// own square causal (its top-left alignment is then the right one), merged by their
+// log-sum-exps. Why: one call needs the causal rule as an explicit [queries, keys] mask, which
+// SDPA's flash kernel turns into a float mask as large as the scores and adds to every score,
+// and it computes the masked scores too.
+at::Tensor attend_after_context(const at::Tensor& qh, const at::Tensor& kh, const at::Tensor& vh,
+                                int64_t past, double scale) {
+  const int64_t heads = qh.size(1), queries = qh.size(2), D = qh.size(3);
+  auto [cached, cached_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      qh, kh.narrow(2, 0, past), vh.narrow(2, 0, past), 0.0, false, {}, scale);
+  auto [own, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      qh, kh.narrow(2, past, queries), vh.narrow(2, past, queries), 0.0, true, {}, scale);
+  auto out = at::empty({queries, heads, D}, qh.options());
+  const auto a = cached.accessor<float, 4>(), b = own.accessor<float, 4>();
+  const auto la = cached_lse.accessor<float, 3>(), lb = own_lse.accessor<float, 3>();
+  float* o = out.data_ptr<float>();
+  // One pass (a parallel region, not one per elementwise op): each query head's two results
+  // weighted by their shares of the softmax's sum. Every query sees at least one key in each
+  // part, so both log-sum-exps are finite.
+  at::parallel_for(0, queries * heads, grain_rows(D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r / heads, h = r % heads;
+      const float top = std::max(la[0][h][i], lb[0][h][i]);
+      const float wa = std::exp(la[0][h][i] - top), wb = std::exp(lb[0][h][i] - top);
+      const float inv = 1.f / (wa + wb);
+      const auto x = a[0][h][i], y = b[0][h][i];
+      for (int64_t d = 0; d < D; ++d) o[r * D + d] = (x[d] * wa + y[d] * wb) * inv;
+    }
+  });
+  return out;
+}
+
 // Causal attention of one prefill chunk (as ops/attention.py's _chunk_attention).
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_row, int64_t num_tokens, int64_t context_len,
                            const ForwardShape& s) {
-  at::Tensor keys = k, values = v;
+  // No cached prefix: the chunk's own K/V, as the cache holds them.
+  const bool fresh = context_len == num_tokens;
+  at::Tensor keys = fresh ? cached_rows(k, k_cache) : k;
+  at::Tensor values = fresh ? cached_rows(v, v_cache) : v;
   int64_t first = 0;  // the first key position any query of the chunk sees
   if (context_len != num_tokens) {  // a cached prefix: gather the request's blocks
     if (s.sliding_window > 0) {  // from the window's first block: earlier ones may be freed
@@ -973,14 +1232,14 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t b0 = first / s.block_size;
     const int64_t nb = (context_len + s.block_size - 1) / s.block_size - b0;
     auto blocks = block_row.narrow(0, b0, nb);
-    keys = k_cache.index_select(0, blocks).view({nb * s.block_size, s.kv_heads, s.head_dim});
-    values = v_cache.index_select(0, blocks).view({nb * s.block_size, s.kv_heads, s.head_dim});
-    keys = keys.narrow(0, 0, context_len - first);
-    values = values.narrow(0, 0, context_len - first);
+    keys = context_rows(k_cache, blocks, context_len - first, s);
+    values = context_rows(v_cache, blocks, context_len - first, s);
   }
   auto qh = q.transpose(0, 1).unsqueeze(0);
   auto kh = keys.transpose(0, 1).unsqueeze(0);
   auto vh = values.transpose(0, 1).unsqueeze(0);
+  if (context_len != num_tokens && s.sliding_window <= 0)
+    return attend_after_context(qh, kh, vh, context_len - num_tokens, s.scale);
   at::Tensor out;
   if (context_len == num_tokens && s.sliding_window <= 0) {
     out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, true, s.scale, true);
