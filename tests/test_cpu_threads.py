@@ -1,11 +1,17 @@
-"""The start-up choice of compute threads: timed so that a moment of contention cannot make it."""
+"""The choice of compute threads: timed at start-up so that a moment of contention cannot make
+it, and applied per step by the K/V positions the step reads."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tandem import SamplingParams
 from tandem.execution import cpu_threads
+from tandem.execution.thread_plan import PREFILL_TOKENS_FOR_ALL_THREADS, DecodeTimings, ThreadPlan
+
+from helpers import make_llm
 
 
 class Clock:
@@ -22,6 +28,9 @@ class Clock:
 
     def process_time(self) -> float:
         return self.cpu
+
+    def sleep(self, seconds: float) -> None:
+        self.wall += seconds
 
     def run_step(self) -> None:
         threads = torch.get_num_threads()
@@ -81,3 +90,79 @@ def test_a_quiet_machine_takes_the_fewest_rounds(monkeypatch) -> None:
     timings, clock = tune(monkeypatch, busy_runs=0)
     assert timings == pytest.approx({1: 90.0, 2: 50.0})
     assert clock.two_thread_runs == cpu_threads.WARM_RUNS + cpu_threads.MIN_ROUNDS
+
+
+# A host's share of 0.5 ms a step (20 requests): charged to a step on both cores, and to the
+# part of a one-thread step beyond its short time (its attention, on both cores).
+SHORT = DecodeTimings(1000, {1: 2.0, 2: 1.8})
+
+
+def test_one_thread_below_the_crossing_two_from_it() -> None:
+    # Charged: one thread 2.0 ms short, 10 + 0.5 * 8 / 10 = 10.4 long; two threads 2.3 and 9.0.
+    # The lines cross 0.3 / 1.7 of the way: 1000 + 8000 * 0.3 / 1.7 = 2411.8 positions.
+    long = DecodeTimings(9000, {1: 10.0, 2: 8.5})
+    plan = cpu_threads.plan_threads(SHORT, long, batch=20)
+    assert plan == ThreadPlan((0, 2412), (1, 2), prefill=2)
+    assert cpu_threads.step_cost(1, 2411, SHORT, long, 20) < cpu_threads.step_cost(
+        2, 2411, SHORT, long, 20
+    )
+    assert [plan.threads(0, p) for p in (0, 1000, 2411, 2412, 10**6)] == [1, 1, 1, 2, 2]
+    assert plan.threads(PREFILL_TOKENS_FOR_ALL_THREADS, 0) == 2  # a prefill: every core
+    assert plan.describe() == "1 below 2412, 2 from 2412 K/V positions a step"
+
+
+def test_a_count_that_wins_at_both_sizes_and_grows_slower_is_kept() -> None:
+    twos = cpu_threads.plan_threads(
+        DecodeTimings(1000, {1: 2.0, 2: 1.0}), DecodeTimings(9000, {1: 10.0, 2: 8.0}), 20
+    )
+    assert twos == ThreadPlan.fixed(2, 2)
+    ones = cpu_threads.plan_threads(SHORT, DecodeTimings(9000, {1: 5.0, 2: 5.6}), batch=20)
+    assert ones == ThreadPlan.fixed(1, 2) and ones.describe() == "1"
+
+
+def test_one_core_is_never_charged() -> None:
+    only = DecodeTimings(1000, {1: 2.0})
+    plan = cpu_threads.plan_threads(only, DecodeTimings(9000, {1: 9.0}), batch=20)
+    assert plan == ThreadPlan.fixed(1, 1)
+
+
+def test_a_plan_must_start_at_zero_with_a_count_per_bound() -> None:
+    with pytest.raises(ValueError, match="rise from 0"):
+        ThreadPlan((5, 10), (1, 2), 2)
+    with pytest.raises(ValueError, match="one decode count per bound"):
+        ThreadPlan((0, 10), (1,), 2)
+
+
+class RecordingPlan(ThreadPlan):
+    """A plan that notes each decode step's K/V positions and count."""
+
+    def threads(self, prefill_tokens: int, kv_positions: int) -> int:
+        count = super().threads(prefill_tokens, kv_positions)
+        if prefill_tokens == 0:
+            DECODES.append((kv_positions, count))
+        return count
+
+
+DECODES: list[tuple[int, int]] = []
+
+
+def test_the_count_switched_per_step_changes_no_token(tiny_llama) -> None:
+    """Greedy and seeded outputs are the same bits with one thread, two, and a plan that goes
+    from one to two as the contexts grow: each output is computed by one thread."""
+    DECODES.clear()
+    llm = make_llm(tiny_llama, cpu_threads=1)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 1000) for _ in range(20 + 3 * i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=5) for t in (0.0, 1.0)] * 2
+    # Decode steps read from 21 + 24 + 27 + 30 positions to 4 x 23 more: the switch falls half way.
+    plans = [ThreadPlan.fixed(1, 1), ThreadPlan.fixed(2, 2), RecordingPlan((0, 150), (1, 2), 2)]
+    outputs = []
+    try:
+        for plan in plans:
+            llm.engine.runner.set_cpu_threads(plan)
+            outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+    finally:
+        llm.close()
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert {count for _, count in DECODES} == {1, 2}
+    assert all(count == (1 if positions < 150 else 2) for positions, count in DECODES)

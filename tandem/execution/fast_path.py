@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from tandem.execution.thread_plan import DecodeTimings, ThreadPlan
 from tandem.models.llama import LlamaModel
 from tandem.ops import cpu_elementwise, cpu_kernels
 from tandem.ops.fp8 import supports_fp8_gemm
@@ -30,8 +31,9 @@ class ExecutionPlan:
     ops: str
     packed_gemm: bool
     kernels: cpu_kernels.KernelBuild | None  # None: not attempted (eager, CUDA, not float32)
-    cpu_threads: int | None = None  # compute threads, when Tandem chose them
-    thread_timings_ms: dict[int, float] = field(default_factory=dict)  # decode step ms by threads
+    cpu_threads: int | None = None  # compute threads (of short decode steps), when Tandem chose
+    thread_plan: ThreadPlan | None = None  # ... and per step, when timed
+    thread_timings: list[DecodeTimings] = field(default_factory=list)  # what the plan came from
     tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
     backend: str | None = None  # their collectives: gloo or nccl
     cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
@@ -60,13 +62,15 @@ class ExecutionPlan:
                 f"tensor parallel: {self.tensor_parallel_size} processes{threads} ({self.backend}); "
                 f"each rank: {text}"
             )
-        if self.thread_timings_ms:
-            tried = ", ".join(
-                f"{n}: {ms:.2f} ms" for n, ms in sorted(self.thread_timings_ms.items())
+        if self.thread_plan is not None and self.thread_timings:
+            tried = "; ".join(
+                f"at {t.positions} K/V positions "
+                + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sorted(t.ms.items()))
+                for t in self.thread_timings
             )
             text += (
-                f"; {self.cpu_threads} compute thread(s) for decodes (decode step {tried}), "
-                f"{max(self.thread_timings_ms)} for prefills"
+                f"; compute threads for decodes: {self.thread_plan.describe()} (decode step "
+                f"{tried}), {self.thread_plan.prefill} for prefills"
             )
         if self.cuda_graph_sizes:
             text += (

@@ -33,6 +33,7 @@ from tandem.execution.kv_cache import (
     num_blocks_for_budget,
 )
 from tandem.execution.streams import JoinedHandle, StepHandle, make_stream
+from tandem.execution.thread_plan import ThreadPlan
 from tandem.execution.transfer import to_device
 from tandem.models.llama import LlamaModel
 from tandem.ops.attention_metadata import AttentionMetadata
@@ -41,7 +42,6 @@ from tandem.sampler.logprobs import pack
 from tandem.sampler.sampler import PendingSample, Sampler
 from tandem.scheduling.kv_groups import KVGroups
 
-PREFILL_TOKENS_FOR_ALL_THREADS = 64  # GEMMs this tall run faster on every core
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
 
 
@@ -105,7 +105,7 @@ def _block_bytes(model: LlamaModel, config: EngineConfig) -> int:
     spec = model.spec
     return kv_bytes_per_block(
         layer_groups(spec, config.max_model_len).places, config.block_size,
-        model.local_spec.num_kv_heads, spec.head_dim, config.torch_dtype,
+        model.local_spec.num_kv_heads, spec.head_dim, config.kv_storage_dtype,
     )  # fmt: skip
 
 
@@ -140,7 +140,7 @@ def build_runner(
         """Per layer, its cache tensor (layers of different groups share one)."""
         places = allocate_kv_cache(
             groups.places, num_blocks + SPARE_KV_BLOCKS, config.block_size,
-            m.local_spec.num_kv_heads, m.spec.head_dim, config.torch_dtype, device,
+            m.local_spec.num_kv_heads, m.spec.head_dim, config.kv_storage_dtype, device,
         )  # fmt: skip
         return [places[p] for p in groups.layer_place]
 
@@ -207,7 +207,7 @@ class ModelRunner:
         # Everything that happens to the logits; owns penalties' per-row token counts.
         self.sampler = Sampler(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
-        self._cpu_threads: tuple[int, int] | None = None
+        self._threads: ThreadPlan | None = None
         self._constrained: _Pending | None = None  # the launched step awaiting its bitmask
         self._previous_output = np.zeros(0, np.int64)  # CPU: the last step's, as the host reads it
         weakref.finalize(self, self.stream.close)  # a dropped engine stops its worker thread
@@ -297,12 +297,13 @@ class ModelRunner:
     def check_health(self) -> None:
         """In-process execution has no separate worker to lose (see MultiprocExecutor)."""
 
-    def set_cpu_threads(self, decode: int, prefill: int) -> None:
-        """CPU: compute threads for decode-only steps and for steps that prefill.
+    def set_cpu_threads(self, plan: ThreadPlan) -> None:
+        """CPU: compute threads per step, by its prefill tokens and the K/V it reads.
 
         Small decode GEMMs may run best on fewer threads (leaving the host a core), while a
-        prefill's large GEMMs use every core; the count is switched per step, on the stream."""
-        self._cpu_threads = (decode, prefill)
+        prefill's large GEMMs, or a long context's attention, may want every core; the count
+        is switched per step, on the stream."""
+        self._threads = plan
 
     # ------------------------------------------------------------ on the stream
     def _execute_constrained(self, x: StepInputs, views: StepInputs | None, pending: _Pending):
@@ -315,9 +316,9 @@ class ModelRunner:
     def _execute(self, x: StepInputs, views: StepInputs | None, pending: _Pending | None = None):
         """Step `x` on the stream; `views`: its tensors, made by the host (CPU), or None: upload
         them here (CUDA)."""
-        if self._cpu_threads is not None:
-            prefill_tokens = x.num_tokens - x.num_decodes
-            wanted = self._cpu_threads[prefill_tokens >= PREFILL_TOKENS_FOR_ALL_THREADS]
+        if self._threads is not None:
+            kv_positions = int(x.context_lens.sum())  # each row reads its context
+            wanted = self._threads.threads(x.num_tokens - x.num_decodes, kv_positions)
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
         if x.stop_check is not None and x.stop_check.all_stopped(self._previous_output):

@@ -50,7 +50,10 @@ class LoadedExecution:
         plan.cuda_graph_verify_tokens = runner.graph_verify_tokens
         if device.type == "cpu" and (config.cpu_threads is not None or plan.kernels):
             batch = min(config.max_num_seqs, 32)
-            apply_cpu_threads(runner, model, plan, config.cpu_threads, batch)
+            apply_cpu_threads(
+                runner, model, plan, config.cpu_threads, batch, max_model_len,
+                config.kv_storage_dtype,
+            )  # fmt: skip
         # Loading the model opened parallel regions on this thread; the steps may be submitted
         # from another (a server's loop), and this thread's OpenMP team would throttle the
         # device thread's (`CPUStream.submit`).
