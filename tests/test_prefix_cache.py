@@ -150,6 +150,50 @@ def test_a_request_waits_for_the_prefix_a_launched_step_computes(tiny_llama, asy
     assert_idle_and_balanced(engine)
 
 
+def cached_after(prompt: list[int], answer: list[int], block_size: int) -> int:
+    """Tokens of a next turn a previous turn leaves cached: the full blocks of its prompt and
+    answer short of the answer's last token (sampled, never an input, so its KV is not
+    written)."""
+    return (len(prompt) + len(answer) - 1) // block_size * block_size
+
+
+@MODES
+def test_agent_turns_compute_only_their_new_tokens(tiny_llama, async_scheduling):
+    """An agent's sessions: one head, then turns that each add the answer as generated and a
+    tool result. A next turn and another session's first turn compute only what no earlier
+    request held, from the last full block of it; every answer is the one without caching."""
+    bs = 16
+    rng = random.Random(9)
+    head, task_a, task_b, tool_a, tool_b, tool_c = random_prompts(rng, 6, 1024, 30, 30)
+    head = (head * 4)[:101]  # six full blocks and five tokens
+    llm = make_llm(tiny_llama, block_size=bs, async_scheduling=async_scheduling)
+    items = record_items(llm.engine)
+
+    def turn(prompt: list[int], cached: int, n: int = 13):
+        out = llm.generate([prompt], greedy(n))[0]
+        assert out.num_cached_tokens == cached
+        assert prefill_of(items, out.request_id) == [(cached, len(prompt) - cached)]
+        return out
+
+    a1 = turn(head + task_a, 0)
+    b1 = turn(head + task_b, 96)  # the head's full blocks
+    a2 = turn(head + task_a + a1.token_ids + tool_a, cached_after(head + task_a, a1.token_ids, bs))
+    b2 = turn(head + task_b + b1.token_ids + tool_b, cached_after(head + task_b, b1.token_ids, bs))
+    a2_prompt = head + task_a + a1.token_ids + tool_a
+    a3 = turn(a2_prompt + a2.token_ids + tool_c, cached_after(a2_prompt, a2.token_ids, bs))
+    stats = llm.engine.scheduler.stats
+    # The head's 6 blocks; 131 + 13 - 1 tokens, twice; 174 + 13 - 1: in full blocks.
+    assert stats.hit_tokens == 96 + 128 + 128 + 176
+    assert_idle_and_balanced(llm.engine)
+
+    prompts = [head + task_a, head + task_b, a2_prompt, head + task_b + b1.token_ids + tool_b,
+               a2_prompt + a2.token_ids + tool_c]  # fmt: skip
+    plain = make_llm(tiny_llama, block_size=bs, enable_prefix_caching=False)
+    uncached = plain.generate(prompts, greedy(13))
+    assert [o.token_ids for o in uncached] == [o.token_ids for o in (a1, b1, a2, b2, a3)]
+    assert all(o.num_cached_tokens == 0 for o in uncached)
+
+
 @MODES
 def test_eviction_is_least_recently_used_and_tail_first(tiny_llama, async_scheduling):
     """20 blocks of 8: A's 8 cached blocks lose their last 3 to B; A then hits its first 5."""

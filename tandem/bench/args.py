@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_PRESET, AGENT_SIZES, PROMPT_MODES
 from tandem.bench.workloads import (
     BLOG_CUDA_MODEL,
     BLOG_NUM_REQUESTS,
@@ -29,7 +30,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload",
                    choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, COPY_PRESET,
-                            COPY_JSON_PRESET, JSON_PRESET),
+                            COPY_JSON_PRESET, JSON_PRESET, AGENT_PRESET),
                    default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
@@ -50,7 +51,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"{COPY_JSON_PRESET}: the same passages to be repeated as the JSON object "
                    '{"text": ...}, every answer under that schema; '
                    f"{JSON_PRESET}: the random workload run once per --json-fractions share of "
-                   f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS)")  # fmt: skip
+                   f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS); "
+                   f"{AGENT_PRESET}: coding-agent sessions (see the agent flags): a long shared "
+                   "head of tool definitions, then turns that each add the previous answer and a "
+                   "tool result, the next turn submitted when the previous answer is complete")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
                    help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: "
                    f"{BLOG_NUM_REQUESTS}); all arrive at once unless --arrivals poisson, and "
@@ -66,7 +70,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"({BLOG_PRESET}: exact, {BLOG_OUTPUT_LEN['cuda']} on CUDA, "
                    f"{BLOG_OUTPUT_LEN['cpu']} on a CPU; {CHAT_PRESET}: a cap, default "
                    f"{CHAT_OUTPUT_LEN}; {COPY_PRESET} and {COPY_JSON_PRESET}: a cap, default "
-                   f"{COPY_OUTPUT_LEN})")  # fmt: skip
+                   f"{COPY_OUTPUT_LEN}; {AGENT_PRESET}: each answer, exact, default "
+                   f"{AGENT_OUTPUT_LEN})")  # fmt: skip
     g.add_argument("--json-fractions", default=JSON_FRACTIONS,
                    help=f"{JSON_PRESET}: percentages of requests under the schema, one run each "
                    f"(spread evenly: 25 is every 4th request); default {JSON_FRACTIONS}")  # fmt: skip
@@ -98,3 +103,20 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-trace", metavar="DIR",
                    help="with --profile on CUDA: write each run's profiled window (kernels, "
                    "copies and memsets on every stream) to DIR as a gzipped Chrome trace")  # fmt: skip
+    a = parser.add_argument_group(f"{AGENT_PRESET} workload")
+    a.add_argument("--sessions", type=int, default=AGENT_SIZES["sessions"],
+                   help="sessions at once")  # fmt: skip
+    a.add_argument("--turns", type=int, default=AGENT_SIZES["turns"], help="turns per session")
+    a.add_argument("--head-len", type=int, default=AGENT_SIZES["head_len"],
+                   help="tokens of the head every session starts with (a system prompt of JSON "
+                   "tool definitions; random ids without a tokenizer), shortened where a whole "
+                   "session would not fit the context")  # fmt: skip
+    a.add_argument("--tool-result-len", type=int, default=AGENT_SIZES["tool_result_len"],
+                   help="tokens each turn adds as a tool result (a user message)")  # fmt: skip
+    a.add_argument("--session-stagger", type=float, default=0.0, metavar="SECONDS",
+                   help="session s starts s * SECONDS after the first (0: all at once)")  # fmt: skip
+    a.add_argument("--agent-prompts", choices=PROMPT_MODES, default="exact",
+                   help="how a turn's prompt follows the previous one: exact, the previous "
+                   "prompt and answer ids as they were, then the chat template's text after the "
+                   "answer; rendered, the whole conversation rendered and tokenized again, as a "
+                   "server does with messages")  # fmt: skip

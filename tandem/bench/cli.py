@@ -36,6 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tandem.bench.agent import AGENT_PRESET
+from tandem.bench.agent_report import run_agent_bench
 from tandem.bench.kernel_profile import (
     LONG_GAP_S,
     KernelProfiler,
@@ -573,6 +575,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     ):
         raise ValueError(f"--thinking-budget is a budget (>= 0) of the {JSON_PRESET} workload")
     config = resolve_workload(args, config, config.torch_device.type)
+    if args.workload == AGENT_PRESET:  # closed-loop sessions: a feeding loop and report of its own
+        return run_agent_bench(args, config, modes)
     engine = Engine(config)
     try:
         workload = bench_workload(args, engine)

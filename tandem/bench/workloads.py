@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_PRESET
 from tandem.config import EngineConfig
 from tandem.engine.chat_template import chat_template_problem, render_chat_ids
 from tandem.request import StructuredOutputsParams
@@ -74,6 +75,8 @@ def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str
         sizes = {**DEFAULT_SIZES, "output_len": CHAT_OUTPUT_LEN}  # prompt_len: unused
     elif args.workload in (COPY_PRESET, COPY_JSON_PRESET):  # prompt_len: tokenizer-less only
         sizes = {**DEFAULT_SIZES, "output_len": COPY_OUTPUT_LEN}
+    elif args.workload == AGENT_PRESET:  # sizes of its own (args.py's agent flags)
+        sizes = {**DEFAULT_SIZES, "output_len": AGENT_OUTPUT_LEN}
     else:
         sizes = DEFAULT_SIZES
     for name, value in sizes.items():

@@ -18,12 +18,18 @@ def chat_template_problem(tokenizer) -> str | None:
     return None
 
 
+def render_chat_text(tokenizer, messages: list[dict[str, str]]) -> str:
+    """`messages` through the chat template, ready for the assistant's turn, as text. Raises
+    ValueError if the template refuses them."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
+        raise ValueError(f"the chat template refused the conversation: {exc}") from None
+
+
 def render_chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """`messages` through the chat template, ready for the assistant's turn, as token ids.
     Raises ValueError if the template refuses them."""
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja's TemplateError, raise_exception() in templates
-        raise ValueError(f"the chat template refused the conversation: {exc}") from None
+    text = render_chat_text(tokenizer, messages)
     # The template writes any BOS itself: tokenizing with special tokens would add another.
     return tokenizer(text, add_special_tokens=False).input_ids

@@ -149,6 +149,7 @@ def _output(
         prompt_logprobs=_snapshot(request.prompt_logprobs, finished),
         reasoning=thinking.emitted_text if thinking is not None else None,
         delta_reasoning=delta_reasoning,
+        num_cached_tokens=request.num_cached_tokens or 0,
     )
 
 

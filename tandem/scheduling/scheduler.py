@@ -225,6 +225,8 @@ class Scheduler:
             self.block_table[g, request.slot, :num_hits] = [max(b, 0) for b in ids]
         request.num_registered_blocks = num_hits
         request.num_computed_tokens = num_hits * self.block_size
+        if request.num_cached_tokens is None:  # a re-admission after preemption keeps the first
+            request.num_cached_tokens = request.num_computed_tokens
         stats = self.stats
         stats.queries += 1
         stats.query_tokens += request.num_tokens

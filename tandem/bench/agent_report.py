@@ -1,0 +1,195 @@
+"""`tandem bench --workload agent`: coding-agent sessions, each loop in turn, and what decides how
+an agent feels: the time to first token of every turn, how much of each prompt the prefix cache
+served, and how many sessions of the final length the KV cache holds."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tandem.bench.agent import AgentShape, Conversations, make_conversations
+from tandem.bench.agent_run import AgentRun, run_agent
+from tandem.bench.run import run_workload
+from tandem.bench.workloads import Workload
+from tandem.config import EngineConfig
+from tandem.engine.engine import Engine
+
+GIB = 1024**3
+
+
+def agent_shape(args: argparse.Namespace) -> AgentShape:
+    return AgentShape(
+        args.sessions, args.turns, args.head_len, args.tool_result_len, args.output_len,
+        args.session_stagger,
+    )  # fmt: skip
+
+
+def conversations_of(args: argparse.Namespace, engine: Engine, shape: AgentShape) -> Conversations:
+    """A fresh set of sessions (each run's prompts follow its own answers)."""
+    return make_conversations(
+        shape, engine.tokenizer, engine.spec.vocab_size, engine.max_model_len,
+        args.workload_seed, args.agent_prompts,
+    )  # fmt: skip
+
+
+def block_bytes(engine: Engine) -> int:
+    """Bytes one KV block id holds: its positions in each layer of a group (every layer where
+    all attend alike), scales included where the cache is quantized."""
+    groups = engine.scheduler.groups
+    per_layer = engine.kv_bytes_per_token // engine.spec.num_layers
+    return per_layer * groups.places * engine.config.block_size
+
+
+def sessions_that_fit(engine: Engine, run: AgentRun, gib: float) -> tuple[int, int, int, int]:
+    """(blocks in `gib`, blocks a session of the run's final length holds, sessions that fit
+    with private blocks, sessions that fit sharing the head's blocks)."""
+    bs, groups = engine.config.block_size, engine.scheduler.groups
+    final = max(t.prompt_len + len(t.output) for t in run.turns)
+    budget = int(gib * GIB) // block_bytes(engine)
+    per_session = groups.max_blocks(final, bs, engine.config.max_num_batched_tokens)
+    full_groups = sum(1 for g in groups.groups if g.window is None)
+    head = (run.shared_head // bs) * full_groups
+    private = budget // per_session
+    shared = (budget - head) // max(1, per_session - head) if budget >= per_session else 0
+    return budget, per_session, private, shared
+
+
+def run_agent_bench(args: argparse.Namespace, config: EngineConfig, modes: list[str]) -> int:
+    shape = agent_shape(args)
+    console = Console(stderr=True)
+    engine = Engine(config)
+    try:
+        runs = _run_modes(args, engine, shape, modes, console)
+        table, notes, identical = agent_table(args, engine, shape, runs, modes)
+    finally:
+        engine.close()
+    Console().print(table)
+    for note in notes:
+        Console().print(note)
+    return 0 if identical else 1
+
+
+def _run_modes(
+    args: argparse.Namespace,
+    engine: Engine,
+    shape: AgentShape,
+    modes: list[str],
+    console: Console,
+) -> dict[str, list[AgentRun]]:
+    """Each mode's runs, repeats interleaved, each after a short warm-up in its loop."""
+    runs: dict[str, list[AgentRun]] = {m: [] for m in modes}
+    bars = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*bars, console=console, transient=False) as progress:
+        for repeat in range(args.repeats):
+            for mode in modes:
+                engine.configure(async_scheduling=mode == "async")
+                warm = conversations_of(args, engine, shape).first(0)[:64]
+                run_workload(engine, Workload([warm] * 2, [4] * 2, [0.0] * 2), 0.0, None, "warmup")
+                name = mode if args.repeats == 1 else f"{mode} #{repeat + 1}"
+                runs[mode].append(
+                    run_agent(engine, shape, conversations_of(args, engine, shape), progress, name)
+                )
+    return runs
+
+
+def agent_table(
+    args: argparse.Namespace,
+    engine: Engine,
+    shape: AgentShape,
+    runs: dict[str, list[AgentRun]],
+    modes: list[str],
+) -> tuple[Table, list[str], bool]:
+    """The report: each mode's median run (by wall time), the notes printed under it, and
+    whether every run gave the same outputs."""
+    results = {
+        m: sorted(r, key=lambda run: run.summary.wall_s)[len(r) // 2] for m, r in runs.items()
+    }
+    first = results[modes[0]]
+    repeats = f", median of {args.repeats}" if args.repeats > 1 else ""
+    title = (
+        f"tandem bench: {shape.sessions} agent sessions x {shape.turns} turns, "
+        f"{engine.model_path.name}, {engine.config.torch_device.type}{repeats}"
+    )
+    table = Table(title=title)
+    table.add_column("metric")
+    for mode in modes:
+        table.add_column(mode, justify="right")
+
+    def row(label: str, text) -> None:
+        table.add_row(label, *(text(results[m]) for m in modes))
+
+    def turns_sum(run: AgentRun, later: bool, what: str) -> int:
+        chosen = [t for t in run.turns if (t.turn > 0) == later and (later or t.session > 0)]
+        return sum(getattr(t, what) for t in chosen)
+
+    def efficiency(run: AgentRun) -> str:
+        new, computed = turns_sum(run, True, "new_tokens"), turns_sum(run, True, "computed_tokens")
+        return f"{100 * new / computed:.1f}" if computed else "-"
+
+    row("wall time (s)", lambda r: f"{r.summary.wall_s:.3f}")
+    row("output tokens/s", lambda r: f"{r.summary.tokens_per_s:.1f}")
+    row(
+        "TTFT first turns p50 / p90 (ms)",
+        lambda r: f"{r.ttft_ms(False, 50):.1f} / {r.ttft_ms(False, 90):.1f}",
+    )
+    row(
+        "TTFT later turns p50 / p90 (ms)",
+        lambda r: f"{r.ttft_ms(True, 50):.1f} / {r.ttft_ms(True, 90):.1f}",
+    )
+    row("prefill tokens computed", lambda r: str(r.prefill_computed))
+    row("prefill tokens served from cache", lambda r: str(r.prefill_saved))
+    if shape.sessions > 1:
+        row(
+            "first turns after session 0: new / computed",
+            lambda r: (
+                f"{turns_sum(r, False, 'new_tokens')} / {turns_sum(r, False, 'computed_tokens')}"
+            ),
+        )
+    if shape.turns > 1:
+        row(
+            "later turns: new / computed tokens",
+            lambda r: (
+                f"{turns_sum(r, True, 'new_tokens')} / {turns_sum(r, True, 'computed_tokens')}"
+            ),
+        )
+        row("later turns: reuse efficiency % (new / computed)", efficiency)
+        row(
+            "later turns: earlier tokens written otherwise",
+            lambda r: str(turns_sum(r, True, "rewritten")),
+        )
+    per_block = block_bytes(engine)
+    row("peak KV blocks held", lambda r: str(r.peak_blocks))
+    row("peak KV held (MiB)", lambda r: f"{r.peak_blocks * per_block / 2**20:.1f}")
+    identical = all(run.outputs == first.outputs for rs in runs.values() for run in rs)
+    table.add_row(
+        "outputs identical (all runs)", *[""] * (len(modes) - 1), "yes" if identical else "NO"
+    )
+
+    gib = engine.config.kv_cache_memory_gib
+    budget, per_session, private, shared = sessions_that_fit(engine, first, gib)
+    final = max(t.prompt_len + len(t.output) for t in first.turns)
+    kind = engine.config.kv_cache_dtype
+    kv = "the model's dtype" if kind == "auto" else kind
+    notes = [
+        f"prompts ({args.agent_prompts if engine.tokenizer is not None else 'token ids'}): a "
+        f"head of {first.shared_head} tokens shared by every session's first prompt, tool "
+        f"results of ~{shape.tool_result_len} tokens, answers of {shape.output_len} tokens "
+        f"(greedy, EOS ignored); sessions start {shape.stagger_s:g} s apart, each next turn "
+        "submitted when its previous answer is complete",
+        f"KV cache ({kv}): {per_block} bytes a block of {engine.config.block_size} tokens; a "
+        f"session of {final} tokens holds {per_session} blocks ({per_session * per_block / 2**20:.1f} "
+        f"MiB); in {gib:g} GiB ({budget} blocks) {private} such sessions fit, {shared} with the "
+        "head's blocks shared",
+    ]
+    if math.isnan(first.ttft_ms(True, 50)):
+        notes.append("one turn per session: no later turns to report")
+    return table, notes, identical
