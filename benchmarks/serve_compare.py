@@ -46,7 +46,8 @@ every server (--model; a GGUF, or a packaged short name such as smollm2-135m-ins
   llama         llama-server -m GGUF -np SESSIONS -c SESSIONS*CONTEXT -t THREADS -tb THREADS
                 (its prompt cache on, as by default); llama-q8kv: the same with
                 --cache-type-k q8_0 --cache-type-v q8_0 -fa on
-  vllm          as above, with --enable-prefix-caching
+  vllm          as above, with --enable-prefix-caching, on --vllm-model (its CPU build runs no
+                GGUF; for SmolLM2's, real_model.py's float32 folder of the same weights)
 The table: first-turn TTFT p50, later turns' TTFT p50 and p90, wall time, output tok/s and the
 share of prompt tokens served from a cache (where the server says), medians over the repeats;
 each repeat's head names its own tool set, so no run reuses an earlier run's cache.
@@ -232,7 +233,7 @@ def plan_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
                 "-m",
                 "vllm.entrypoints.openai.api_server",
                 "--model",
-                str(args.model),
+                str(args.vllm_model or args.model),
             ]
             command += ["--host", "127.0.0.1", "--port", "{port}"]
             command += ["--max-model-len", str(args.context), "--max-num-seqs", str(max_streams)]
@@ -800,6 +801,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     a = p.add_argument_group("agent workload (tandem bench --workload agent's shape)")
     a.add_argument("--gguf", type=Path, help="llama and llama-q8kv's file (default: --model)")
+    a.add_argument("--vllm-model", type=Path,
+                   help="vLLM's model folder, its CPU build running no GGUF (default, for the "
+                   "packaged SmolLM2 GGUF: real_model.py's float32 folder of the same weights)")  # fmt: skip
     a.add_argument("--sessions", type=int, default=AGENT_SIZES["sessions"])
     a.add_argument("--turns", type=int, default=AGENT_SIZES["turns"])
     a.add_argument("--head-len", type=int, default=AGENT_SIZES["head_len"])
@@ -819,6 +823,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.concurrency = [args.sessions]  # a slot per session
         if not args.model.exists():  # a packaged model's short name
             args.model = resolve_model(str(args.model))
+        if args.vllm_model is None and args.model.name == real_model.GGUF_NAME:
+            args.vllm_model = real_model.ensure_model()
     args.model = args.model.expanduser()
     args.gguf_f32 = args.gguf_f32 or Path(f"{args.model}-f32.gguf")
     args.gguf_q8_0 = args.gguf_q8_0 or Path(f"{args.model}-q8_0.gguf")
