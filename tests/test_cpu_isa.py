@@ -53,6 +53,8 @@ AVX2_CHECKS = [
     "tests/test_quantized.py::test_the_kernel_is_the_dequantized_product",
     "tests/test_quantized.py::test_float_activations_keep_float_precision_at_every_magnitude",
     "tests/test_quantized.py::test_int8_activations_kernel_is_the_integer_reference",
+    "tests/test_quantized.py::test_gguf_blocks_in_a_wider_layout_are_gguf_s_own_weights",
+    "tests/test_quantized.py::test_layers_fused_from_parts_in_several_formats_are_the_dequantized_model",
     "tests/test_quantized.py::test_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them",
 ]
 AVX2_CHECKS += [

@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM
-from tandem.models.gguf_blocks import NATIVE_TYPES, split_blocks
+from tandem.models.gguf_blocks import LAYOUTS as GGUF_LAYOUTS
+from tandem.models.gguf_blocks import NATIVE_TYPES, common_layout, split_blocks
+from tandem.models.loader import load_model
 from tandem.ops import cpu_kernels
 from tandem.ops.linear import Linear
 from tandem.ops.quantized import (
@@ -48,6 +50,11 @@ def random_weight(kind: str, n: int, k: int, seed: int = 0):
     if kind == "8-bit":
         codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         return pack(codes, (torch.rand(blocks, generator=g) * 0.02).half(), None, kind)
+    if kind == "8-bit per 16":  # as Q6_K's: a float16 times an int8 per 16 columns, in float32
+        codes = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+        halves = (n, k // 16)
+        scales = (torch.rand(halves, generator=g) * 0.001).half().float()
+        return pack(codes, scales * torch.randint(-128, 128, halves, generator=g), None, kind)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     if kind == "4-bit symmetric":  # Q4_0: weight = (code - 8) * scale
         scales = (torch.rand(blocks, generator=g) * 0.02).half()
@@ -62,7 +69,7 @@ def random_weight(kind: str, n: int, k: int, seed: int = 0):
     return pack(codes, scales, offsets, kind)
 
 
-LAYOUTS = ["8-bit", "4-bit f16", "4-bit f32", "4-bit symmetric"]
+LAYOUTS = ["8-bit", "8-bit per 16", "4-bit f16", "4-bit f32", "4-bit symmetric"]
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -73,7 +80,8 @@ def test_pack_and_unpack_are_inverse(kind):
     quads = for_int8_activations(q)
     assert quads.int8_activations and not q.int8_activations and quads.shape == q.shape
     # Symmetric 4-bit codes keep no offsets in either layout (-8 * scale, implied).
-    assert (quads.offsets is None) == (q.offsets is None) == (kind in ("8-bit", "4-bit symmetric"))
+    eight_bit = kind.startswith("8-bit")
+    assert (quads.offsets is None) == (q.offsets is None) == (eight_bit or "symmetric" in kind)
     for mine, theirs in zip(unpack(quads), (codes, scales, offsets), strict=True):
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
     # One 32-bit lane is a row's run of 4 columns: row 17 (group 1, row 1), columns 36-39.
@@ -94,7 +102,9 @@ def test_pack_and_unpack_are_inverse(kind):
         signed = [(word >> (8 * k) & 255) - 256 * (word >> (8 * k + 7) & 1) for k in range(4)]
         assert signed == codes[17, 36:40].tolist()
     w = dequantize(q)
-    expected = codes.float() * scales.float().repeat_interleave(32, 1)
+    width = 16 if kind == "8-bit per 16" else 32  # columns per scale
+    assert q.scale_cols == width and scales.shape == (48, 96 // width)
+    expected = codes.float() * scales.float().repeat_interleave(width, 1)
     if offsets is not None:
         expected += offsets.float().repeat_interleave(32, 1)
     assert torch.equal(w, expected)
@@ -231,6 +241,11 @@ def test_a_fused_layer_takes_its_parts_rows_and_refuses_a_part_in_another_format
         layer.load_quantized_rows(32, random_weight("4-bit f16", 16, 64))
     with pytest.raises(ValueError, match="two formats"):
         layer.load_quantized_rows(32, random_weight("8-bit", 16, 64))
+    # 8-bit codes with a scale per 16 columns and with one per 32 are two formats too.
+    eight_bit = Linear(64, 32)
+    eight_bit.load_quantized_rows(0, random_weight("8-bit per 16", 16, 64))
+    with pytest.raises(ValueError, match="two formats"):
+        eight_bit.load_quantized_rows(16, random_weight("8-bit", 16, 64))
 
 
 def test_bad_operands_are_refused():
@@ -270,6 +285,84 @@ def test_gguf_blocks_are_gguf_s_own_weights(tensor_type):
     q = pack(*as_torch, tensor_type)
     expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[tensor_type])
     assert torch.equal(dequantize(q), torch.from_numpy(expected.astype(np.float32)))
+
+
+# Each type and the wider layouts that hold it (a fused layer's parts in several formats).
+WIDER = [("Q8_0", "Q6_K"), ("Q5_0", "Q6_K"), ("Q4_0", "Q4_1"), ("Q4_0", "Q4_K"), ("Q4_1", "Q4_K")]
+
+
+@pytest.mark.parametrize("tensor_type, layout", WIDER)
+def test_gguf_blocks_in_a_wider_layout_are_gguf_s_own_weights(tensor_type, layout):
+    """Split into a layout that holds it, a type's blocks still give gguf's weights exactly
+    (Q4_0's offsets then stored), and the kernel multiplies them as the dequantized weight."""
+    rng = np.random.default_rng(1)
+    weight = (rng.standard_normal((32, 512)) * rng.uniform(0.01, 2, (32, 1))).astype(np.float32)
+    data = quantize(weight, tensor_type)
+    parts = split_blocks(data, tensor_type, weight.shape[1], layout)
+    as_torch = [None if t is None else torch.from_numpy(np.array(t)) for t in parts]
+    q = pack(*as_torch, f"{tensor_type} as {layout}", keep_offsets=True)
+    assert q.scale_cols == (16 if layout == "Q6_K" else 32)
+    assert (q.offsets is None) == (layout == "Q6_K")
+    expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[tensor_type])
+    assert torch.equal(dequantize(q), torch.from_numpy(expected.astype(np.float32)))
+    x = torch.randn(3, 512)
+    reference = x.double() @ dequantize(q).double().T
+    scale = reference.abs().max().item()
+    assert (quantized_linear(x, q).double() - reference).abs().max().item() <= 1e-5 * scale
+
+
+def test_a_fused_layer_s_parts_run_in_the_widest_of_their_layouts():
+    assert common_layout(["Q8_0", "Q6_K", "Q8_0"]) == "Q6_K"
+    assert common_layout(["Q4_0", "Q4_1"]) == "Q4_1"
+    assert common_layout(["Q4_1", "Q4_K", "Q4_0"]) == "Q4_K"
+    assert common_layout(["Q8_0"]) == "Q8_0"
+    # 4-bit and 8-bit codes, or a part run as float: none.
+    assert common_layout(["Q8_0", "Q4_K"]) is None and common_layout(["Q6_K", None]) is None
+    assert GGUF_LAYOUTS["Q5_0"] == "Q8_0"  # its codes q - 16 are int8 codes with Q8_0's scale
+    data = quantize(np.ones((16, 256), np.float32), "Q6_K")
+    with pytest.raises(ValueError, match="does not run in Q8_0's layout"):
+        split_blocks(data, "Q6_K", 256, "Q8_0")
+    with pytest.raises(ValueError, match="not one of the natively run types"):
+        split_blocks(data, "Q5_1", 256)
+
+
+# A GGUF whose fused layers have parts in several formats: layer 0's q, k, v (Q5_0, Q8_0, Q6_K)
+# run in Q6_K's layout, layer 1's (Q4_K beside 8-bit codes) as float32; gate and up (Q4_0, Q4_1)
+# in Q4_1's.
+MIXED_TYPES = {
+    "blk.1.attn_v.weight": "Q4_K", "blk.*.attn_q.weight": "Q5_0", "blk.*.attn_v.weight": "Q6_K",
+    "blk.*.ffn_gate.weight": "Q4_0", "blk.*.ffn_up.weight": "Q4_1",
+    "blk.*.attn_output.weight": "Q5_0", "blk.*.ffn_down.weight": "Q6_K",
+}  # fmt: skip
+
+
+def test_layers_fused_from_parts_in_several_formats_are_the_dequantized_model(
+    untied_folder, tmp_path
+):
+    """Each quantized layer's weights are the dequantized load's bit for bit, and greedy tokens
+    are the dequantized model's."""
+    path = write_gguf(untied_folder, tmp_path / "mixed.gguf", "Q8_0", types=MIXED_TYPES)
+    cpu = torch.device("cpu")
+    native = load_model(path, torch.float32, cpu).model
+    dequantized = load_model(path, torch.float32, cpu, quantization="none").model
+    sources = {}
+    for name, module in native.named_modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            sources[name] = set(module.quantized.source.split(" + "))
+            expected = dequantized.get_submodule(name).weight
+            assert torch.equal(dequantize(module.quantized), expected), name
+    assert sources["layers.0.attn.qkv"] == {"Q5_0 as Q6_K", "Q8_0 as Q6_K", "Q6_K"}
+    assert "layers.1.attn.qkv" not in sources  # float32
+    assert sources["layers.1.mlp.gate_up"] == {"Q4_0 as Q4_1", "Q4_1"}
+    assert sources["layers.1.attn.o"] == {"Q5_0 as Q8_0"}
+    assert sources["layers.1.mlp.down"] == {"Q6_K"}
+    options = {"max_model_len": 128, "num_kv_blocks": 64, "cpu_threads": 1}
+    tokens = []
+    for quantization in (None, "none"):
+        llm = LLM(str(path), quantization=quantization, **options)
+        tokens.append([o.token_ids for o in llm.generate(PROMPTS, greedy(12))])
+        llm.close()
+    assert tokens[0] == tokens[1]
 
 
 def test_int8_rounds_each_weight_to_its_row_s_step():
@@ -376,7 +469,9 @@ def round_linear_inputs(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(rounded)
 
 
-@pytest.mark.parametrize("tensor_type, tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False)])
+@pytest.mark.parametrize(
+    "tensor_type, tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False), ("Q6_K", True)]
+)
 def test_int8_activations_generate_the_rounded_activations_model(tmp_path, tensor_type, tied):
     """int8_activations on a GGUF's blocks: greedy tokens are transformers' on the same file with
     every linear layer's input rounded to int8 per block of 32, in both loops (following the

@@ -444,20 +444,25 @@ class GGUFTensor:
 
     @property
     def native_format(self) -> str | None:
-        """The type's name if the CPU kernels run it in its blocks (`quantized`), else None."""
-        name = self.tensor.tensor_type.name
-        native = name in gguf_blocks.NATIVE_TYPES and self.expert is None  # experts: float
-        return name if native else None
+        """The layout the CPU kernels run the tensor's blocks in (`quantized`;
+        `gguf_blocks.LAYOUTS`), else None."""
+        native = self.expert is None  # experts: float
+        return gguf_blocks.LAYOUTS.get(self.tensor.tensor_type.name) if native else None
 
-    def quantized(self, rows: slice | None, cols: slice | None) -> QuantizedWeight:
-        """Rows and columns of the tensor in the kernels' layout, its blocks as they are (the
-        columns on block boundaries)."""
-        kind = self.native_format
+    def quantized(
+        self, rows: slice | None, cols: slice | None, layout: str | None = None
+    ) -> QuantizedWeight:
+        """Rows and columns of the tensor in the kernels' layout (its own, or a wider one that
+        holds it exactly: a fused layer's), its blocks' values as they are (the columns on
+        block boundaries)."""
+        kind = self.tensor.tensor_type.name
+        layout = layout or self.native_format
         data = self.data if rows is None else self.data[rows]
-        codes, scales, offsets = gguf_blocks.split_blocks(data, kind, self.shape[-1])
+        codes, scales, offsets = gguf_blocks.split_blocks(data, kind, self.shape[-1], layout)
         if cols is not None:
             start, stop, _ = cols.indices(self.shape[-1])
-            per_block = slice(start // 32, stop // 32)
+            width = self.shape[-1] // scales.shape[1]  # columns per scale: 32, or Q6_K's 16
+            per_block = slice(start // width, stop // width)
             codes = codes[:, start:stop]
             scales, offsets = (None if t is None else t[:, per_block] for t in (scales, offsets))
         parts = [codes, scales, offsets]
@@ -468,7 +473,8 @@ class GGUFTensor:
         if not all(t is None or np.isfinite(t).all() for t in parts[1:]):  # scales and offsets
             raise ModelLoadError(f"{self.file.path}: tensor {self.tensor.name} holds NaN or Inf")
         tensors = [None if t is None else torch.from_numpy(np.array(t)) for t in parts]
-        return pack(*tensors, kind)
+        source = kind if kind == layout else f"{kind} as {layout}"
+        return pack(*tensors, source, keep_offsets=layout != "Q4_0")
 
     def _column_blocks(self, data: np.ndarray, cols: slice) -> tuple[np.ndarray, slice]:
         """Narrow quantized rows to the blocks that hold `cols`, where the ends allow it."""

@@ -192,6 +192,8 @@ class LlamaModel(nn.Module):
         # Tied embeddings with quantized weights: the logits' own quantized copy of the embedding
         # (the lookup keeps the float one).
         self.tied_logits: Linear | None = None
+        # The format each planned quantized layer is loaded in (`plan_quantized_weights`).
+        self._quantized_layouts: dict[str, str] = {}
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
 
     def _make_layer(self, index: int) -> nn.Module:
@@ -325,8 +327,9 @@ class LlamaModel(nn.Module):
             return False
         quantized = self._quantized_target(place.target)
         if quantized is not None:  # a planned layer: the checkpoint's blocks as they are
+            layout = self._quantized_layouts.get(place.target)
             quantized.load_quantized_rows(
-                place.offset or 0, source.quantized(place.rows, place.cols)
+                place.offset or 0, source.quantized(place.rows, place.cols, layout)
             )
             return True
         if name == "model.embed_tokens.weight" and self.tied_logits is not None:
@@ -348,11 +351,16 @@ class LlamaModel(nn.Module):
         param.narrow(0, place.offset, tensor.shape[0]).copy_(tensor)
         return True
 
-    def plan_quantized_weights(self, format_of: Callable[[str], str | None]) -> None:
+    def plan_quantized_weights(
+        self,
+        format_of: Callable[[str], str | None],
+        common: Callable[[set[str | None]], str | None] | None = None,
+    ) -> None:
         """Before the weights are allocated (on "meta"): every linear layer whose checkpoint
-        tensors all share one format the kernels run (`format_of(hf_name)`, None: none) and
-        whose shapes and shard fit the quantized layout gets no float weight; `load_weight`
-        then copies its blocks."""
+        tensors all run in one format the kernels take (`format_of(hf_name)`, None: none; parts
+        in several: `common(formats)`, the one that holds them all exactly, or None) and whose
+        shapes and shard fit the quantized layout gets no float weight; `load_weight` then
+        copies its blocks, in that format."""
         sources: dict[str, list[Placement]] = {}
         formats: dict[str, set[str | None]] = {}
         for name in self.checkpoint_names():
@@ -363,9 +371,11 @@ class LlamaModel(nn.Module):
         for target, places in sources.items():
             module = self.get_submodule(target.removesuffix(".weight"))
             fits = isinstance(module, Linear) and all(map(_fits, places))
-            one_format = len(formats[target]) == 1 and None not in formats[target]
-            if fits and one_format and can_quantize(module.out_features, module.in_features):
+            found = formats[target]
+            one = next(iter(found)) if len(found) == 1 else common and common(found)
+            if fits and one and can_quantize(module.out_features, module.in_features):
                 module.drop_dense_weight()
+                self._quantized_layouts[target] = one
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         embed = "model.embed_tokens.weight"
         tied = self.spec.tie_word_embeddings and format_of(embed) is not None

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tandem.models import gguf_blocks
 from tandem.models import gguf_checkpoint as gguf
 from tandem.models.catalog import checkpoint_path, is_gguf
 from tandem.models.dummy import load_dummy_weights
@@ -132,7 +133,8 @@ def build_model(
     if native and load_format == "auto" and is_gguf(path):
         tensors = dict(gguf.gguf_tensors(gguf.open_gguf(path), spec.head_dim))
         model.plan_quantized_weights(
-            lambda name: tensors[name].native_format if name in tensors else None
+            lambda name: tensors[name].native_format if name in tensors else None,
+            gguf_blocks.common_layout,  # a fused layer's parts in several formats
         )
     model = model.to(dtype).to_empty(device=device)
     factors = gguf.rope_freq_factors(gguf.open_gguf(path)) if is_gguf(path) else None

@@ -190,7 +190,8 @@ class Linear(nn.Module):
 
     def load_quantized_rows(self, first_row: int, part: QuantizedWeight) -> None:
         """Copy rows [first_row, first_row + part's rows) of the quantized weight (a fused
-        projection's part: q, k or v; gate or up); the first part sets the format."""
+        projection's part: q, k or v; gate or up); the first part sets the format, and the
+        source names each part's, in any load order the same (e.g. "Q5_0 as Q8_0 + Q8_0")."""
         if self.quantized is None:
             groups = self.out_features // GROUP_ROWS
             whole = [None if t is None else t.new_zeros((groups, *t.shape[1:])) for t in
@@ -198,9 +199,10 @@ class Linear(nn.Module):
             self.quantized = QuantizedWeight(*whole, part.source)
         q = self.quantized
         same = part.bits == q.bits and part.values.dtype == q.values.dtype
-        same = same and part.scales.dtype == q.scales.dtype
+        same = same and part.scales.dtype == q.scales.dtype and part.scale_cols == q.scale_cols
         if not same or (part.offsets is None) != (q.offsets is None):
             raise ValueError(f"parts of one layer in two formats ({q.source}, {part.source})")
+        q.source = " + ".join(sorted({*q.source.split(" + "), part.source}))
         group = first_row // GROUP_ROWS
         for whole, piece in zip(q.flat(), part.flat(), strict=True):
             if piece.numel():

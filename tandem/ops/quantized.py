@@ -4,13 +4,14 @@ A quantized weight [N, K] is codes with a scale (and, for 4-bit codes, an offset
 block of 32 columns: weight = code * scale + offset. GGUF's Q8_0 (8-bit, float16 scales), Q4_0,
 Q4_1 (4-bit, float16 scales and offsets) and Q4_K (4-bit, float32: its scales are products of
 two) are all exactly this, and so is per-channel int8 (one float32 scale per row, repeated per
-block). The kernels (`csrc/quantized_linear.cpp`) read the rows in groups of 16 and each
-block's columns in runs of 4 per row, the 16 rows' runs side by side, so `pack` lays them out that
-way: with float activations a row's run as one 32-bit word (4 8-bit codes, or 8 4-bit codes: the
-low nibbles one run, the high ones the run 16 columns on), which a shift turns into a column, or
-which integer dot products take as it is; `dequantize` is the float32 weight, whose product the
-kernels reproduce up to float32 rounding (they scale each block's sum of x * code rather than
-each code).
+block). 8-bit codes may have a scale per 16 columns instead, two per block (GGUF's Q6_K: float32
+products of its sub-blocks' int8 scales and a float16). The kernels (`csrc/quantized_linear.cpp`)
+read the rows in groups of 16 and each block's columns in runs of 4 per row, the 16 rows' runs
+side by side, so `pack` lays them out that way: with float activations a row's run as one 32-bit
+word (4 8-bit codes, or 8 4-bit codes: the low nibbles one run, the high ones the run 16 columns
+on), which a shift turns into a column, or which integer dot products take as it is;
+`dequantize` is the float32 weight, whose product the kernels reproduce up to float32 rounding
+(they scale each block's sum of x * code rather than each code).
 
 With int8 activations (`for_int8_activations`, llama.cpp's numerics) the same bytes are typed as
 bytes ("quads"), and the kernels quantize each row of x per block of 32
@@ -41,7 +42,9 @@ class QuantizedWeight:
     # as one word; int8 activations: the same bytes as quads, int8 [G, B, 8, 64] or uint8
     # [G, B, 4, 64]
     values: torch.Tensor
-    scales: torch.Tensor  # [G, B, 16] float16 or float32
+    # [G, B, 16] float16 or float32; 8-bit codes with a scale per 16 columns: [G, B, 32], a
+    # block's first 16 columns' scales of its 16 rows, then its last 16's
+    scales: torch.Tensor
     # 4-bit: like scales; 8-bit: None. 4-bit weights without offsets are symmetric (GGUF's Q4_0):
     # weight = (code - 8) * scale, the offset -8 * scale not stored (the kernels make it).
     offsets: torch.Tensor | None
@@ -50,6 +53,11 @@ class QuantizedWeight:
     @property
     def bits(self) -> int:
         return 4 if self.values.shape[2] == BLOCK_COLS // 8 else 8
+
+    @property
+    def scale_cols(self) -> int:
+        """Columns per scale: 32, or 16 for 8-bit codes with a scale per 16 columns."""
+        return BLOCK_COLS * GROUP_ROWS // self.scales.shape[2]
 
     @property
     def int8_activations(self) -> bool:
@@ -80,20 +88,25 @@ def pack(
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     source: str,
+    keep_offsets: bool = False,
 ) -> QuantizedWeight:
     """codes [N, K] (int8 for 8-bit, 0..15 as uint8 for 4-bit), scales and offsets [N, K / 32]
-    -> the kernels' words, for float activations (`for_int8_activations` types them as bytes).
-    Offsets that are -8 * scale (Q4_0's) are not stored: a tenth of a 4-bit weight's bytes, which
-    a one-row step spends its time reading."""
+    (8-bit codes: or scales [N, K / 16]) -> the kernels' words, for float activations
+    (`for_int8_activations` types them as bytes). Offsets that are -8 * scale (Q4_0's) are not
+    stored unless `keep_offsets` (a layer fused with parts that have offsets of their own): a
+    tenth of a 4-bit weight's bytes, which a one-row step spends its time reading."""
     n, k = codes.shape
     if not can_quantize(n, k):
         raise ValueError(f"a quantized weight needs rows in 16s and columns in 32s, got {n} x {k}")
     groups, blocks = n // GROUP_ROWS, k // BLOCK_COLS
+    halves = scales.shape[1] == 2 * blocks  # a scale per 16 columns
+    if halves and (codes.dtype != torch.int8 or offsets is not None):
+        raise ValueError("a scale per 16 columns is for 8-bit codes without offsets")
     # [G, B, runs, 16 rows, 4 columns]: a row's run of 4 in one 32-bit lane
     runs = codes.reshape(groups, GROUP_ROWS, blocks, BLOCK_COLS // RUN, RUN)
     grouped = runs.permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, QUAD_BYTES)
     nibbles = codes.dtype == torch.uint8
-    if nibbles and offsets is not None and torch.equal(offsets, scales * -8):
+    if nibbles and not keep_offsets and offsets is not None and torch.equal(offsets, scales * -8):
         offsets = None  # symmetric: the kernels make the offsets from the scales
     if not nibbles:
         values = grouped.to(torch.int8).contiguous()
@@ -102,8 +115,10 @@ def pack(
         values = (grouped[:, :, :half] | (grouped[:, :, half:] << 4)).contiguous()
     values = values.view(torch.int32)  # words: a row's run of codes as one, [G, B, runs, 16]
 
-    def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous()
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, B * h] -> [G, B, h * 16]
+        per_block = t.shape[1] // blocks
+        grouped = t.reshape(groups, GROUP_ROWS, t.shape[1]).transpose(1, 2)
+        return grouped.reshape(groups, blocks, per_block * GROUP_ROWS).contiguous()
 
     return QuantizedWeight(
         values, per_group(scales), None if offsets is None else per_group(offsets), source
@@ -121,7 +136,8 @@ def for_int8_activations(q: QuantizedWeight) -> QuantizedWeight:
 
 def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """pack's inverse: codes [N, K], scales and offsets [N, K / 32] (-8 * scale where a
-    symmetric 4-bit weight stores none)."""
+    symmetric 4-bit weight stores none; scales [N, K / 16] where 8-bit codes have one per 16
+    columns)."""
     groups, blocks = q.values.shape[:2]
     n, k = q.shape
     nibbles = q.bits == 4
@@ -130,8 +146,9 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     runs = grouped.reshape(groups, blocks, BLOCK_COLS // RUN, GROUP_ROWS, RUN)
     codes = runs.permute(0, 3, 1, 2, 4).reshape(n, k)
 
-    def per_row(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(n, blocks)
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # per_group's inverse
+        per_block = t.shape[2] // GROUP_ROWS
+        return t.reshape(groups, blocks * per_block, GROUP_ROWS).transpose(1, 2).reshape(n, -1)
 
     if nibbles and q.offsets is None:
         return codes, per_row(q.scales), per_row(q.scales) * -8
@@ -141,7 +158,7 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def dequantize(q: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [N, K]: code * scale + offset, rounded once (llama.cpp's values)."""
     codes, scales, offsets = unpack(q)
-    scale = scales.float().repeat_interleave(BLOCK_COLS, dim=1)
+    scale = scales.float().repeat_interleave(q.scale_cols, dim=1)
     if offsets is None:
         return codes.float() * scale
     offset = offsets.float().repeat_interleave(BLOCK_COLS, dim=1)
@@ -180,14 +197,17 @@ def int8_activation_linear(
     x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The integer product's reference: per block, (codes . x codes) * scale * step, plus offset *
-    the block's activation sum. Block products of codes are exact in float32 (|sum| < 2^24)."""
+    the block's activation sum (with a scale per 16 columns, each half's codes times its scale).
+    Block products of codes are exact in float32 (|sum| < 2^24)."""
     codes, scales, offsets = unpack(q)
     xq, steps, sums = quantize_activations(x)
     out = torch.zeros(x.shape[0], q.shape[0])
-    for b in range(q.shape[1] // BLOCK_COLS):
-        cols = slice(b * BLOCK_COLS, (b + 1) * BLOCK_COLS)
+    width = q.scale_cols
+    for i in range(q.shape[1] // width):
+        b = i * width // BLOCK_COLS
+        cols = slice(i * width, (i + 1) * width)
         exact = xq[:, cols].float() @ codes[:, cols].float().T
-        out += exact * (scales[:, b].float()[None, :] * steps[:, b, None])
+        out += exact * (scales[:, i].float()[None, :] * steps[:, b, None])
         if offsets is not None:
             out += offsets[:, b].float()[None, :] * sums[:, b, None]
     return out if bias is None else out + bias

@@ -1,7 +1,7 @@
-// Linear layers over quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K; per-channel int8), in two
-// numerics: float32 activations against the codes widened to float in registers (on AVX-512
-// VNNI, 4-bit codes, and 8-bit ones where AMX runs them, against the activations' three integer
-// digits instead: the last sections), or
+// Linear layers over quantized weights (GGUF's Q8_0, Q6_K, Q4_0, Q4_1, Q4_K, and Q5_0 as Q8_0;
+// per-channel int8), in two numerics: float32 activations against the codes widened to float in
+// registers (on AVX-512 VNNI, 4-bit codes, and 8-bit ones where AMX runs them, against the
+// activations' three integer digits instead: the last sections), or
 // activations quantized to int8 per block of 32 and multiplied with integer dot products
 // (llama.cpp's numerics: several times fewer instructions per weight).
 //
@@ -12,6 +12,10 @@
 //   4-bit  [G, B, 4, 64] bytes: the low nibble is column 32b+4j+t, the high one 32b+16+4j+t
 //   scales [G, B, 16] float16 or float32; offsets (4-bit) alike: weight = code * scale + offset,
 //   none stored for symmetric codes (Q4_0's: offset = -8 * scale, made from the scale)
+//   8-bit codes may instead have a scale per 16 columns (Q6_K's sub-blocks), scales [G, B, 32]
+//   float32: the block's first 16 columns' 16 scales, then its last 16's. Each half's sums meet
+//   their own scales, one after the other; such codes are widened (float activations) or take
+//   int8 activations, never the digits or AMX's tiles, whose sums span a block.
 // The values' type tells the numerics: int32 "words" (a row's run read as one word: [G, B, 8, 16]
 // or [G, B, 4, 16]) for float activations, int8 or uint8 "quads" for int8 activations.
 //
@@ -193,15 +197,30 @@ Groups<Scale> groups_of(const at::Tensor& values, const at::Tensor& scales,
           values.stride(0) * values.element_size(), scales.stride(0)};
 }
 
+// kHalves, through the float and integer walks: 8-bit codes with a scale per 16 columns (GGUF's
+// Q6_K). A template argument, so that the other weights' walks carry no test for it.
+// Block b's 16 scales: its own, or with kHalves its first 16 columns' (half 0) or its last 16's
+// (half 1).
+template <bool kHalves, typename Scale>
+inline const Scale* block_scales(const Group<Scale>& g, int64_t b, int64_t half = 0) {
+  return g.scales + (kHalves ? 2 * b + half : b) * kGroupRows;
+}
+
+// Runs of 4 columns (one word per row) in a block of 8-bit codes, and in each half of it.
+constexpr int64_t kByteRuns = kBlockCols / 4;
+constexpr int64_t kHalfRuns = kByteRuns / 2;
+
 // Calls f(j, columns) for the 32 columns of block b in P groups side by side, in the order every
 // kernel sums them (j: the column within the block; columns[p]: group p's codes there, as
 // floats: exact).
-template <bool kFourBit, bool kInPlace, int64_t P, typename Scale, typename F>
+// Only runs [kFirst, kLast) where given (8-bit codes: a half's columns).
+template <bool kFourBit, bool kInPlace, int64_t P, int64_t kFirst = 0,
+          int64_t kLast = kFourBit ? kBlockCols / 8 : kByteRuns, typename Scale, typename F>
 inline void for_each_column(const Group<Scale> (&g)[P], int64_t b, F&& f) {
-  constexpr int64_t kRuns = kFourBit ? kBlockCols / 8 : kBlockCols / 4;  // of 64 bytes a block
+  constexpr int64_t kRuns = kFourBit ? kBlockCols / 8 : kByteRuns;  // of 64 bytes a block
   constexpr int64_t kRunBytes = 4 * kGroupRows;
   Column w[P];
-  for (int64_t j = 0; j < kRuns; ++j) {
+  for (int64_t j = kFirst; j < kLast; ++j) {
     Words run[P];
     for (int64_t p = 0; p < P; ++p)
       run[p] = load_words(g[p].values + (b * kRuns + j) * kRunBytes);
@@ -235,13 +254,14 @@ inline Column block_offsets(const Group<Scale>& g, int64_t b, const Column& scal
 }
 
 // Adds T rows' sums of x * code over block b of P groups to out, scaled: out += sum * scale (+
-// x_sum * offset for 4-bit). The one place a block's sum meets its scale, for every path.
-template <bool kFourBit, typename Scale, int64_t T, int64_t P>
+// x_sum * offset for 4-bit). The one place a block's sum meets its scale, for every path. With a
+// scale per 16 columns, each half's sums meet their own (`half`).
+template <bool kFourBit, bool kHalves = false, typename Scale, int64_t T, int64_t P>
 inline void add_block(const Group<Scale> (&g)[P], int64_t b, const Column (&sum)[T][P],
                       const float* x_sums, int64_t x_sums_stride, float* out, int64_t out_stride,
-                      float sum_scale = 1.f) {
+                      float sum_scale = 1.f, int64_t half = 0) {
   for (int64_t p = 0; p < P; ++p) {
-    Column s = load_scales(g[p].scales + b * kGroupRows);
+    Column s = load_scales(block_scales<kHalves>(g[p], b, half));
     Column o{};
     if constexpr (kFourBit) o = block_offsets(g[p], b, s);
     for (int64_t v = 0; v < kVectors; ++v) s[v] *= sum_scale;  // an in-place row's 2^-e
@@ -337,19 +357,20 @@ constexpr int64_t kPrefetchBlocks = 4;
 // as any other (experiments.md).
 constexpr int64_t blocks_ahead(int64_t side) { return side > 1 ? 16 / side : kPrefetchBlocks; }
 
-template <bool kFourBit, typename Scale>
+template <bool kFourBit, bool kHalves = false, typename Scale>
 inline void prefetch_block(const Group<Scale>& g, int64_t b) {
   constexpr int64_t bytes = kBlockCols * kGroupRows / (kFourBit ? 2 : 1);
   const uint8_t* codes = g.values + b * bytes;
   for (int64_t line = 0; line < bytes; line += kCacheLineBytes)
     __builtin_prefetch(codes + line, 0, 3);
-  __builtin_prefetch(g.scales + b * kGroupRows, 0, 3);
+  __builtin_prefetch(block_scales<kHalves>(g, b), 0, 3);
+  if constexpr (kHalves) __builtin_prefetch(block_scales<kHalves>(g, b, 1), 0, 3);
   if (g.offsets != nullptr) __builtin_prefetch(g.offsets + b * kGroupRows, 0, 3);
 }
 
 // T rows of x (T <= kTileRows) against P adjacent groups: each block's sums in registers, times
 // sum_scale where they meet the block scales (an in-place row's 2^-e, else 1).
-template <bool kFourBit, typename Scale, int64_t T, int64_t P>
+template <bool kFourBit, bool kHalves, typename Scale, int64_t T, int64_t P>
 void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float* x,
                          int64_t x_stride, const float* x_sums, int64_t x_sums_stride, float* out,
                          int64_t out_stride, float sum_scale) {
@@ -359,23 +380,33 @@ void groups_in_registers(const Group<Scale> (&g)[P], int64_t blocks, const float
     // Past its group's end a walk reads ahead into the group it walks next: P groups on.
     const int64_t ahead = b + blocks_ahead(P);
     const int64_t next = ahead < blocks ? ahead : ahead + (P - 1) * blocks;
-    for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit>(g[p], next);
+    for (int64_t p = 0; p < P; ++p) prefetch_block<kFourBit, kHalves>(g[p], next);
     Column sum[T][P] = {};
     constexpr bool kInPlace = in_place_codes(kFourBit, T);
-    for_each_column<kFourBit, kInPlace>(g, b, [&](int64_t j, const Column (&w)[P]) {
+    auto multiply = [&](int64_t j, const Column (&w)[P]) {
       for (int64_t t = 0; t < T; ++t) {
         const float xv = xb[t * x_stride + j];
         for (int64_t p = 0; p < P; ++p)
           for (int64_t v = 0; v < kVectors; ++v) sum[t][p][v] += xv * w[p][v];
       }
-    });
-    add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride, sum_scale);
+    };
+    if constexpr (!kHalves) {
+      for_each_column<kFourBit, kInPlace>(g, b, multiply);
+      add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride, sum_scale);
+    } else {  // the first 16 columns' sums meet their scales, then the last 16's
+      for_each_column<false, false, P, 0, kHalfRuns>(g, b, multiply);
+      add_block<false, true>(g, b, sum, x_sums, x_sums_stride, out, out_stride, sum_scale, 0);
+      for (auto& row : sum)
+        for (auto& group : row) group = Column{};
+      for_each_column<false, false, P, kHalfRuns>(g, b, multiply);
+      add_block<false, true>(g, b, sum, x_sums, x_sums_stride, out, out_stride, sum_scale, 1);
+    }
   }
 }
 
 // T rows against the groups [g0, g1) (out: the rows' first column): P at a time, then the rest
 // one by one.
-template <bool kFourBit, typename Scale, int64_t T>
+template <bool kFourBit, bool kHalves, typename Scale, int64_t T>
 void tile_in_registers(const Groups<Scale>& groups, int64_t g0, int64_t g1, int64_t blocks,
                        const float* x, int64_t x_stride, const float* x_sums,
                        int64_t x_sums_stride, float* out, int64_t out_stride, float sum_scale) {
@@ -385,61 +416,74 @@ void tile_in_registers(const Groups<Scale>& groups, int64_t g0, int64_t g1, int6
     for (; gi + P <= g1; gi += P) {
       Group<Scale> side[P];
       for (int64_t p = 0; p < P; ++p) side[p] = groups[gi + p];
-      groups_in_registers<kFourBit, Scale, T, P>(side, blocks, x, x_stride, x_sums, x_sums_stride,
-                                                 out + gi * kGroupRows, out_stride, sum_scale);
+      groups_in_registers<kFourBit, kHalves, Scale, T, P>(side, blocks, x, x_stride, x_sums,
+                                                          x_sums_stride, out + gi * kGroupRows,
+                                                          out_stride, sum_scale);
     }
   for (; gi < g1; ++gi) {
     const Group<Scale> one[1] = {groups[gi]};
-    groups_in_registers<kFourBit, Scale, T, 1>(one, blocks, x, x_stride, x_sums, x_sums_stride,
-                                               out + gi * kGroupRows, out_stride, sum_scale);
+    groups_in_registers<kFourBit, kHalves, Scale, T, 1>(one, blocks, x, x_stride, x_sums,
+                                                        x_sums_stride, out + gi * kGroupRows,
+                                                        out_stride, sum_scale);
   }
 }
 
 // T rows of x against block b, its codes already widened into w (its columns in summation
 // order), added to out.
-template <bool kFourBit, typename Scale, int64_t T>
+template <bool kFourBit, bool kHalves, typename Scale, int64_t T>
 void tile_from_buffer(const Group<Scale> (&g)[1], int64_t b, const float* w, const int64_t* order,
                       const float* x, int64_t x_stride, const float* x_sums, int64_t x_sums_stride,
                       float* out, int64_t out_stride) {
   Column sum[T][1] = {};
-  for (int64_t c = 0; c < kBlockCols; ++c) {
-    const int64_t j = order[c];
-    Column wc;
-    for (int64_t v = 0; v < kVectors; ++v) wc[v] = load_lanes(w + c * kGroupRows + v * kLanes);
-    for (int64_t t = 0; t < T; ++t) {
-      const float xv = x[t * x_stride + j];
-      for (int64_t v = 0; v < kVectors; ++v) sum[t][0][v] += xv * wc[v];
+  auto multiply = [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t j = order[c];
+      Column wc;
+      for (int64_t v = 0; v < kVectors; ++v) wc[v] = load_lanes(w + c * kGroupRows + v * kLanes);
+      for (int64_t t = 0; t < T; ++t) {
+        const float xv = x[t * x_stride + j];
+        for (int64_t v = 0; v < kVectors; ++v) sum[t][0][v] += xv * wc[v];
+      }
     }
+  };
+  if constexpr (!kHalves) {
+    multiply(0, kBlockCols);
+    add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride);
+  } else {  // 8-bit codes, buffered in column order: each half's sums meet their scales
+    multiply(0, kBlockCols / 2);
+    add_block<false, true>(g, b, sum, x_sums, x_sums_stride, out, out_stride, 1.f, 0);
+    for (auto& row : sum) row[0] = Column{};
+    multiply(kBlockCols / 2, kBlockCols);
+    add_block<false, true>(g, b, sum, x_sums, x_sums_stride, out, out_stride, 1.f, 1);
   }
-  add_block<kFourBit>(g, b, sum, x_sums, x_sums_stride, out, out_stride);
 }
 
-template <bool kFourBit, typename Scale, int64_t... T>
+template <bool kFourBit, bool kHalves, typename Scale, int64_t... T>
 constexpr auto tile_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Group<Scale>(&)[1], int64_t, const float*, const int64_t*,
                           const float*, int64_t, const float*, int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&tile_from_buffer<kFourBit, Scale, T + 1>...};
+  return std::array<Kernel, sizeof...(T)>{&tile_from_buffer<kFourBit, kHalves, Scale, T + 1>...};
 }
 
-template <bool kFourBit, typename Scale, int64_t... T>
+template <bool kFourBit, bool kHalves, typename Scale, int64_t... T>
 constexpr auto register_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Groups<Scale>&, int64_t, int64_t, int64_t, const float*, int64_t,
                           const float*, int64_t, float*, int64_t, float);
-  return std::array<Kernel, sizeof...(T)>{&tile_in_registers<kFourBit, Scale, T + 1>...};
+  return std::array<Kernel, sizeof...(T)>{&tile_in_registers<kFourBit, kHalves, Scale, T + 1>...};
 }
 
 // More rows than a tile: each block's codes are widened once into a buffer that every tile reads.
-template <bool kFourBit, typename Scale>
+template <bool kFourBit, bool kHalves, typename Scale>
 void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const float* x,
                           int64_t x_stride, const float* x_sums, int64_t x_sums_stride,
                           int64_t rows, float* out, int64_t out_stride) {
   static constexpr auto tiles =
-      tile_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
+      tile_kernels<kFourBit, kHalves, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
   alignas(64) float w[kBlockCols * kGroupRows];
   int64_t order[kBlockCols];
   for (int64_t t = 0; t < rows; ++t) std::fill_n(out + t * out_stride, kGroupRows, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_block<kFourBit>(g[0], b + kPrefetchBlocks);
+    prefetch_block<kFourBit, kHalves>(g[0], b + kPrefetchBlocks);
     int64_t c = 0;
     for_each_column<kFourBit, false>(g, b, [&](int64_t j, const Column (&col)[1]) {
       order[c] = j;
@@ -456,11 +500,11 @@ void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const floa
   }
 }
 
-template <bool kFourBit, typename Scale>
+template <bool kFourBit, bool kHalves, typename Scale>
 void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
          const at::Tensor& offsets, at::Tensor& out) {
   static constexpr auto in_registers =
-      register_kernels<kFourBit, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
+      register_kernels<kFourBit, kHalves, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
   const int64_t rows = x.size(0), x_stride = x.stride(0), groups = values.size(0);
   const int64_t blocks = values.size(1), n = out.size(1);
   const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
@@ -486,8 +530,8 @@ void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales
       }
       for (int64_t gi = g0; gi < g1; ++gi) {
         const Group<Scale> one[1] = {weight[gi]};
-        group_through_buffer<kFourBit>(one, blocks, xm, x_stride, sm, blocks, m,
-                                       o + gi * kGroupRows, n);
+        group_through_buffer<kFourBit, kHalves>(one, blocks, xm, x_stride, sm, blocks, m,
+                                                o + gi * kGroupRows, n);
       }
     }
   });
@@ -619,9 +663,11 @@ inline IVec minus(IVec v, int32_t c) { return _mm256_sub_epi32(v, _mm256_set1_ep
 // two broadcasts and the constants in the registers.
 constexpr int64_t kIntTileRows = std::min<int64_t>(8, (kRegisters - 8) / (2 * kVectors));
 
-// The portable integer sum of block b for row n (the vector code's result, lane by lane).
+// The portable integer sum of block b for row n (the vector code's result, lane by lane); of
+// 8-bit codes, runs [j0, j1) only.
 template <bool kFourBit>
-inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8_t* xq) {
+inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8_t* xq,
+                         int64_t j0 = 0, int64_t j1 = kByteRuns) {
   int32_t sum = 0;
   if constexpr (kFourBit) {
     const uint8_t* q = values + b * 4 * kQuadBytes;
@@ -632,7 +678,7 @@ inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8
       }
   } else {
     const auto* q = reinterpret_cast<const int8_t*>(values) + b * 8 * kQuadBytes;
-    for (int64_t j = 0; j < 8; ++j)
+    for (int64_t j = j0; j < j1; ++j)
       for (int64_t t = 0; t < 4; ++t) sum += q[j * kQuadBytes + 4 * n + t] * xq[4 * j + t];
   }
   return sum;
@@ -640,19 +686,29 @@ inline int32_t block_sum(const uint8_t* values, int64_t b, int64_t n, const int8
 
 // T rows of quantized x against one group, accumulators in registers. kSymmetric: 4-bit codes
 // whose weight is (code - 8) * scale, no offsets stored.
-template <bool kFourBit, bool kSymmetric, typename Scale, int64_t T>
+template <bool kFourBit, bool kSymmetric, bool kHalves, typename Scale, int64_t T>
 void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int64_t xq_stride,
                     const float* steps, const int32_t* code_sums, int64_t step_stride,
                     float* out, int64_t out_stride) {
   Column acc[T] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_block<kFourBit>(g, b + kPrefetchBlocks);
-    const Column s = load_scales(g.scales + b * kGroupRows);
+    prefetch_block<kFourBit, kHalves>(g, b + kPrefetchBlocks);
+    const Column s = load_scales(block_scales<kHalves>(g, b));
 #if defined(TANDEM_INTEGER_VECTORS)
     {
       IVec isum[T][kVectors];
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t v = 0; v < kVectors; ++v) isum[t][v] = zero_ints();
+      auto clear = [&] {
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t v = 0; v < kVectors; ++v) isum[t][v] = zero_ints();
+      };
+      auto add_sums = [&](const Column& scale) {
+        for (int64_t t = 0; t < T; ++t) {
+          const float step = steps[t * step_stride + b];
+          for (int64_t v = 0; v < kVectors; ++v)
+            acc[t][v] += to_float(isum[t][v]) * (scale[v] * step);
+        }
+      };
+      clear();
       if constexpr (kFourBit) {
         const uint8_t* q = g.values + b * 4 * kQuadBytes;
         for (int64_t j = 0; j < 4; ++j)
@@ -673,28 +729,43 @@ void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int
           }
       } else {
         const uint8_t* q = g.values + b * 8 * kQuadBytes;
-        for (int64_t j = 0; j < 8; ++j)
-          for (int64_t v = 0; v < kVectors; ++v) {
-            const IVec w = load_codes(q + j * kQuadBytes + v * 4 * kLanes), magnitude = abs8(w);
-            for (int64_t t = 0; t < T; ++t) {
-              const IVec xb = broadcast4(xq + t * xq_stride + b * kBlockCols + 4 * j);
-              isum[t][v] = dot4(isum[t][v], magnitude, sign_of(xb, w));
+        auto multiply = [&](int64_t j0, int64_t j1) {
+          for (int64_t j = j0; j < j1; ++j)
+            for (int64_t v = 0; v < kVectors; ++v) {
+              const IVec w = load_codes(q + j * kQuadBytes + v * 4 * kLanes),
+                         magnitude = abs8(w);
+              for (int64_t t = 0; t < T; ++t) {
+                const IVec xb = broadcast4(xq + t * xq_stride + b * kBlockCols + 4 * j);
+                isum[t][v] = dot4(isum[t][v], magnitude, sign_of(xb, w));
+              }
             }
-          }
+        };
+        multiply(0, kHalfRuns);
+        if constexpr (kHalves) {  // the first 16 columns' sums meet their scales
+          add_sums(s);
+          clear();
+        }
+        multiply(kHalfRuns, kByteRuns);
       }
-      for (int64_t t = 0; t < T; ++t) {
-        const float step = steps[t * step_stride + b];
-        for (int64_t v = 0; v < kVectors; ++v) acc[t][v] += to_float(isum[t][v]) * (s[v] * step);
-      }
+      add_sums(kHalves ? load_scales(block_scales<kHalves>(g, b, 1)) : s);
     }
 #else
     {
+      const Column last = load_scales(block_scales<kHalves>(g, b, 1));
       for (int64_t t = 0; t < T; ++t) {
         const float step = steps[t * step_stride + b];
+        const int8_t* xb = xq + t * xq_stride + b * kBlockCols;
         for (int64_t v = 0; v < kVectors; ++v)
           for (int64_t l = 0; l < kLanes; ++l) {
-            int32_t sum = block_sum<kFourBit>(g.values, b, v * kLanes + l,
-                                              xq + t * xq_stride + b * kBlockCols);
+            const int64_t n = v * kLanes + l;
+            if constexpr (kHalves) {
+              const int32_t first = block_sum<false>(g.values, b, n, xb, 0, kHalfRuns);
+              acc[t][v][l] += static_cast<float>(first) * (s[v][l] * step);
+              const int32_t second = block_sum<false>(g.values, b, n, xb, kHalfRuns, kByteRuns);
+              acc[t][v][l] += static_cast<float>(second) * (last[v][l] * step);
+              continue;
+            }
+            int32_t sum = block_sum<kFourBit>(g.values, b, n, xb);
             if constexpr (kSymmetric) sum -= 8 * code_sums[t * step_stride + b];
             acc[t][v][l] += static_cast<float>(sum) * (s[v][l] * step);
           }
@@ -715,17 +786,18 @@ void int_group_rows(const Group<Scale>& g, int64_t blocks, const int8_t* xq, int
       store_lanes(out + t * out_stride + v * kLanes, acc[t][v]);
 }
 
-template <bool kFourBit, bool kSymmetric, typename Scale, int64_t... T>
+template <bool kFourBit, bool kSymmetric, bool kHalves, typename Scale, int64_t... T>
 constexpr auto int_kernels(std::integer_sequence<int64_t, T...>) {
   using Kernel = void (*)(const Group<Scale>&, int64_t, const int8_t*, int64_t, const float*,
                           const int32_t*, int64_t, float*, int64_t);
-  return std::array<Kernel, sizeof...(T)>{&int_group_rows<kFourBit, kSymmetric, Scale, T + 1>...};
+  return std::array<Kernel, sizeof...(T)>{
+      &int_group_rows<kFourBit, kSymmetric, kHalves, Scale, T + 1>...};
 }
 
-template <bool kFourBit, bool kSymmetric, typename Scale>
+template <bool kFourBit, bool kSymmetric, bool kHalves, typename Scale>
 void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                  const at::Tensor& offsets, at::Tensor& out) {
-  static constexpr auto tiles = int_kernels<kFourBit, kSymmetric, Scale>(
+  static constexpr auto tiles = int_kernels<kFourBit, kSymmetric, kHalves, Scale>(
       std::make_integer_sequence<int64_t, kIntTileRows>{});
   const QuantizedRows xq = quantize_rows(x);
   const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
@@ -1188,9 +1260,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               blocks * kBlockCols);
   const auto scale_type = scales.scalar_type();
   TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, "scales must be float16/32");
-  const bool shaped = scales.sizes() == at::IntArrayRef({groups, blocks, kGroupRows});
+  // 8-bit codes may have a scale per 16 columns (GGUF's Q6_K): a block's two sets side by side.
+  const bool halves = !four_bit && scales.dim() == 3 && scales.size(2) == 2 * kGroupRows;
+  const int64_t per_block = halves ? 2 * kGroupRows : kGroupRows;
+  const bool shaped = scales.sizes() == at::IntArrayRef({groups, blocks, per_block});
   TORCH_CHECK(scales.is_contiguous() && shaped, "scales must be [groups, blocks, ", kGroupRows,
-              "]");
+              "] (8-bit codes: or 2 x ", kGroupRows, ", a scale per 16 columns)");
+  TORCH_CHECK(!halves || scale_type == at::kFloat, "a scale per 16 columns must be float32");
   // 4-bit weights have offsets, except symmetric ones; 8-bit ones none.
   const bool symmetric = four_bit && !present(offsets);
   TORCH_CHECK(four_bit || !present(offsets), "4-bit weights may have offsets, 8-bit ones none");
@@ -1207,26 +1283,30 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   const at::Tensor& v = values;
   // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
   // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
-  [[maybe_unused]] const bool eight_bit_digits = !four_bit && amx_tiles();
-  if (!words && symmetric && half) run_integer<true, true, c10::Half>(x, v, scales, o, out);
-  else if (!words && symmetric) run_integer<true, true, float>(x, v, scales, o, out);
-  else if (!words && four_bit && half) run_integer<true, false, c10::Half>(x, v, scales, o, out);
-  else if (!words && four_bit) run_integer<true, false, float>(x, v, scales, o, out);
-  else if (!words && half) run_integer<false, false, c10::Half>(x, v, scales, o, out);
-  else if (!words) run_integer<false, false, float>(x, v, scales, o, out);
+  // Codes with a scale per 16 columns always widen: the tiles' products span a block.
+  [[maybe_unused]] const bool eight_bit_digits = !four_bit && !halves && amx_tiles();
+  using H = c10::Half;
+  if (!words && symmetric && half) run_integer<true, true, false, H>(x, v, scales, o, out);
+  else if (!words && symmetric) run_integer<true, true, false, float>(x, v, scales, o, out);
+  else if (!words && four_bit && half) run_integer<true, false, false, H>(x, v, scales, o, out);
+  else if (!words && four_bit) run_integer<true, false, false, float>(x, v, scales, o, out);
+  else if (!words && halves) run_integer<false, false, true, float>(x, v, scales, o, out);
+  else if (!words && half) run_integer<false, false, false, H>(x, v, scales, o, out);
+  else if (!words) run_integer<false, false, false, float>(x, v, scales, o, out);
 #if defined(TANDEM_DIGIT_PRODUCTS)
-  else if (symmetric && half) run_digits<Codes::kSymmetric, c10::Half>(x, v, scales, o, out);
+  else if (symmetric && half) run_digits<Codes::kSymmetric, H>(x, v, scales, o, out);
   else if (symmetric) run_digits<Codes::kSymmetric, float>(x, v, scales, o, out);
-  else if (four_bit && half) run_digits<Codes::kOffsets, c10::Half>(x, v, scales, o, out);
+  else if (four_bit && half) run_digits<Codes::kOffsets, H>(x, v, scales, o, out);
   else if (four_bit) run_digits<Codes::kOffsets, float>(x, v, scales, o, out);
-  else if (eight_bit_digits && half) run_digits<Codes::kEightBit, c10::Half>(x, v, scales, o, out);
+  else if (eight_bit_digits && half) run_digits<Codes::kEightBit, H>(x, v, scales, o, out);
   else if (eight_bit_digits) run_digits<Codes::kEightBit, float>(x, v, scales, o, out);
 #else
-  else if (four_bit && half) run<true, c10::Half>(x, values, scales, o, out);
-  else if (four_bit) run<true, float>(x, values, scales, o, out);
+  else if (four_bit && half) run<true, false, H>(x, values, scales, o, out);
+  else if (four_bit) run<true, false, float>(x, values, scales, o, out);
 #endif
-  else if (half) run<false, c10::Half>(x, values, scales, o, out);
-  else run<false, float>(x, values, scales, o, out);
+  else if (halves) run<false, true, float>(x, values, scales, o, out);
+  else if (half) run<false, false, H>(x, values, scales, o, out);
+  else run<false, false, float>(x, values, scales, o, out);
   if (present(bias)) out.add_(bias);
   return out;
 }
