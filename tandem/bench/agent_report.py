@@ -179,9 +179,14 @@ def agent_table(
     final = max(t.prompt_len + len(t.output) for t in first.turns)
     kind = engine.config.kv_cache_dtype
     kv = "the model's dtype" if kind == "auto" else kind
+    head = (
+        f"head of {first.shared_head} tokens shared by every session's first prompt"
+        if shape.sessions > 1
+        else f"head of ~{shape.head_len} tokens"
+    )
     notes = [
         f"prompts ({args.agent_prompts if engine.tokenizer is not None else 'token ids'}): a "
-        f"head of {first.shared_head} tokens shared by every session's first prompt, tool "
+        f"{head}, tool "
         f"results of ~{shape.tool_result_len} tokens, answers of {shape.output_len} tokens "
         f"(greedy, EOS ignored); sessions start {shape.stagger_s:g} s apart, each next turn "
         "submitted when its previous answer is complete",

@@ -25,9 +25,13 @@ from tandem.models.llama import LlamaModel
 from tandem.ops.attention_metadata import AttentionMetadata
 from tandem.ops.kv_quant import row_width
 
-# The long timing's step reads this much K/V: past the last-level cache, as a long context's
-# step does, yet a few milliseconds a run.
+# The long timing's step reads at least this much K/V (past the last-level cache, as a long
+# context's step does) and KV_PER_WEIGHT times the weights' bytes, so that its attention, not
+# its GEMMs, makes the difference to the short timing (a slope read above the noise), up to
+# MOST_KV_BYTES (a few tens of milliseconds a run).
 LONG_KV_BYTES = 64 << 20
+KV_PER_WEIGHT = 4
+MOST_KV_BYTES = 512 << 20
 # Far past any step's K/V positions: the plan's bounds are searched up to here.
 MOST_POSITIONS = 1 << 40
 
@@ -99,12 +103,13 @@ class ThreadRuns:
 
 
 def long_context(model: LlamaModel, batch: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
-    """Tokens a request of the long timing holds: the step reads `LONG_KV_BYTES` of K/V (in the
+    """Tokens a request of the long timing holds: the step reads the K/V bytes above (in the
     cache's dtype), within the context a request may have."""
     spec = model.spec
     row_bytes = row_width(spec.head_dim, kv_dtype) * kv_dtype.itemsize
     per_position = 2 * spec.num_layers * spec.num_kv_heads * row_bytes
-    wanted = max(2 * SHORT_CONTEXT, LONG_KV_BYTES // (batch * per_position))
+    kv_bytes = max(LONG_KV_BYTES, min(KV_PER_WEIGHT * (model.weight_bytes() or 0), MOST_KV_BYTES))
+    wanted = max(2 * SHORT_CONTEXT, kv_bytes // (batch * per_position))
     return min(wanted, max_model_len)
 
 
