@@ -20,7 +20,7 @@ import torch
 
 from tandem.execution import fast_path
 from tandem.models.loader import load_model
-from tandem.ops import cpu_elementwise, cpu_kernels
+from tandem.ops import cpu_elementwise, cpu_kernels, kv_quant
 from tandem.ops import elementwise as ops
 from tandem.ops.attention import _decode_attention, portable_attention
 from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
@@ -253,16 +253,30 @@ def test_paged_decode_attention_reads_the_cache_in_place(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def random_cache(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random K or V rows [..., D]: as float32, or as an int8 cache of them (codes and a scale
+    per row, each row of its own magnitude)."""
+    values = torch.randn(*shape, generator=g)
+    if kind == "float32":
+        return values
+    return kv_quant.quantize(values * torch.rand(*shape[:-1], 1, generator=g), torch.int8)
+
+
+@pytest.mark.parametrize("cache", ["float32", "int8"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_short_chunks_after_a_cached_context_attend_as_decodes(window, attention_kernel) -> None:
+def test_short_chunks_after_a_cached_context_attend_as_decodes(
+    window, cache, attention_kernel
+) -> None:
     """One decode and six chunks: 4 queries after 31 cached tokens, 3 after 9, 12 after 28 and
     as many as the build's bound after 20 attend in place, as decodes; a chunk one query longer
-    than the bound, and a fresh prompt of 6, as the portable op. Every row is the portable op's,
-    and an in-place chunk's query j is, bit for bit, the decode of its token."""
+    than the bound, and a fresh prompt of 6, as the portable op (which reads a fresh prompt's
+    own K/V as an int8 cache holds them). Every row is the portable op's, and an in-place
+    chunk's query j is, bit for bit, the decode of its token."""
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block_size, num_blocks = 6, 3, 64, 4, 128
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    k_cache, v_cache = (
+        random_cache(cache, (num_blocks, block_size, kv_heads, dim), g) for _ in "kv"
+    )
     # (queries, context after them)
     bound = cpu_kernels.decode_like_tokens()
     assert bound >= 16  # 16 with 8 lanes, 128 with 16

@@ -24,7 +24,7 @@ from tandem.execution import fast_path
 from tandem.models.default_model import build_checkpoint
 from tandem.models.loader import load_model
 from tandem.ops import cpu_elementwise, cpu_kernels, kv_quant
-from tandem.ops.attention import _decode_attention, portable_attention
+from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 from conftest import follow_near_ties, random_prompts
@@ -151,42 +151,6 @@ def test_a_verifications_rows_over_an_int8_cache_are_each_its_decode(
             context[row : row + 1], 0.3, window or 0,
         )  # fmt: skip
         assert torch.equal(out[row], alone[0]), row
-
-
-@pytest.mark.parametrize("window", [None, 7])
-def test_chunks_over_an_int8_cache_attend_as_the_portable_op(window, attention_kernel) -> None:
-    """Op by op: a decode, chunks after a cached context that attend in place (each query the
-    decode of its token, bit for bit), a longer one and a fresh prompt (the portable op, which
-    reads the fresh prompt's own K/V as cached)."""
-    g = torch.Generator().manual_seed(4)
-    heads, kv_heads, dim, block_size, num_blocks = 6, 3, 64, 4, 128
-    k_cache = int8_cache(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = int8_cache(num_blocks, block_size, kv_heads, dim, generator=g)
-    bound = cpu_kernels.decode_like_tokens()
-    chunks = [(4, 35), (12, 40), (bound, bound + 20), (bound + 1, bound + 30), (6, 6)]
-    prefills, start = [], 1  # row 0: the decode
-    for row, (tokens, context) in enumerate(chunks, start=1):
-        prefills.append(PrefillSegment(start, tokens, context, row))
-        start += tokens
-    assert [seg.attends_as_decodes for seg in prefills] == [True] * 3 + [False] * 2
-    context_lens = torch.tensor([23] + [context for _, context in chunks])
-    width = -(-int(context_lens.max()) // block_size)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in context_lens])
-    q = torch.randn(start, heads, dim, generator=g)
-    k, v = (torch.randn(start, kv_heads, dim, generator=g) for _ in range(2))
-    meta = AttentionMetadata(torch.zeros(0), tables, context_lens, 1, width, prefills, block_size)
-    ref = portable_attention(q, k, v, k_cache, v_cache, meta, 0.125, window)
-    out = cpu_elementwise.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, window)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for seg in prefills[:3]:
-        for j in range(seg.num_tokens):
-            row = seg.token_start + j
-            alone = torch.empty(1, heads, dim)
-            torch.ops.tandem.paged_decode_attention(
-                alone, q[row : row + 1], k_cache, v_cache, tables[seg.row : seg.row + 1],
-                torch.tensor([seg.context_len - seg.num_tokens + 1 + j]), 0.125, window or 0,
-            )  # fmt: skip
-            assert torch.equal(out[row], alone[0]), (seg, j)
 
 
 def test_decode_attention_over_a_long_int8_context() -> None:

@@ -50,18 +50,19 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.ops.triton_elementwise import (
-    check_cache,
-    kv_fp8_codes,
-    kv_fp8_scale,
-    kv_fp8_values,
-)
 from tandem.ops.triton_launch import (
     let_next_kernel_launch,
     pdl_options,
     wait_for_previous_kernel,
 )
-from tandem.ops.triton_rounding import rotated, rounded
+from tandem.ops.triton_rounding import (
+    check_cache,
+    kv_fp8_codes,
+    kv_fp8_scale,
+    kv_fp8_values,
+    rotated,
+    rounded,
+)
 
 if TYPE_CHECKING:
     from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment

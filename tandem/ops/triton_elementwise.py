@@ -14,8 +14,8 @@ adds in another order. The CPU suite runs them under Triton's interpreter agains
 (where exp is numpy's, and a cast to bf16 truncates instead of rounding).
 
 Into an fp8 KV cache (`kv_quant`) the rotary kernel writes each row's e4m3 codes and scale with
-the bits of `kv_quant.quantize` (float32 division, ties to even); `kv_fp8_*` are the rules it
-shares with the attention kernels (`triton_attention.py`), which read such a cache.
+the bits of `kv_quant.quantize` (float32 division, ties to even), by the rules it shares with
+the attention kernels (`triton_rounding.kv_fp8_*`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,21 @@ import triton.language as tl
 
 from tandem.ops.attention import paged_attention, rotate_cache_attend
 from tandem.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from tandem.ops.kv_quant import SCALE_BYTES, row_width
 from tandem.ops.triton_launch import (
     INTERPRETED,
     let_next_kernel_launch,
     pdl_options,
     wait_for_previous_kernel,
 )
-from tandem.ops.triton_rounding import rotated, rounded, silu_times
+from tandem.ops.triton_rounding import (
+    check_cache,
+    kv_fp8_codes,
+    kv_fp8_scale,
+    rotated,
+    round_to_e4m3,
+    rounded,
+    silu_times,
+)
 
 _EXACT = {"enable_fp_fusion": False}  # a*b + c stays two roundings, as in PyTorch
 
@@ -255,59 +262,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
-    the step is 2^(exponent - 3) (2^-9 below 2^-6, e4m3's subnormals), and adding and taking
-    away 1.5 * 2^23 rounds |v| / step (below 16) to an integer as float32 addition rounds; the
-    sign is put back after, so a negative value that rounds to zero is -0 as in PyTorch. The
-    conversion that follows is then exact: Triton's interpreter rounds some values across a
-    power of two wrongly by itself."""
-    bits = v.to(tl.int32, bitcast=True)
-    magnitude = tl.abs(v)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    step_bits = (tl.maximum(exponent, -6) - 3 + 127) << 23
-    step = step_bits.to(tl.float32, bitcast=True)
-    rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step
-    return tl.where(bits < 0, -rounded, rounded)  # the sign bit: -0 included
-
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
-
-
-@triton.jit
-def kv_fp8_scale(amax):
-    """A cache row's float32 scale from its largest magnitude, as `kv_quant.quantize` takes it."""
-    return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
-
-
-@triton.jit
-def kv_fp8_codes(x, scale):
-    """x (float32) over its row's scale as e4m3 codes (float8e4nv): `kv_quant.quantize`'s bits."""
-    return _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)).to(tl.float8e4nv)
-
-
-@triton.jit
-def kv_fp8_values(codes, scale, DTYPE: tl.constexpr):
-    """e4m3 codes read back as `kv_quant.dequantize` does: code * scale in float32, then DTYPE."""
-    return (codes.to(tl.float32) * scale).to(DTYPE)
-
-
-def check_cache(cache: torch.Tensor, head_dim: int) -> None:
-    """A cache the Triton kernels read and write: the model's dtype with rows of `head_dim`, or
-    fp8 (`kv_quant`): uint8 rows of head_dim codes and a scale, 4-byte aligned for its load."""
-    if cache.dtype == torch.int8:
-        raise ValueError("an int8 KV cache is the CPU's; CUDA's one-byte cache is fp8")
-    if cache.dtype == torch.uint8 and head_dim % SCALE_BYTES:
-        raise ValueError(f"an fp8 KV cache needs a head_dim in 4s, not {head_dim}")
-    starts = (cache.data_ptr(), *cache.stride()[:-1])  # where its rows start, in bytes
-    if cache.dtype == torch.uint8 and any(start % SCALE_BYTES for start in starts):
-        raise ValueError("an fp8 KV cache's rows must start 4-byte aligned")
-    if cache.shape[-1] != row_width(head_dim, cache.dtype):
-        raise ValueError(f"cache rows of {cache.shape[-1]} do not hold heads of {head_dim}")
-
-
-@triton.jit
 def _quantize_rows_fp8_kernel(
     x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, n_cols, fp8_max, min_scale,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -318,7 +272,7 @@ def _quantize_rows_fp8_kernel(
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), min_scale)
-    codes = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
+    codes = round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max))
     tl.store(codes_ptr + row * stride_c + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
     tl.store(scales_ptr + row, scale)
     let_next_kernel_launch(PDL)
