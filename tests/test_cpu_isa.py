@@ -61,10 +61,6 @@ AVX2_CHECKS += [
     f"tests/test_kv_int8.py::{name}"
     for name in (
         "test_store_kv_writes_kv_quants_codes_and_scales_bit_for_bit",
-        "test_decode_attention_reads_an_int8_cache_in_place",
-        "test_a_verifications_rows_over_an_int8_cache_are_each_its_decode",
-        "test_chunks_over_an_int8_cache_attend_as_the_portable_op",
-        "test_decode_attention_over_a_long_int8_context",
         "test_the_fused_forward_reads_int8_caches_as_the_portable_attention",
     )
 ]

@@ -224,19 +224,29 @@ def attention_kernel(request):
     torch.ops.tandem.set_generic_decode_attention(before)
 
 
+def random_cache(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random K or V rows [..., D]: as float32, or as an int8 cache of them (codes and a scale
+    per row, each row of its own magnitude)."""
+    values = torch.randn(*shape, generator=g)
+    if kind == "float32":
+        return values
+    return kv_quant.quantize(values * torch.rand(*shape[:-1], 1, generator=g), torch.int8)
+
+
 # 48: the generic loop only; 128 with groups of 4 and 8: the V pass in slices of a head.
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 3), (9, 3), (16, 2)])
 @pytest.mark.parametrize("num_requests", [1, 3, 40])  # few: a task per kv head; many: per request
 @pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("cache", ["float32", "int8"])
 def test_paged_decode_attention_reads_the_cache_in_place(
-    head_dim, heads, kv_heads, num_requests, window, attention_kernel
+    head_dim, heads, kv_heads, num_requests, window, cache, attention_kernel
 ) -> None:
     rng = random.Random(head_dim * 100 + heads * 10 + num_requests)
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     num_blocks, block_size = 96, 4
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (random_cache(cache, shape, g) for _ in "kv")
     lens = [rng.randint(1, 40) for _ in range(num_requests)]
     width = max(-(-n // block_size) for n in lens)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
@@ -251,15 +261,6 @@ def test_paged_decode_attention_reads_the_cache_in_place(
         out, q, k_cache, v_cache, tables, context, 0.3, window or 0
     )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def random_cache(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Random K or V rows [..., D]: as float32, or as an int8 cache of them (codes and a scale
-    per row, each row of its own magnitude)."""
-    values = torch.randn(*shape, generator=g)
-    if kind == "float32":
-        return values
-    return kv_quant.quantize(values * torch.rand(*shape[:-1], 1, generator=g), torch.int8)
 
 
 @pytest.mark.parametrize("cache", ["float32", "int8"])
@@ -329,8 +330,9 @@ VERIFICATION_RUNS = [
     "runs", [[(8, 40, 0)], VERIFICATION_RUNS, VERIFICATION_RUNS * 4], ids=["one", "some", "many"]
 )
 @pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("cache", ["float32", "int8"])
 def test_a_verifications_rows_are_each_the_decode_of_its_position(
-    head_dim, heads, kv_heads, runs, window, attention_kernel
+    head_dim, heads, kv_heads, runs, window, cache, attention_kernel
 ) -> None:
     """A verification's rows (its request's block table row repeated, contexts one token apart)
     are read as one run of queries; each row is still, bit for bit, the decode of its position
@@ -338,8 +340,8 @@ def test_a_verifications_rows_are_each_the_decode_of_its_position(
     their queries walk alone."""
     g = torch.Generator().manual_seed(head_dim + heads + len(runs))
     num_blocks, block_size = 160, 4
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (random_cache(cache, shape, g) for _ in "kv")
     width = -(-max(context for _, context, _ in runs) // block_size)
     tables, lens = [], []
     for rows, context, shared in runs:
@@ -377,14 +379,17 @@ def torch_threads(request):
 
 
 @pytest.mark.parametrize("num_requests", [3, 12])  # per kv head / per request, on every core
+@pytest.mark.parametrize("cache", ["float32", "int8"])
 def test_paged_decode_attention_on_long_contexts(
-    num_requests, attention_kernel, torch_threads
+    num_requests, cache, attention_kernel, torch_threads
 ) -> None:
-    """Contexts long enough that the kernel spreads the work over all cores."""
+    """Contexts long enough that the kernel spreads the work over all cores, and the prefetch
+    runs far ahead."""
     g = torch.Generator().manual_seed(num_requests)
     heads, kv_heads, dim, block_size, num_blocks = 8, 2, 32, 16, 1200
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    k_cache, v_cache = (
+        random_cache(cache, (num_blocks, block_size, kv_heads, dim), g) for _ in "kv"
+    )
     context = torch.randint(1500, 3000, (num_requests,), generator=g)
     width = -(-int(context.max()) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in context])

@@ -7,7 +7,8 @@ engine's greedy tokens follow the int8 reference, a function of the tokens alone
 K/V as cached, a chunk's own included), whatever the schedule: chunked or not, with or without a
 cached prefix, preempted, sync or async, drafted and verified, on one rank or two. As in
 test_equivalence.py, the reference is followed where its top two logits are closer than
-INT8_LOGITS_ATOL (below).
+INT8_LOGITS_ATOL (below). The attention kernels' own checks over an int8 cache (decodes,
+verifications, chunks, long contexts) are test_kernels.py's, run for both kinds of cache.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kernels import VERIFICATION_RUNS
 
 from tandem.execution import fast_path
 from tandem.models.default_model import build_checkpoint
 from tandem.models.loader import load_model
 from tandem.ops import cpu_elementwise, cpu_kernels, kv_quant
-from tandem.ops.attention import _decode_attention
 from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 from conftest import follow_near_ties, random_prompts
@@ -44,20 +43,6 @@ def kernels() -> cpu_kernels.KernelBuild:
     build = cpu_kernels.load()
     assert build.available, build.error
     return build
-
-
-@pytest.fixture(params=["vector", "generic"])
-def attention_kernel(request):
-    """The vector kernel (head sizes 32, 64, 128; groups of 1/2/3/4/8) and the generic loop."""
-    before = torch.ops.tandem.set_generic_decode_attention(request.param == "generic")
-    yield request.param
-    torch.ops.tandem.set_generic_decode_attention(before)
-
-
-def int8_cache(*shape: int, generator: torch.Generator) -> torch.Tensor:
-    """Random values [..., D] as an int8 cache [..., D + 4], each row of its own magnitude."""
-    values = torch.randn(*shape, generator=generator)
-    return kv_quant.quantize(values * torch.rand(*shape[:-1], 1, generator=generator), INT8)
 
 
 # ------------------------------------------------------------------------------ the kernels
@@ -85,89 +70,6 @@ def test_store_kv_writes_kv_quants_codes_and_scales_bit_for_bit(tokens, dim) -> 
     with pytest.raises(RuntimeError, match="rows must hold"):  # a float row width is refused
         narrow = k_cache[..., :dim].contiguous()
         cpu_elementwise.write_kv(k, v, narrow, narrow.clone(), slots)
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])  # 48: the generic loop only
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3), (16, 2)])
-@pytest.mark.parametrize("num_requests", [1, 40])  # a task per kv head / per request
-@pytest.mark.parametrize("window", [None, 7])
-def test_decode_attention_reads_an_int8_cache_in_place(
-    head_dim, heads, kv_heads, num_requests, window, attention_kernel
-) -> None:
-    rng = random.Random(head_dim * 100 + heads * 10 + num_requests)
-    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    num_blocks, block_size = 96, 4
-    k_cache = int8_cache(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = int8_cache(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    lens = [rng.randint(1, 40) for _ in range(num_requests)]
-    width = max(-(-n // block_size) for n in lens)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
-    fused = torch.randn(num_requests, heads * head_dim + 8, generator=g)
-    q = fused[:, : heads * head_dim].view(num_requests, heads, head_dim)
-    context = torch.tensor(lens)
-    meta = AttentionMetadata(torch.zeros(0), tables, context, num_requests, width, [], block_size)
-    ref = _decode_attention(q, k_cache, v_cache, meta, 0.3, window)
-    out = torch.empty(num_requests, heads, head_dim)
-    torch.ops.tandem.paged_decode_attention(
-        out, q, k_cache, v_cache, tables, context, 0.3, window or 0
-    )
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("head_dim", [64, 32, 128, 48])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)])
-@pytest.mark.parametrize("runs", [VERIFICATION_RUNS, VERIFICATION_RUNS * 4], ids=["some", "many"])
-@pytest.mark.parametrize("window", [None, 12])
-def test_a_verifications_rows_over_an_int8_cache_are_each_its_decode(
-    head_dim, heads, kv_heads, runs, window, attention_kernel
-) -> None:
-    """A verification's rows are read as one run of queries; each is, bit for bit, the decode of
-    its position alone, and the portable op's result."""
-    g = torch.Generator().manual_seed(head_dim + heads + len(runs))
-    num_blocks, block_size = 160, 4
-    k_cache = int8_cache(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = int8_cache(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    width = -(-max(context for _, context, _ in runs) // block_size)
-    tables, lens = [], []
-    for rows, context, shared in runs:
-        table = torch.randperm(num_blocks, generator=g)[:width]
-        if shared:
-            table[:shared] = tables[-1][:shared]
-        tables += [table] * rows
-        lens += range(context - rows + 1, context + 1)
-    tables, context = torch.stack(tables), torch.tensor(lens)
-    q = torch.randn(len(lens), heads, head_dim, generator=g)
-    out = torch.empty_like(q)
-    torch.ops.tandem.paged_decode_attention(
-        out, q, k_cache, v_cache, tables, context, 0.3, window or 0
-    )
-    meta = AttentionMetadata(torch.zeros(0), tables, context, len(lens), width, [], block_size)
-    ref = _decode_attention(q, k_cache, v_cache, meta, 0.3, window)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for row in range(len(lens)):
-        alone = torch.empty(1, heads, head_dim)
-        torch.ops.tandem.paged_decode_attention(
-            alone, q[row : row + 1], k_cache, v_cache, tables[row : row + 1],
-            context[row : row + 1], 0.3, window or 0,
-        )  # fmt: skip
-        assert torch.equal(out[row], alone[0]), row
-
-
-def test_decode_attention_over_a_long_int8_context() -> None:
-    """Contexts long enough that every core reads, and the prefetch runs far ahead."""
-    g = torch.Generator().manual_seed(5)
-    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 700
-    k_cache = int8_cache(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = int8_cache(num_blocks, block_size, kv_heads, dim, generator=g)
-    context = torch.tensor([3000, 2001, 4100])
-    width = -(-int(context.max()) // block_size)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in context])
-    q = torch.randn(3, heads, dim, generator=g)
-    meta = AttentionMetadata(torch.zeros(0), tables, context, 3, width, [], block_size)
-    ref = _decode_attention(q, k_cache, v_cache, meta, 0.125, None)
-    out = torch.empty_like(q)
-    torch.ops.tandem.paged_decode_attention(out, q, k_cache, v_cache, tables, context, 0.125, 0)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------- the one-call forward
