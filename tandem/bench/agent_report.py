@@ -8,12 +8,11 @@ import argparse
 import math
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tandem.bench.agent import AgentShape, Conversations, make_conversations
 from tandem.bench.agent_run import AgentRun, run_agent
-from tandem.bench.run import run_workload
+from tandem.bench.run import progress_bars, run_workload
 from tandem.bench.workloads import Workload
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
@@ -82,13 +81,7 @@ def _run_modes(
 ) -> dict[str, list[AgentRun]]:
     """Each mode's runs, repeats interleaved, each after a short warm-up in its loop."""
     runs: dict[str, list[AgentRun]] = {m: [] for m in modes}
-    bars = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*bars, console=console, transient=False) as progress:
+    with progress_bars(console) as progress:
         for repeat in range(args.repeats):
             for mode in modes:
                 engine.configure(async_scheduling=mode == "async")

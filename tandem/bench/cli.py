@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tandem.bench.agent import AGENT_PRESET
@@ -46,7 +45,7 @@ from tandem.bench.kernel_profile import (
 )
 from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
-from tandem.bench.run import Run, run_workload
+from tandem.bench.run import Run, progress_bars, run_workload
 from tandem.bench.workloads import (
     BLOG_PRESET,
     CHAT_PRESET,
@@ -371,13 +370,7 @@ def run_columns(
     # Speculation is switched only where some run has it (an engine built without it is left
     # alone: off is what it already does).
     speculating = any(c.variant.speculative is not None for c in columns)
-    bars = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*bars, console=console, transient=False) as progress:
+    with progress_bars(console) as progress:
         for repeat in range(args.repeats):
             for column in columns:
                 workload = column.variant.workload

@@ -6,13 +6,25 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from rich.progress import Progress
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
 from tandem.bench.workloads import Workload
 from tandem.engine.engine import Engine
 from tandem.metrics import RunSummary, StepRecord
 from tandem.request import SamplingParams
+
+
+def progress_bars(console: Console) -> Progress:
+    """The bench's progress display: a bar per run, its requests done and the time taken."""
+    bars = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    return Progress(*bars, console=console, transient=False)
 
 
 @dataclass

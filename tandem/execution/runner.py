@@ -317,7 +317,8 @@ class ModelRunner:
         """Step `x` on the stream; `views`: its tensors, made by the host (CPU), or None: upload
         them here (CUDA)."""
         if self._threads is not None:
-            kv_positions = int(x.context_lens.sum())  # each row reads its context
+            # Each row reads its context. A plan is set on a CPU only: a host tensor, no sync.
+            kv_positions = int(x.context_lens.sum())
             wanted = self._threads.threads(x.num_tokens - x.num_decodes, kv_positions)
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
