@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -30,8 +32,10 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_CACHE_DEVICES = {"int8": "cpu", "fp8": "cuda"}
 QUANTIZATIONS = (None, "none", "int8", "fp8")  # EngineConfig.quantization
 FP8_MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with FP8 tensor cores (Ada)
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # SpeculativeConfig.method
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # SpeculativeConfig.method
 MAX_SPECULATIVE_TOKENS = 16
+# num_speculative_tokens unless given: suffix drafts as far as its trees are confident.
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "suffix": MAX_SPECULATIVE_TOKENS, "draft_model": 4}
 
 
 def usable_cores() -> int:
@@ -48,14 +52,23 @@ class SpeculativeConfig:
 
     ngram: drafts are the tokens that followed the latest earlier occurrence of the request's
     last `prompt_lookup_max` .. `prompt_lookup_min` tokens (prompt and output), found on the
-    device. draft_model: a smaller checkpoint `model` with the target's vocabulary drafts them.
+    device. suffix: the host's suffix trees (arctic-inference's, vLLM's names) over the request's
+    prompt and output and over the outputs of the last `suffix_decoding_max_cached_requests`
+    requests; a draft is as long as its tokens' estimated chance stays at least
+    `suffix_decoding_min_token_prob` and at most `suffix_decoding_max_spec_factor` times the
+    matched context (`scheduling/suffix_proposer.py`). draft_model: a smaller checkpoint `model`
+    with the target's vocabulary drafts them.
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # the cap; default per method
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: a folder or GGUF file, as EngineConfig.model
+    suffix_decoding_max_tree_depth: int = 24  # the longest context matched, and each tree's depth
+    suffix_decoding_max_cached_requests: int = 10000  # outputs in the global tree (0: none)
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # Adaptive draft length: a request's drafts shrink while few are accepted (down to none,
     # retried now and then) and grow back while most are; False: always the full length.
     adaptive: bool = True
@@ -66,12 +79,24 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method must be one of {names}, got {self.method!r}"
             )
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"speculative_config.{name} must be a positive integer, got {value!r}"
-                )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS[self.method]
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "suffix_decoding_max_tree_depth",
+        ):
+            self._check(name, lambda v: v >= 1, "a positive integer")
+        self._check(
+            "suffix_decoding_max_cached_requests", lambda v: v >= 0, "a non-negative integer"
+        )
+        self._check(
+            "suffix_decoding_max_spec_factor", lambda v: v > 0, "a positive number", int | float
+        )
+        self._check(
+            "suffix_decoding_min_token_prob", lambda v: 0 <= v <= 1, "in [0, 1]", int | float
+        )
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, "
@@ -82,10 +107,20 @@ class SpeculativeConfig:
                 "speculative_config.prompt_lookup_min must be <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} > {self.prompt_lookup_max}"
             )
+        if self.method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            raise ValueError(
+                "speculative_config method 'suffix' needs arctic-inference's suffix trees: "
+                "pip install 'tandem[suffix]'"
+            )
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError(
                 "speculative_config.model is given with method 'draft_model' only, and it needs one"
             )
+
+    def _check(self, name: str, ok: Callable[[float], bool], wanted: str, kind=int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+            raise ValueError(f"speculative_config.{name} must be {wanted}, got {value!r}")
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

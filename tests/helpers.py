@@ -32,7 +32,8 @@ def make_llm(path: Path, **options) -> LLM:
 
 
 def assert_idle_and_balanced(engine: Engine) -> None:
-    """Invariant 3: nothing in flight, every KV block and table row back, none owned."""
+    """Invariant 3: nothing in flight, every KV block, table row and request tree back, none
+    owned."""
     s = engine.scheduler
     assert not engine.has_unfinished()
     assert not s.running and not s.waiting
@@ -41,6 +42,7 @@ def assert_idle_and_balanced(engine: Engine) -> None:
     assert s.slots.num_free == s.slots.size, s.slots.owners()
     assert not s.blocks.owners() and not s.slots.owners()
     assert len(set(s.slots._free)) == s.slots.size  # no row listed free twice
+    assert s.proposer is None or s.proposer.num_active == 0  # suffix trees of ended requests go
 
 
 def run_both_loops(

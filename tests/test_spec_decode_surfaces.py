@@ -24,7 +24,7 @@ COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens_total",
 )
 GAUGES = ("tandem_spec_decode_acceptance_rate", "tandem_spec_decode_mean_accepted_length")
-ENGINE = (("engine", "0"),)
+SUFFIX = '{"method":"suffix","num_speculative_tokens":6}'
 REPEATING = list(range(100, 108)) * 6  # 8 token ids, 6 times: the n-gram lookup's easy case
 
 live, offline, model = server_fixtures("module")
@@ -43,7 +43,7 @@ def test_every_command_takes_the_flag(command: str) -> None:
     [
         ('{"method": "ngram"', "not valid JSON"),
         ('["ngram"]', "must be a dict"),
-        ('{"method": "eagle"}', "method must be one of ngram, draft_model, got 'eagle'"),
+        ('{"method": "eagle"}', "method must be one of ngram, suffix, draft_model, got 'eagle'"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
         ('{"num_speculative_tokens": 4, "lookahead": 2}', "unknown fields: lookahead"),
         ('{"method": "draft_model"}', "model is given with method 'draft_model' only"),
@@ -83,9 +83,11 @@ def test_llm_takes_speculative_config(tiny_llama: Path) -> None:
 
 
 # ------------------------------------------------------------------ /metrics
-def _spec_figures(url: str) -> dict[str, float]:
+def _spec_figures(url: str, method: str = "") -> dict[str, float]:
+    """Engine 0's figures, labelled with its drafting method ("": none)."""
     samples = metric_samples(url)
-    return {name: samples[(name, ENGINE)] for name in COUNTERS + GAUGES}
+    labels = (("engine", "0"), ("method", method))
+    return {name: samples[(name, labels)] for name in COUNTERS + GAUGES}
 
 
 def test_a_server_without_speculation_reports_zeros(live: LiveServer, model: str) -> None:
@@ -101,11 +103,14 @@ def test_a_server_without_speculation_reports_zeros(live: LiveServer, model: str
     assert _spec_figures(live.url) == dict.fromkeys(COUNTERS + GAUGES, 0.0)
 
 
-def test_speculating_server_counts_drafts(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", [NGRAM3, SUFFIX])
+def test_speculating_server_counts_drafts(config: str, tiny_llama: Path, tmp_path: Path) -> None:
     """`tandem serve --speculative-config`: the flag reaches the core, and a prompt that repeats
-    itself gets drafts. Needs the engine's speculative decoding."""
-    with serving(tiny_llama, tmp_path / "serve.log", "--speculative-config", NGRAM3) as server:
-        assert _spec_figures(server.url) == dict.fromkeys(COUNTERS + GAUGES, 0.0)
+    itself gets drafts, counted under the method's label and in the response's usage. Needs
+    the engine's speculative decoding."""
+    method = SpeculativeConfig.of(config).method
+    with serving(tiny_llama, tmp_path / "serve.log", "--speculative-config", config) as server:
+        assert _spec_figures(server.url, method) == dict.fromkeys(COUNTERS + GAUGES, 0.0)
         with server.client() as client:
             out = client.completions.create(
                 model=server.model, prompt=REPEATING, max_tokens=24, temperature=0,
@@ -113,12 +118,17 @@ def test_speculating_server_counts_drafts(tiny_llama: Path, tmp_path: Path) -> N
             )  # fmt: skip
         assert out.usage.completion_tokens == 24
         drafted_tokens = COUNTERS[1]
-        counted = every(0.2, lambda: _spec_figures(server.url)[drafted_tokens] > 0)
+        counted = every(0.2, lambda: _spec_figures(server.url, method)[drafted_tokens] > 0)
         wait_until(counted, 10, "drafts counted")
-        figures = _spec_figures(server.url)
+        figures = _spec_figures(server.url, method)
         drafts, drafted, accepted = (figures[name] for name in COUNTERS)
         assert drafted > 0 and 0 <= accepted <= drafted
         assert 0 < drafts <= drafted
         assert figures["tandem_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
         mean_length = figures["tandem_spec_decode_mean_accepted_length"]
         assert mean_length == pytest.approx(1 + accepted / drafts)
+        # The one request's own figures, as the engine counted them.
+        own = out.usage.model_extra["speculative_decoding"]
+        assert (own["draft_tokens"], own["accepted_tokens"]) == (drafted, accepted)
+        assert own["verifications"] == drafts
+        assert own["mean_accepted_length"] == pytest.approx(mean_length, abs=1e-3)

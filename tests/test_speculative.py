@@ -26,6 +26,20 @@ from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 ALWAYS = {**NGRAM, "adaptive": False}  # every step drafts its full length
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+SUFFIX_ALWAYS = {**SUFFIX, "adaptive": False}  # as long as its proposal, up to 6
+METHODS = {"ngram": (NGRAM, ALWAYS), "suffix": (SUFFIX, SUFFIX_ALWAYS)}
+
+
+@pytest.fixture(params=list(METHODS))
+def method(request) -> str:
+    """Each drafting method that needs no second model: n-gram on the device, suffix trees."""
+    return request.param
+
+
+@pytest.fixture
+def always(method) -> dict:
+    return METHODS[method][1]
 
 
 def prompts_with_repeats() -> list[list[int]]:
@@ -50,12 +64,12 @@ def generate(path, prompts, params, speculative=None, **options):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_greedy_equals_decoding_without_drafts(cycling_llama, async_scheduling, block_size):
+def test_greedy_equals_decoding_without_drafts(cycling_llama, async_scheduling, block_size, method):
     prompts = prompts_with_repeats()
     params = greedy(40)
     options = dict(async_scheduling=async_scheduling, block_size=block_size)
     reference, _ = generate(cycling_llama, prompts, params, **options)
-    for speculative in (NGRAM, ALWAYS):  # adaptive drafts follow this model's cost here
+    for speculative in METHODS[method]:  # adaptive drafts follow this model's cost here
         out, stats = generate(cycling_llama, prompts, params, speculative, **options)
         assert out == reference
     assert stats.accepted_tokens > stats.drafted_tokens / 3  # long accepted runs
@@ -71,17 +85,17 @@ def test_greedy_equals_transformers(cycling_llama):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_mostly_rejected_drafts_change_nothing(tiny_llama, async_scheduling):
+def test_mostly_rejected_drafts_change_nothing(tiny_llama, async_scheduling, always):
     prompts = prompts_with_repeats()
     params = greedy(24)
     reference, _ = generate(tiny_llama, prompts, params, async_scheduling=async_scheduling)
-    out, stats = generate(tiny_llama, prompts, params, ALWAYS, async_scheduling=async_scheduling)
+    out, stats = generate(tiny_llama, prompts, params, always, async_scheduling=async_scheduling)
     assert out == reference
     assert stats.drafted_tokens > stats.accepted_tokens
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_seeded_sampling_equals_decoding_without_drafts(cycling_llama, async_scheduling):
+def test_seeded_sampling_equals_decoding_without_drafts(cycling_llama, async_scheduling, always):
     """Each position is sampled with its own seeded noise, whatever the drafts: the same tokens
     in both loops, with and without speculation, at any batch composition."""
     prompts = prompts_with_repeats()
@@ -91,13 +105,13 @@ def test_seeded_sampling_equals_decoding_without_drafts(cycling_llama, async_sch
     ]
     options = dict(async_scheduling=async_scheduling)
     reference, _ = generate(cycling_llama, prompts, params, **options)
-    out, stats = generate(cycling_llama, prompts, params, ALWAYS, **options)
+    out, stats = generate(cycling_llama, prompts, params, always, **options)
     assert out == reference and stats.accepted_tokens
-    alone, _ = generate(cycling_llama, prompts[1:2], params[1:2], ALWAYS, **options)
+    alone, _ = generate(cycling_llama, prompts[1:2], params[1:2], always, **options)
     assert alone[0] == reference[1]
 
 
-def test_chunked_prefill_preemption_and_prefix_caching(cycling_llama):
+def test_chunked_prefill_preemption_and_prefix_caching(cycling_llama, always):
     """A small cache preempts requests with drafts in flight; prompts share a prefix and chunk."""
     shared = prompts_with_repeats()[0]
     prompts = [shared + [5, 6], shared + [7], shared, prompts_with_repeats()[2]]
@@ -107,7 +121,7 @@ def test_chunked_prefill_preemption_and_prefix_caching(cycling_llama):
         reference, _ = generate(cycling_llama, prompts, params, async_scheduling=async_scheduling,
                                 **options)  # fmt: skip
         llm = make_llm(
-            cycling_llama, speculative_config=ALWAYS, async_scheduling=async_scheduling, **options
+            cycling_llama, speculative_config=always, async_scheduling=async_scheduling, **options
         )
         out = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
         assert out == reference
@@ -116,7 +130,7 @@ def test_chunked_prefill_preemption_and_prefix_caching(cycling_llama):
         assert_idle_and_balanced(llm.engine)
 
 
-def test_n_samples_and_length_limits(cycling_llama):
+def test_n_samples_and_length_limits(cycling_llama, always):
     prompts = prompts_with_repeats()[:3]
     params = [
         SamplingParams(max_tokens=m, temperature=0.6, seed=3, n=2, ignore_eos=True)
@@ -127,7 +141,7 @@ def test_n_samples_and_length_limits(cycling_llama):
     for async_scheduling in (False, True):
         reference, _ = generate(cycling_llama, prompts, params, async_scheduling=async_scheduling,
                                 **options)  # fmt: skip
-        out, _ = generate(cycling_llama, prompts, params, ALWAYS,
+        out, _ = generate(cycling_llama, prompts, params, always,
                           async_scheduling=async_scheduling, **options)  # fmt: skip
         assert out == reference
         assert [len(o[0]) for o in out] == [1, 2, 7]
@@ -143,7 +157,7 @@ def stream(path, prompt, params, speculative, async_scheduling):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_stop_inside_an_accepted_run(cycling_llama, async_scheduling):
+def test_stop_inside_an_accepted_run(cycling_llama, async_scheduling, always):
     """A stop id inside an accepted run ends the request there: nothing after it is streamed,
     and the tokens equal the ones without drafts. The prompt is the model's own cycle, so the
     first verification already accepts a run, and the stop id is in it."""
@@ -153,7 +167,7 @@ def test_stop_inside_an_accepted_run(cycling_llama, async_scheduling):
     stop = continued[3]
     params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop])
     expected = stream(cycling_llama, prompt, params, None, async_scheduling)
-    deltas = stream(cycling_llama, prompt, params, ALWAYS, async_scheduling)
+    deltas = stream(cycling_llama, prompt, params, always, async_scheduling)
     tokens = sum(deltas, [])
     assert tokens == sum(expected, []) == continued[:4]
     assert len(deltas[-1]) > 1  # the stop came inside an accepted run
@@ -213,8 +227,8 @@ def test_stop_string_inside_an_accepted_run(cycling_llama, async_scheduling):
     assert_idle_and_balanced(llm.engine)
 
 
-def test_abort_with_drafts_in_flight(cycling_llama):
-    llm = make_llm(cycling_llama, speculative_config=ALWAYS)
+def test_abort_with_drafts_in_flight(cycling_llama, always):
+    llm = make_llm(cycling_llama, speculative_config=always)
     engine = llm.engine
     for i, prompt in enumerate(prompts_with_repeats()):
         engine.add_request(prompt, greedy(40), request_id=str(i))
@@ -267,7 +281,7 @@ WORD_LIST = {
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_scheduling):
+def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_scheduling, always):
     """A request under a grammar drafts too: each row after a draft is sampled under the
     matcher's state past that draft, so the outputs (greedy and seeded) are those of decoding
     without drafts, accepted runs included, through a small cache's preemptions, and every one
@@ -280,11 +294,11 @@ def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_sch
     ]
     options = dict(async_scheduling=async_scheduling, block_size=4, num_kv_blocks=30)
     reference, _ = generate(cycling_llama, prompts, params, **options)
-    for speculative in (ALWAYS, draft_model(cycling_llama)):
+    for speculative in (always, draft_model(cycling_llama)) if always is ALWAYS else (always,):
         out, stats = generate(cycling_llama, prompts, params, speculative, **options)
         assert out == reference
         assert stats.accepted_tokens > 0
-    llm = make_llm(cycling_llama, speculative_config=ALWAYS, **options)
+    llm = make_llm(cycling_llama, speculative_config=always, **options)
     texts = [o.outputs[0].text for o in llm.generate(prompts, params)]
     assert llm.engine.stats().num_preemptions > 0
     llm.engine.close()
@@ -295,7 +309,7 @@ def test_constrained_requests_draft_under_their_grammar(cycling_llama, async_sch
             assert len(json.loads(text)) <= 3, text  # complete JSON
 
 
-def test_two_ranks_draft_under_a_grammar(cycling_llama):
+def test_two_ranks_draft_under_a_grammar(cycling_llama, always):
     """Under tensor parallelism rank 0 hands the engine each step's drafts for the bitmask;
     every rank samples under it: the tokens of one process decoding without drafts."""
     prompts = prompts_with_repeats()
@@ -306,7 +320,7 @@ def test_two_ranks_draft_under_a_grammar(cycling_llama):
         for spec in specs
     ]
     reference, _ = generate(cycling_llama, prompts, params)
-    tp = make_llm(cycling_llama, tensor_parallel_size=2, cpu_threads=1, speculative_config=ALWAYS)
+    tp = make_llm(cycling_llama, tensor_parallel_size=2, cpu_threads=1, speculative_config=always)
     try:
         for async_scheduling in (False, True):
             tp.engine.configure(async_scheduling=async_scheduling)
@@ -319,7 +333,7 @@ def test_two_ranks_draft_under_a_grammar(cycling_llama):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_penalties_count_accepted_tokens_only(cycling_llama, async_scheduling):
+def test_penalties_count_accepted_tokens_only(cycling_llama, async_scheduling, always):
     """Penalized requests draft too: each verifying row sees the counts of the tokens before
     its position (drafts included), and only kept tokens stay counted."""
     prompts = prompts_with_repeats()
@@ -332,7 +346,7 @@ def test_penalties_count_accepted_tokens_only(cycling_llama, async_scheduling):
     ]  # fmt: skip
     options = dict(async_scheduling=async_scheduling)
     reference, _ = generate(cycling_llama, prompts, params, **options)
-    out, stats = generate(cycling_llama, prompts, params, ALWAYS, **options)
+    out, stats = generate(cycling_llama, prompts, params, always, **options)
     assert out == reference
     assert stats.accepted_tokens > 0
 
@@ -384,6 +398,10 @@ def test_step_costs_outlive_switching_speculation_off_and_on(cycling_llama):
         ({"num_speculative_tokens": 99}, "at most"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "draft_model"}, "needs one"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "positive integer"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "non-negative"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "positive number"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, r"in \[0, 1\]"),
         ({"speculative": 1}, "unknown fields"),
         ("{not json", "not valid JSON"),
     ],

@@ -271,7 +271,7 @@ class Variant:
     group: str = ""
     json_percent: int | None = None  # json: the share of constrained requests
     speculative: SpeculativeConfig | None = None  # the engine's speculation in this variant
-    speculation: str = ""  # --speculative-config's variants: "off", "ngram" or "draft"
+    speculation: str = ""  # --speculative-config's variants: "off", "ngram", "suffix", "draft"
     thinking: bool = False  # json: the constrained requests think first (--thinking-budget)
 
     def column(self, mode: str) -> str:
@@ -292,17 +292,15 @@ class Column:
 def speculation_variants(
     workload: Workload, caching: bool, given: SpeculativeConfig
 ) -> list[Variant]:
-    """Speculation off, n-gram drafts (`given`, or its draft length when it names a draft
-    model), and the draft model when `given` is one. Outputs, greedy or seeded, are the same
-    whatever drafts them: one group."""
-    ngram = given
-    if given.method != "ngram":
+    """Speculation off and `given` (ngram or suffix); a draft model's runs beside n-gram drafts
+    of its draft length. Outputs, greedy or seeded, are the same whatever drafts them: one
+    group."""
+    named = [("off", None), (given.method, given)]
+    if given.method == "draft_model":
         ngram = SpeculativeConfig(
             num_speculative_tokens=given.num_speculative_tokens, adaptive=given.adaptive
         )
-    named = [("off", None), ("ngram", ngram)]
-    if given.method == "draft_model":
-        named.append(("draft", given))
+        named[1:] = [("ngram", ngram), ("draft", given)]
     return [
         Variant(
             f"{name}, {{mode}}",
@@ -523,7 +521,7 @@ def add_speculation_rows(
         "spec decode: mean accepted length", *cells(lambda s: f"{s.mean_accepted_length:.2f}")
     )
     off = {c.mode: runs[c.name] for c in columns if c.variant.speculation == "off"}
-    for method in ("ngram", "draft"):
+    for method in ("ngram", "suffix", "draft"):
         if not any(c.variant.speculation == method for c in columns) or not off:
             continue
         ratios = []

@@ -45,6 +45,7 @@ from tandem.sampler.inputs import GrammarRows, LogprobRows
 from tandem.scheduling.draft_policy import DraftPolicy, StepCosts
 from tandem.scheduling.kv_groups import KVGroups
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
+from tandem.scheduling.suffix_proposer import SuffixProposer
 
 logger = logging.getLogger("tandem")
 
@@ -276,6 +277,8 @@ class Engine:
             if spec is None
             else DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self._step_costs_of(spec))
         )
+        suffix = spec is not None and spec.method == "suffix"
+        self.scheduler.proposer = SuffixProposer(spec) if suffix else None
 
     def _step_costs_of(self, spec: SpeculativeConfig) -> StepCosts:
         """The step times drafts are priced by, kept per method and loop for the engine's life:
@@ -462,6 +465,12 @@ class Engine:
                 record.drafted += item.num_drafts
                 record.accepted += len(tokens) - 1
                 record.verified += 1
+                drafted, accepted, steps = request.spec_counts
+                request.spec_counts = (
+                    drafted + item.num_drafts,
+                    accepted + len(tokens) - 1,
+                    steps + 1,
+                )
                 self.scheduler.drafts.observe(request, item.num_drafts, len(tokens) - 1)
             reason, new = None, []
             for token, lp in zip(tokens, logprobs, strict=True):

@@ -150,6 +150,7 @@ def _output(
         reasoning=thinking.emitted_text if thinking is not None else None,
         delta_reasoning=delta_reasoning,
         num_cached_tokens=request.num_cached_tokens or 0,
+        speculative=request.spec_counts if request.spec_counts[2] else None,
     )
 
 

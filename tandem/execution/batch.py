@@ -23,7 +23,7 @@ from tandem.sampler.inputs import (
     first_counted,
     ragged_arange,
 )
-from tandem.scheduling.scheduler import ScheduledBatch
+from tandem.scheduling.scheduler import ScheduledBatch, ScheduledRequest
 
 
 def kept_runs(
@@ -241,6 +241,7 @@ class BatchBuilder:
         is_draft = token_offset > 0
         num_drafts = n - 1
         passes = [np.flatnonzero(num_drafts > j) for j in range(int(num_drafts.max()))]
+        verifying = [items[i] for i in which]
         return VerifyRows(
             table_rows=np.fromiter((items[i].slot for i in which), np.int64, len(which)),
             num_drafts=num_drafts,
@@ -263,4 +264,17 @@ class BatchBuilder:
             history_len=int(ends[which].max()),
             method=spec.method,
             lookup=(spec.prompt_lookup_max, spec.prompt_lookup_min),
+            **(proposal_arrays(verifying) if spec.method == "suffix" else {}),
         )
+
+
+def proposal_arrays(items: list[ScheduledRequest]) -> dict[str, np.ndarray]:
+    """VerifyRows' proposal fields: each item's proposal padded to the longest (none: empty)."""
+    proposals = [it.proposal for it in items]
+    lens = np.fromiter((len(p.tokens) if p else 0 for p in proposals), np.int64, len(items))
+    padded = np.zeros((len(items), max(int(lens.max()), 1)), np.int64)
+    for row, p in enumerate(proposals):
+        if p is not None:
+            padded[row, : len(p.tokens)] = p.tokens
+    starts = np.fromiter((p.start if p else 0 for p in proposals), np.int64, len(items))
+    return {"proposals": padded, "proposal_start": starts, "proposal_len": lens}

@@ -3,7 +3,8 @@
 A verifying request's tokens in a step are its last token (at position `length - 1`, `length`
 being the row's length on the device) and its drafts after it. `place_tokens` sets their
 positions, KV slots, context lengths and output indices from the device's lengths;
-`ngram_drafts` finds the drafts in the request's own history (prompt-lookup decoding).
+`ngram_drafts` finds the drafts in the request's own history (prompt-lookup decoding), and
+`proposed_drafts` takes them from the host's suffix-tree proposals where those still hold.
 """
 
 from __future__ import annotations
@@ -70,3 +71,26 @@ def ngram_drafts(
     period = lengths - 1 - latest
     steps = torch.arange(v.max_drafts, device=device)
     return history.gather(1, latest[:, None] + 1 + steps[None, :] % period[:, None])
+
+
+def proposed_drafts(
+    token_table: torch.Tensor,
+    v: VerifyRows[torch.Tensor],
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """[V, max_drafts] drafts from the host's proposals (suffix decoding), each row's read past
+    its length on the device: where the tokens the row holds from the proposal's start on are
+    the proposal's first ones (the step in flight when it was made kept what it expected), and
+    the proposal reaches every draft. Elsewhere the row's n-gram drafts."""
+    proposals, start, known = v.proposals, v.proposal_start, v.proposal_len
+    width = proposals.shape[1]
+    offset = lengths - start  # tokens the device has past the host's
+    columns = torch.arange(width, device=token_table.device)
+    positions = (start[:, None] + columns[None, :]).clamp(max=max_len - 1)
+    held = token_table[(v.table_rows * max_len)[:, None] + positions]
+    agree = (held == proposals) | (columns[None, :] >= offset[:, None])
+    usable = agree.all(dim=1) & (offset >= 0) & (offset + v.num_drafts <= known)
+    steps = torch.arange(v.max_drafts, device=token_table.device)
+    taken = proposals.gather(1, (offset[:, None] + steps[None, :]).clamp(0, width - 1))
+    return torch.where(usable[:, None], taken, ngram_drafts(token_table, v, lengths, max_len))

@@ -25,7 +25,7 @@ from tandem.execution.cuda_graphs import (
     graph_sizes,
     verify_shape,
 )
-from tandem.execution.drafting import ngram_drafts, place_tokens
+from tandem.execution.drafting import ngram_drafts, place_tokens, proposed_drafts
 from tandem.execution.kv_cache import (
     allocate_kv_cache,
     kv_bytes_per_block,
@@ -402,7 +402,8 @@ class ModelRunner:
         if v.method == "draft_model":
             self._draft_model_drafts(t, v, lengths)
             return
-        drafts = ngram_drafts(self.token_table, v, lengths, self.max_model_len)
+        make = proposed_drafts if v.proposals is not None else ngram_drafts
+        drafts = make(self.token_table, v, lengths, self.max_model_len)
         self.token_table.index_copy_(
             0, t.token_index[v.draft_batch], drafts[v.draft_item, v.draft_index]
         )

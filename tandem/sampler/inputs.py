@@ -181,8 +181,13 @@ class VerifyRows(Generic[A]):
     pass_sizes: list[int]  # host
     max_drafts: int  # host: the most drafts of one request
     history_len: int  # host: an upper bound of every verifying request's length
-    method: str  # host: how the drafts are made ("ngram" or "draft_model")
+    method: str  # host: how the drafts are made ("ngram", "suffix" or "draft_model")
     lookup: tuple[int, int]  # host: ngram sizes tried, longest first (max, min)
+    # suffix: each request's proposal (`scheduling/suffix_proposer.py`), padded; the position of
+    # its first token and its length (0: none, the row drafts by ngram).
+    proposals: A | None = None  # [V, longest proposal]
+    proposal_start: A | None = None  # [V]
+    proposal_len: A | None = None  # [V]
 
 
 @dataclass

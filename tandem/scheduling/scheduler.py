@@ -29,6 +29,7 @@ from tandem.request import Request, RequestStatus
 from tandem.scheduling.block_pool import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
 from tandem.scheduling.draft_policy import DraftPolicy, can_draft
 from tandem.scheduling.kv_groups import DROPPED, KVGroups, kv_groups
+from tandem.scheduling.suffix_proposer import Proposal, SuffixProposer
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ScheduledRequest:
     # position is known on the device only (`start` is then the host's upper bound).
     num_drafts: int = 0
     verify: bool = False
+    proposal: Proposal | None = None  # suffix decoding: where the device takes the drafts from
 
     @property
     def num_rows(self) -> int:
@@ -111,6 +113,7 @@ class Scheduler:
         self.block_size = block_size
         self.groups = groups or kv_groups([None], max_model_len)
         self.drafts = drafts  # None: no speculative decoding
+        self.proposer: SuffixProposer | None = None  # suffix decoding's trees
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -161,7 +164,7 @@ class Scheduler:
         # Running requests, decodes first so they keep streaming while long prompts prefill.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        drafts = self._allot_drafts(decodes, budget)
+        drafts, proposals = self._allot_drafts(decodes, budget)
         for group in (decodes, prefills):
             for request in group:
                 if budget == 0:
@@ -175,6 +178,8 @@ class Scheduler:
                     continue
                 k = self._fit_drafts(request, n, drafts.get(request, 0), budget - n)
                 items.append(self._schedule(request, n + k, step_id, drafts=k))
+                if k and proposals:
+                    items[-1].proposal = proposals[request]
                 scheduled.add(request)
                 budget -= n + k
             if group is decodes:
@@ -350,18 +355,29 @@ class Scheduler:
         return item
 
     # ------------------------------------------------------------ speculation
-    def _allot_drafts(self, decodes: list[Request], budget: int) -> dict[Request, int]:
-        """Drafts each decoding request gets this step (the policy's allotment)."""
+    def _allot_drafts(
+        self, decodes: list[Request], budget: int
+    ) -> tuple[dict[Request, int], dict[Request, Proposal]]:
+        """Drafts each decoding request gets this step (the policy's allotment), and under
+        suffix decoding the proposals they come from (each cuts its request's drafts)."""
         if self.drafts is None or not decodes:
-            return {}
+            return {}, {}
         # Only a request whose row's length is on the device (a step since its admission
         # sampled it) drafts: a last prefill chunk of one token is no decode yet.
         drafting = [r for r in decodes if r.sampled_in_row and can_draft(r)]
         if not drafting:
-            return {}
+            return {}, {}
         base = min(len(decodes), budget)
         allotted = self.drafts.allot(drafting, base, budget - base)
-        return {r: k for r, k in zip(drafting, allotted, strict=True) if k}
+        drafts = {r: k for r, k in zip(drafting, allotted, strict=True) if k}
+        if self.proposer is None:
+            return drafts, {}
+        # Only the requests the policy lets draft ask the trees (a large batch that drafts
+        # nothing pays nothing), each cut to its proposal past the tokens in flight.
+        proposals = {r: self.proposer.propose(r, k) for r, k in drafts.items()}
+        for r, proposal in proposals.items():
+            drafts[r] = max(min(drafts[r], len(proposal.tokens) - r.num_inflight), 0)
+        return {r: k for r, k in drafts.items() if k}, proposals
 
     def _fit_drafts(self, request: Request, n: int, k: int, budget: int) -> int:
         """Drafts the request can take after its `n` tokens (their blocks reserved): within the
@@ -478,6 +494,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._release(request)
+        if self.proposer is not None:
+            self.proposer.finish(request)
         return True
 
     def retire_step(self, batch: ScheduledBatch) -> None:

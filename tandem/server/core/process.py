@@ -312,6 +312,7 @@ class CoreLoop:
             spec_accepted_tokens=spec.accepted_tokens,
             spec_acceptance_rate=spec.acceptance_rate,
             spec_mean_accepted_length=spec.mean_accepted_length,
+            spec_method=method.method if (method := self.engine.speculative_config) else "",
         )
 
 
@@ -339,4 +340,5 @@ def token_delta(output: RequestOutput) -> wire.TokenDelta:
         finish_reason=output.finish_reason,
         error=output.error,
         logprobs=logprobs,
+        speculative=output.speculative if output.finished else None,
     )

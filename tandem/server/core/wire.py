@@ -85,6 +85,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_accepted_tokens: int
     spec_acceptance_rate: float
     spec_mean_accepted_length: float
+    spec_method: str  # the drafting method in use ("" without speculation)
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -99,6 +100,9 @@ class TokenDelta(msgspec.Struct, array_like=True):
     error: str | None = None
     # Per new token, when asked for: (token id, logprob, rank), the sampled token first.
     logprobs: list[list[tuple[int, float, int]]] | None = None
+    # On the finished delta of a sample that verified drafts: its draft tokens, accepted ones
+    # and verifying steps.
+    speculative: tuple[int, int, int] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

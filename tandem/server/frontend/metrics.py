@@ -135,13 +135,13 @@ class _EngineFigures:
 
     def collect(self):
         stats = [(str(i), s) for i, s in enumerate(self.client.stats) if s is not None]
-        for name, doc, field in _ENGINE_GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["engine"])
-            for engine, s in stats:
-                family.add_metric([engine], getattr(s, field))
-            yield family
-        for name, doc, field in _ENGINE_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["engine"])
-            for engine, s in stats:
-                family.add_metric([engine], getattr(s, field))
-            yield family
+        for kind, figures in ((GaugeMetricFamily, _ENGINE_GAUGES),
+                              (CounterMetricFamily, _ENGINE_COUNTERS)):  # fmt: skip
+            for name, doc, field in figures:
+                # Speculative decoding's figures also name the drafting method.
+                by_method = field.startswith("spec_")
+                family = kind(name, doc, labels=["engine", "method"] if by_method else ["engine"])
+                for engine, s in stats:
+                    labels = [engine, s.spec_method] if by_method else [engine]
+                    family.add_metric(labels, getattr(s, field))
+                yield family

@@ -140,6 +140,8 @@ class RequestStream:
     finish_reasons: dict[int, str | None] = field(default_factory=dict)  # finished choices
     texts: dict[int, ChoiceText] = field(default_factory=dict)  # choice -> its text so far
     stop_strings: dict[int, str] = field(default_factory=dict)  # choice -> the one that ended it
+    # choice -> its speculative decoding (draft tokens, accepted ones, verifying steps)
+    speculative: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the server, not the client, ended it early
     error_status: int = 500  # the HTTP status that `error` stands for
@@ -379,6 +381,8 @@ class GenerationService:
                 if not delta.finished:
                     self.client.abort(delta.request_id, delta.index)  # free its blocks now
             logprobs = delta.logprobs
+            if delta.speculative is not None:
+                stream.speculative[choice] = delta.speculative
             self._route(
                 stream,
                 Delta(

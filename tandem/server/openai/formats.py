@@ -23,12 +23,24 @@ DONE = b"data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(stream: RequestStream) -> dict[str, Any]:
+    """OpenAI's token counts; with speculative decoding, how the request's drafts fared too
+    (summed over its choices)."""
+    prompt_tokens, completion_tokens = stream.num_prompt_tokens, stream.num_output_tokens
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if stream.speculative:
+        drafted, accepted, steps = (sum(c) for c in zip(*stream.speculative.values(), strict=True))
+        counts["speculative_decoding"] = {
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "verifications": steps,
+            "mean_accepted_length": round(1 + accepted / steps, 3),
+        }
+    return counts
 
 
 def _logprob(value: float) -> float:
@@ -70,7 +82,7 @@ class _Encoder:
         if stream.error is not None:
             return [sse(error_body(stream.error_status, stream.error, code="aborted")), DONE]
         if self.include_usage:
-            counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
+            counts = usage(stream)
             return [sse(self.usage_chunk(counts)), DONE]
         return [DONE]
 
@@ -81,7 +93,7 @@ class _Encoder:
         logprobs: list[list[TokenLogprobs]],
         thinking: list[str],
     ) -> dict[str, Any]:
-        counts = usage(stream.num_prompt_tokens, stream.num_output_tokens)
+        counts = usage(stream)
         reasons = [stream.finish_reasons.get(i) or "stop" for i in range(stream.num_choices)]
         return self.full(texts, reasons, counts, logprobs, thinking)
 
