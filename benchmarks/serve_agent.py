@@ -160,7 +160,7 @@ async def run_sessions(
 ) -> AgentCell:
     """Every session's turns against the server at `url`, closed loop."""
     results = {
-        (s, k): texts.tool_result(s, k)
+        (s, k): texts.turn_message(s, k)
         for s in range(shape.sessions)
         for k in range(1, shape.turns)
     }

@@ -83,7 +83,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_SIZES, AgentShape, AgentTexts
+from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_SIZES, AGENT_TASKS, AgentShape, AgentTexts
 from tandem.bench.ratios import paired_ratio
 from tandem.models.catalog import resolve_model
 
@@ -647,7 +647,9 @@ async def agent_benchmark(
         ready.append(server)
     cells: dict[str, list[serve_agent.AgentCell]] = {s.name: [] for s in ready}
     for repeat in range(args.repeats):
-        texts = AgentTexts(tokenizer, shape.head_len, shape.tool_result_len, args.seed + repeat)
+        texts = AgentTexts(
+            tokenizer, shape.head_len, shape.tool_result_len, args.seed + repeat, shape.task
+        )
         for server in ready:
             signal_group(server, signal.SIGCONT)
             cell = await serve_agent.run_sessions(server.url, texts, shape, args.request_timeout)
@@ -809,6 +811,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--head-len", type=int, default=AGENT_SIZES["head_len"])
     a.add_argument("--tool-result-len", type=int, default=AGENT_SIZES["tool_result_len"])
     a.add_argument("--session-stagger", type=float, default=0.0, metavar="SECONDS")
+    a.add_argument("--agent-task", choices=AGENT_TASKS, default="explain",
+                   help="explain, or edit: each file read is to be repeated back with a line "
+                   "changed (as tandem bench --agent-task)")  # fmt: skip
     args = p.parse_args(argv)
     agent = args.workload == "agent"
     if args.max_tokens is None:
@@ -838,7 +843,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def agent_shape(args: argparse.Namespace) -> AgentShape:
     return AgentShape(
         args.sessions, args.turns, args.head_len, args.tool_result_len, args.max_tokens,
-        args.session_stagger,
+        args.session_stagger, args.agent_task,
     )  # fmt: skip
 
 

@@ -122,3 +122,26 @@ def test_agent_bench_reports_reuse_and_the_sessions_that_fit(tiny_llama, capsys,
     text = " ".join(out.split())
     assert "2 agent sessions x 2 turns" in text
     assert "in 0.03125 GiB (4096 blocks)" in text and "with the head's blocks shared" in text
+
+
+def test_edit_sessions_with_speculation_off_and_on(cycling_llama, capsys, monkeypatch):
+    """`--agent-task edit` asks for every file read back; with --speculative-config each loop
+    runs with speculation off and on, with the same outputs, and reports the drafts and the
+    ratio of output tokens/s."""
+    tokenizer = AutoTokenizer.from_pretrained(cycling_llama)
+    texts = AgentTexts(tokenizer, 200, 30, seed=0, task="edit")
+    assert texts.first_messages(0)[1]["content"].startswith("Repeat the following file exactly")
+    assert texts.turn_message(0, 1).endswith(texts.tool_result(0, 1))
+    assert AgentTexts(tokenizer, 200, 30, seed=0).turn_message(0, 1) == texts.tool_result(0, 1)
+    monkeypatch.setenv("COLUMNS", "300")
+    args = ["bench", "--workload", "agent", "--model", str(cycling_llama), "--sessions", "1",
+            "--turns", "2", "--head-len", "64", "--tool-result-len", "24", "--output-len", "24",
+            "--agent-task", "edit", "--speculative-config", '{"method": "suffix"}',
+            "--kv-cache-memory-gib", "0.03125"]  # fmt: skip
+    assert main(args) == 0
+    rows = bench_table(capsys.readouterr().out)
+    assert rows["outputs identical (all runs)"] == ["", "", "", "yes"]
+    drafted, accepted = (int(x) for x in rows["spec decode: draft / accepted tokens"][3].split("/"))
+    assert 0 < accepted <= drafted
+    ratios = rows["suffix vs off (output tokens/s)"]
+    assert ratios[:2] == ["", ""] and all(r.endswith(")") for r in ratios[2:])

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import resource
 
+import numpy as np
 import pytest
 import torch
 
 from tandem import SamplingParams
 from tandem.config import SpeculativeConfig
+from tandem.engine.grammar import allowed_prefix, grammar_of
 from tandem.execution.drafting import ngram_drafts, proposed_drafts
-from tandem.request import Request
+from tandem.request import Request, StructuredOutputsParams
 from tandem.sampler.inputs import VerifyRows
 from tandem.scheduling.suffix_proposer import SuffixProposer
 
@@ -156,3 +158,24 @@ def test_drafts_come_from_an_earlier_requests_output(cycling_llama, async_schedu
         assert_idle_and_balanced(llm.engine)
         llm.engine.close()
     assert accepted[16][1] > accepted[16][0] and accepted[16][1] > accepted[0][1]
+
+
+def test_a_proposal_is_cut_where_the_grammar_refuses(cycling_llama):
+    """A request under a grammar never verifies a draft the grammar refuses: its proposal ends
+    before the first such token, and the matcher is left where its retired tokens put it."""
+    llm = make_llm(cycling_llama, speculative_config={"method": "suffix"})
+    tokenizer = llm.get_tokenizer()
+    regex = StructuredOutputsParams(regex="[a-z ]{0,40}")
+    request = llm.engine.make_request([5, 6, 7], SamplingParams(structured_outputs=regex))
+    lower = tokenizer("hello world", add_special_tokens=False).input_ids
+    upper = tokenizer("HELLO", add_special_tokens=False).input_ids
+    tokens = np.array(lower + upper + lower)
+    assert allowed_prefix(request, tokens) == len(lower)
+    assert allowed_prefix(request, tokens) == len(lower)  # rolled back: the same walk again
+    assert grammar_of(request).num_accepted == 0
+    free = llm.engine.make_request([5, 6, 7], SamplingParams())
+    assert allowed_prefix(free, tokens) == len(tokens)
+    cut = SuffixProposer(SpeculativeConfig(method="suffix"), allowed_prefix)
+    request.prompt_token_ids = (lower + upper) * 2 + lower[:2]  # proposes lower[2:], upper
+    assert cut.propose(request, 16).tokens.tolist() == lower[2:]
+    llm.engine.close()

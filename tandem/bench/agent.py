@@ -30,6 +30,12 @@ AGENT_PRESET = "agent"
 AGENT_SIZES = {"sessions": 4, "turns": 5, "head_len": 8192, "tool_result_len": 400}
 AGENT_OUTPUT_LEN = 48
 PROMPT_MODES = ("exact", "rendered")
+# What each session asks: `explain` a task over the files it reads (answers the model words
+# itself), or `edit`: every file it reads repeated back with one line changed, as an agent
+# rewriting a file does (answers that re-emit the tool result: what speculation drafts).
+AGENT_TASKS = ("explain", "edit")
+EDIT_TASK = "Repeat the following file exactly, with line 2 changed to say that the tests pass:\n"
+EDIT_NEXT = "The same for this file:\n"
 AGENT_TOOLS = Path(__file__).with_name("data") / "agent_tools.json"  # package data
 PASSAGES = Path(__file__).with_name("data") / "copy_passages.txt"
 QUESTIONS = Path(__file__).with_name("data") / "chat_prompts.txt"
@@ -55,6 +61,7 @@ class AgentShape:
     tool_result_len: int  # tokens each turn adds (about)
     output_len: int  # each answer's tokens, exact (EOS is ignored)
     stagger_s: float = 0.0  # session s starts at s * stagger_s
+    task: str = "explain"  # AGENT_TASKS
 
     def __post_init__(self) -> None:
         for name in ("sessions", "turns", "head_len", "tool_result_len", "output_len"):
@@ -62,6 +69,8 @@ class AgentShape:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.stagger_s < 0:
             raise ValueError("--session-stagger must be >= 0")
+        if self.task not in AGENT_TASKS:
+            raise ValueError(f"--agent-task takes {' or '.join(AGENT_TASKS)}, got {self.task!r}")
 
     def start_time(self, session: int) -> float:
         """Seconds after the run's start that the session's first turn arrives."""
@@ -133,15 +142,24 @@ class AgentTexts:
     definitions), each session's task, each turn's tool result (a user message). The same seed
     gives the same texts; `benchmarks/serve_compare.py` sends them to servers as messages."""
 
-    def __init__(self, tokenizer: Any, head_len: int, tool_result_len: int, seed: int):
+    def __init__(
+        self, tokenizer: Any, head_len: int, tool_result_len: int, seed: int, task: str = "explain"
+    ):
         self.tokenizer, self.tool_result_len, self.seed = tokenizer, tool_result_len, seed
+        self.task = task
         self.system = tool_definitions(tokenizer, head_len, seed)
 
     def first_messages(self, session: int) -> list[dict[str, str]]:
         """A session's first turn: the head, then its task and first tool result."""
         questions = _lines(QUESTIONS)
-        task = f"Task: {questions[session % len(questions)]}\n\n{self.tool_result(session, 0)}"
+        asked = EDIT_TASK if self.task == "edit" else f"Task: {questions[session % len(questions)]}"
+        task = f"{asked}\n\n{self.tool_result(session, 0)}"
         return [{"role": "system", "content": self.system}, {"role": "user", "content": task}]
+
+    def turn_message(self, session: int, turn: int) -> str:
+        """A later turn's user message: the tool result (edit: asked to be repeated too)."""
+        asked = EDIT_NEXT if self.task == "edit" else ""
+        return asked + self.tool_result(session, turn)
 
     def tool_result(self, session: int, turn: int) -> str:
         """About --tool-result-len tokens of numbered file lines, as an agent's Read returns."""
@@ -173,7 +191,7 @@ class ChatConversations(Conversations):
         if mode not in PROMPT_MODES:
             raise ValueError(f"--agent-prompts takes {' or '.join(PROMPT_MODES)}, got {mode!r}")
         self.tokenizer, self.mode = tokenizer, mode
-        self.texts = AgentTexts(tokenizer, head_len, shape.tool_result_len, seed)
+        self.texts = AgentTexts(tokenizer, head_len, shape.tool_result_len, seed, shape.task)
         self.render: Callable[[list[dict[str, str]]], str] = (
             (lambda messages: render_chat_text(tokenizer, messages))
             if chat_template_problem(tokenizer) is None
@@ -197,7 +215,7 @@ class ChatConversations(Conversations):
         text = self.tokenizer.decode(answer, skip_special_tokens=True)
         messages += [
             {"role": "assistant", "content": text},
-            {"role": "user", "content": self.texts.tool_result(session, turn)},
+            {"role": "user", "content": self.texts.turn_message(session, turn)},
         ]
         after = self.render(messages)
         rendered = self._ids(after)

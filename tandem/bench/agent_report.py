@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
 from tandem.bench.agent import AgentShape, Conversations, make_conversations
 from tandem.bench.agent_run import AgentRun, run_agent
+from tandem.bench.ratios import paired_ratio
 from tandem.bench.run import progress_bars, run_workload
 from tandem.bench.workloads import Workload
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.engine.engine import Engine
 
 GIB = 1024**3
@@ -23,7 +25,7 @@ GIB = 1024**3
 def agent_shape(args: argparse.Namespace) -> AgentShape:
     return AgentShape(
         args.sessions, args.turns, args.head_len, args.tool_result_len, args.output_len,
-        args.session_stagger,
+        args.session_stagger, args.agent_task,
     )  # fmt: skip
 
 
@@ -33,6 +35,30 @@ def conversations_of(args: argparse.Namespace, engine: Engine, shape: AgentShape
         shape, engine.tokenizer, engine.spec.vocab_size, engine.max_model_len,
         args.workload_seed, args.agent_prompts,
     )  # fmt: skip
+
+
+def speculation_rows(
+    table: Table,
+    runs: dict[str, list[AgentRun]],
+    results: dict[str, AgentRun],
+    columns: list[AgentColumn],
+) -> None:
+    """Draft tokens, accepted ones, and each speculating column's output tokens/s over the
+    same loop's without speculation (median and range of the repeats' pairs)."""
+    spec = {c.name: results[c.name].summary.speculative for c in columns}
+    table.add_row("spec decode: draft / accepted tokens",
+                  *(f"{s.drafted_tokens} / {s.accepted_tokens}" for s in spec.values()))  # fmt: skip
+    off = {c.mode: c.name for c in columns if c.speculation is None}
+    cells = []
+    for c in columns:
+        if c.speculation is None:
+            cells.append("")
+            continue
+        rates = [[r.summary.tokens_per_s for r in runs[name]] for name in (c.name, off[c.mode])]
+        mid, low, high = paired_ratio(*rates)
+        cells.append(f"{mid:.3f}x ({low:.2f}-{high:.2f})")
+    method = next(c.speculation.method for c in columns if c.speculation is not None)
+    table.add_row(f"{method} vs off (output tokens/s)", *cells)
 
 
 def block_bytes(engine: Engine) -> int:
@@ -57,13 +83,34 @@ def sessions_that_fit(engine: Engine, run: AgentRun, gib: float) -> tuple[int, i
     return budget, per_session, private, shared
 
 
+@dataclass(frozen=True)
+class AgentColumn:
+    name: str  # "sync", or with speculation "off, sync", "suffix, async", ...
+    mode: str  # "sync" or "async"
+    speculation: SpeculativeConfig | None
+    speculating: bool  # a column of a run with --speculative-config (off or on)
+
+
+def agent_columns(engine: Engine, modes: list[str]) -> list[AgentColumn]:
+    """Each loop; with --speculative-config, each loop with speculation off and on."""
+    spec = engine.speculative_config
+    if spec is None:
+        return [AgentColumn(mode, mode, None, False) for mode in modes]
+    return [
+        AgentColumn(f"{name}, {mode}", mode, config, True)
+        for name, config in (("off", None), (spec.method, spec))
+        for mode in modes
+    ]
+
+
 def run_agent_bench(args: argparse.Namespace, config: EngineConfig, modes: list[str]) -> int:
     shape = agent_shape(args)
     console = Console(stderr=True)
     engine = Engine(config)
     try:
-        runs = _run_modes(args, engine, shape, modes, console)
-        table, notes, identical = agent_table(args, engine, shape, runs, modes)
+        columns = agent_columns(engine, modes)
+        runs = _run_columns(args, engine, shape, columns, console)
+        table, notes, identical = agent_table(args, engine, shape, runs, columns)
     finally:
         engine.close()
     Console().print(table)
@@ -72,23 +119,25 @@ def run_agent_bench(args: argparse.Namespace, config: EngineConfig, modes: list[
     return 0 if identical else 1
 
 
-def _run_modes(
+def _run_columns(
     args: argparse.Namespace,
     engine: Engine,
     shape: AgentShape,
-    modes: list[str],
+    columns: list[AgentColumn],
     console: Console,
 ) -> dict[str, list[AgentRun]]:
-    """Each mode's runs, repeats interleaved, each after a short warm-up in its loop."""
-    runs: dict[str, list[AgentRun]] = {m: [] for m in modes}
+    """Each column's runs, repeats interleaved, each after a short warm-up in its loop."""
+    runs: dict[str, list[AgentRun]] = {c.name: [] for c in columns}
     with progress_bars(console) as progress:
         for repeat in range(args.repeats):
-            for mode in modes:
-                engine.configure(async_scheduling=mode == "async")
+            for column in columns:
+                engine.configure(
+                    async_scheduling=column.mode == "async", speculative_config=column.speculation
+                )
                 warm = conversations_of(args, engine, shape).first(0)[:64]
                 run_workload(engine, Workload([warm] * 2, [4] * 2, [0.0] * 2), 0.0, None, "warmup")
-                name = mode if args.repeats == 1 else f"{mode} #{repeat + 1}"
-                runs[mode].append(
+                name = column.name if args.repeats == 1 else f"{column.name} #{repeat + 1}"
+                runs[column.name].append(
                     run_agent(engine, shape, conversations_of(args, engine, shape), progress, name)
                 )
     return runs
@@ -99,13 +148,14 @@ def agent_table(
     engine: Engine,
     shape: AgentShape,
     runs: dict[str, list[AgentRun]],
-    modes: list[str],
+    columns: list[AgentColumn],
 ) -> tuple[Table, list[str], bool]:
-    """The report: each mode's median run (by wall time), the notes printed under it, and
+    """The report: each column's median run (by wall time), the notes printed under it, and
     whether every run gave the same outputs."""
     results = {
         m: sorted(r, key=lambda run: run.summary.wall_s)[len(r) // 2] for m, r in runs.items()
     }
+    modes = [c.name for c in columns]
     first = results[modes[0]]
     repeats = f", median of {args.repeats}" if args.repeats > 1 else ""
     title = (
@@ -162,6 +212,8 @@ def agent_table(
     per_block = block_bytes(engine)
     row("peak KV blocks held", lambda r: str(r.peak_blocks))
     row("peak KV held (MiB)", lambda r: f"{r.peak_blocks * per_block / 2**20:.1f}")
+    if columns[0].speculating:
+        speculation_rows(table, runs, results, columns)
     identical = all(run.outputs == first.outputs for rs in runs.values() for run in rs)
     table.add_row(
         "outputs identical (all runs)", *[""] * (len(modes) - 1), "yes" if identical else "NO"
@@ -181,7 +233,8 @@ def agent_table(
         f"prompts ({args.agent_prompts if engine.tokenizer is not None else 'token ids'}): a "
         f"{head}, tool "
         f"results of ~{shape.tool_result_len} tokens, answers of {shape.output_len} tokens "
-        f"(greedy, EOS ignored); sessions start {shape.stagger_s:g} s apart, each next turn "
+        f"(greedy, EOS ignored), task {shape.task}; sessions start {shape.stagger_s:g} s apart, "
+        "each next turn "
         "submitted when its previous answer is complete",
         f"KV cache ({kv}): {per_block} bytes a block of {engine.config.block_size} tokens; a "
         f"session of {final} tokens holds {per_session} blocks ({per_session * per_block / 2**20:.1f} "

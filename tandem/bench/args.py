@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_PRESET, AGENT_SIZES, PROMPT_MODES
+from tandem.bench.agent import (
+    AGENT_OUTPUT_LEN,
+    AGENT_PRESET,
+    AGENT_SIZES,
+    AGENT_TASKS,
+    PROMPT_MODES,
+)
 from tandem.bench.workloads import (
     BLOG_CUDA_MODEL,
     BLOG_NUM_REQUESTS,
@@ -115,6 +121,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens each turn adds as a tool result (a user message)")  # fmt: skip
     a.add_argument("--session-stagger", type=float, default=0.0, metavar="SECONDS",
                    help="session s starts s * SECONDS after the first (0: all at once)")  # fmt: skip
+    a.add_argument("--agent-task", choices=AGENT_TASKS, default="explain",
+                   help="explain: each session asks a question about the files it reads; edit: "
+                   "each file it reads is to be repeated back with one line changed (answers "
+                   "that re-emit tool results, as an agent rewriting a file; set --output-len "
+                   "near --tool-result-len)")  # fmt: skip
     a.add_argument("--agent-prompts", choices=PROMPT_MODES, default="exact",
                    help="how a turn's prompt follows the previous one: exact, the previous "
                    "prompt and answer ids as they were, then the chat template's text after the "

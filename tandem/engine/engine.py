@@ -21,8 +21,10 @@ from tandem.engine.fan_out import fan_out
 from tandem.engine.grammar import (
     GrammarCompiler,
     StepBitmasks,
+    allowed_prefix,
     constrained_items,
     grammar_of,
+    is_answer,
     prepare_reasoning,
 )
 from tandem.engine.intake import RequestIntake, eos_token_ids
@@ -278,7 +280,7 @@ class Engine:
             else DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self._step_costs_of(spec))
         )
         suffix = spec is not None and spec.method == "suffix"
-        self.scheduler.proposer = SuffixProposer(spec) if suffix else None
+        self.scheduler.proposer = SuffixProposer(spec, allowed_prefix) if suffix else None
 
     def _step_costs_of(self, spec: SpeculativeConfig) -> StepCosts:
         """The step times drafts are priced by, kept per method and loop for the engine's life:
@@ -520,11 +522,6 @@ class Engine:
             with self._lock:
                 self._live_ids.discard(request.request_id)
         return output
-
-
-def is_answer(request: Request) -> bool:
-    """Whether the sample's latest retired token belongs to the answer (not to its thinking)."""
-    return request.reasoning is None or request.reasoning.last_kind == "content"
 
 
 def kv_cache_kind(config: EngineConfig) -> str:

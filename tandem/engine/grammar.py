@@ -226,6 +226,28 @@ def grammar_of(request: Request) -> RequestGrammar:
     return request.grammar
 
 
+def is_answer(request: Request) -> bool:
+    """Whether the sample's latest retired token belongs to the answer (not to its thinking)."""
+    return request.reasoning is None or request.reasoning.last_kind == "content"
+
+
+def allowed_prefix(request: Request, tokens: np.ndarray) -> int:
+    """How many of `tokens`, from the sample's retired end on, its grammar allows in a row (its
+    matcher walks them and is rolled back): a suffix proposal is cut there, so no draft the
+    grammar refuses is verified. A sample with no grammar, or still thinking, allows all."""
+    if request.compiled_grammar is None or not is_answer(request):
+        return len(tokens)
+    matcher = grammar_of(request).matcher
+    taken = 0
+    for token in tokens.tolist():
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        taken += 1
+    if taken:
+        matcher.rollback(taken)
+    return taken
+
+
 _NO_DRAFTS = np.zeros(0, np.int64)
 
 

@@ -14,11 +14,13 @@ adds tokens it has not read. So a proposal starts at the retired end (`Proposal.
 past the in-flight tokens; the device takes the drafts after its own length only where the
 tokens it holds since `start` are the proposal's first ones (the step in flight kept every draft
 and sampled what the trees expected), and its own n-gram drafts otherwise
-(`execution/drafting.proposed_drafts`).
+(`execution/drafting.proposed_drafts`). A request under a grammar has its proposal cut at the
+first token the grammar refuses, so no refused draft is verified.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 
@@ -37,8 +39,15 @@ class Proposal:
 class SuffixProposer:
     """The trees, fed with each request's retired tokens when it next drafts or ends."""
 
-    def __init__(self, spec: SpeculativeConfig):
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        allowed: Callable[[Request, np.ndarray], int] | None = None,
+    ):
+        """`allowed`: how many of a proposal's tokens the request may sample in a row (its
+        grammar's say; None: all)."""
         self.spec = spec
+        self.allowed = allowed
         from arctic_inference.suffix_decoding import SuffixDecodingCache  # checked by the config
 
         self.cache = SuffixDecodingCache(
@@ -77,7 +86,10 @@ class SuffixProposer:
             max_spec_offset=inflight * (1 + factor),
             min_token_prob=self.spec.suffix_decoding_min_token_prob,
         )
-        return Proposal(len(prompt) + len(output), np.asarray(draft.token_ids, np.int64))
+        tokens = np.asarray(draft.token_ids, np.int64)
+        if self.allowed is not None:
+            tokens = tokens[: self.allowed(request, tokens)]
+        return Proposal(len(prompt) + len(output), tokens)
 
     def finish(self, request: Request) -> None:
         """The request ended: its whole output joins the global tree, its own tree goes."""
