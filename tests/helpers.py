@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, Engine, RequestOutput, SamplingParams
+from tandem.config import usable_cores
 from tandem.ops.attention_metadata import AttentionMetadata, PrefillSegment
 
 
@@ -26,6 +27,11 @@ TEST_KV_CACHE_GIB = 1 / 16
 def make_llm(path: Path, **options) -> LLM:
     options.setdefault("dtype", "float32")
     options.setdefault("device", "cpu")
+    # The cores shared out by rank, fixed: timing the thread counts at start-up (tested on its
+    # own, and by every engine the bench and the server start) would add about half a second to
+    # each engine.
+    ranks = options.get("tensor_parallel_size", 1)
+    options.setdefault("cpu_threads", max(1, usable_cores() // max(ranks, 1)))
     if "num_kv_blocks" not in options:
         options.setdefault("kv_cache_memory_gib", TEST_KV_CACHE_GIB)
     return LLM(str(path), **options)

@@ -92,6 +92,27 @@ def test_a_quiet_machine_takes_the_fewest_rounds(monkeypatch) -> None:
     assert clock.two_thread_runs == cpu_threads.WARM_RUNS + cpu_threads.MIN_ROUNDS
 
 
+def test_runs_too_short_to_judge_take_the_fewest_rounds(monkeypatch) -> None:
+    """A tiny model's step of half a millisecond leaves two threads short of their share (the
+    team's wake-up), with no neighbour: such runs are not judged, or every start would time
+    the most rounds."""
+    clock = Clock(busy_runs=10**6)
+    clock.run_step = lambda: short_step(clock)
+    monkeypatch.setattr(cpu_threads, "time", clock)
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
+    timings = cpu_threads.tune_cpu_threads(FakeModel(clock), batch=4)
+    assert timings == pytest.approx({1: 0.6, 2: 0.5})
+    assert clock.two_thread_runs == cpu_threads.WARM_RUNS + cpu_threads.MIN_ROUNDS
+
+
+def short_step(clock: Clock) -> None:
+    two = torch.get_num_threads() == 2
+    clock.two_thread_runs += two
+    seconds = 0.0005 if two else 0.0006
+    clock.wall += seconds
+    clock.cpu += seconds * (1.1 if two else 1.0)  # two threads, far short of 2x the wall time
+
+
 # A host's share of 0.5 ms a step (20 requests): charged to a step on both cores, and to the
 # part of a one-thread step beyond its short time (its attention, on both cores).
 SHORT = DecodeTimings(1000, {1: 2.0, 2: 1.8})

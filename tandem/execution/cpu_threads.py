@@ -82,6 +82,10 @@ CLEAN_RUNS = 3  # runs per candidate that had their cores, wanted before stoppin
 # compute team's threads stay on their cores (they spin between regions), so a smaller share
 # means another process took one of them.
 CLEAN_SHARE = 0.85
+# A run shorter than this is not judged (taken as clean): the team's wake-up alone leaves a
+# sub-millisecond run's threads short of their share, with no neighbour in sight, and a
+# neighbour that takes a core for so short a time cannot be told apart.
+JUDGED_RUN_S = 0.002
 # After a run on more threads, the team's idle workers spin for some milliseconds before they
 # sleep, on the core a run on fewer threads wants for its attention's helper: wait them out, as
 # a step of a steady count never meets them.
@@ -176,7 +180,7 @@ def tune_cpu_threads(
                     step()
                     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                     runs[n].every.append(wall * 1e3)
-                    if cpu >= CLEAN_SHARE * n * wall:
+                    if wall < JUDGED_RUN_S or cpu >= CLEAN_SHARE * n * wall:
                         runs[n].clean.append(wall * 1e3)
                 done = all(len(r.clean) >= CLEAN_RUNS for r in runs.values())
                 if round_index + 1 >= MIN_ROUNDS and done:
