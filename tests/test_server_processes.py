@@ -43,6 +43,7 @@ from test_server import (
 )
 
 from tandem import LLM, SamplingParams
+from tandem.models.default_model import build_checkpoint
 
 MODEL_LEN = 2048
 KV_BLOCKS = 128  # 2048 tokens of 16 per block: room for one long stream
@@ -483,13 +484,23 @@ def test_sync_loop_serves_what_the_async_loop_serves(farm: Served, sync_server: 
 
 
 # ------------------------------------------------------------------ faults
-def test_core_killed_mid_stream(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def slower_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama whose decode steps take milliseconds, not tiny_llama's fraction of one: two
+    long requests then run for seconds, long enough for a third to queue behind them."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("slower-llama"), hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    )  # fmt: skip
+
+
+def test_core_killed_mid_stream(slower_llama: Path, tmp_path: Path) -> None:
     """SIGKILL the core while a stream and a whole-answer request run and a third request waits
     (--max-num-seqs 2): at once, not after the 60 s engine timeout, the stream ends with an
     error event then [DONE], the running request gets 500 and the waiting one 503 (it can be
     retried as it is); /health says 503 while the front end is still up; the server exits 1
     and leaves no process behind."""
-    with serving(tiny_llama, tmp_path / "serve.log", "--max-num-seqs", "2") as server:
+    with serving(slower_llama, tmp_path / "serve.log", "--max-num-seqs", "2") as server:
         [core] = server.cores
         assert core in children(server.pgid) and "multiprocessing.spawn" in cmdline(core)
         url = f"{server.url}/v1/completions"
