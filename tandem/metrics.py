@@ -48,6 +48,12 @@ class SpeculativeStats:
         self.accepted_tokens += record.accepted
         self.num_verified += record.verified
 
+    def count(self, drafted: int, accepted: int) -> None:
+        """One verification of `drafted` tokens that kept `accepted` of them."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.num_verified += 1
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted draft tokens per drafted one."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.metrics import SpeculativeStats
 from tandem.reasoning import ReasoningTracker
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
@@ -265,9 +266,8 @@ class Request:
     draft_hits: float = 0.0
     draft_tries: float = 0.0
     steps_without_drafts: int = 0
-    # Its own speculation, as RequestOutput.speculative reports it: draft tokens verified,
-    # accepted, and its verifying steps.
-    spec_counts: tuple[int, int, int] = (0, 0, 0)
+    # Its own speculative decoding (RequestOutput.speculative reports it).
+    speculation: SpeculativeStats = field(default_factory=SpeculativeStats)
     probe_backoff: int = 0  # its probes come PROBE_INTERVAL << this steps apart
     sampled_in_row: bool = False  # a step since admission sampled it: the device has its length
     # KV blocks per group of layers (`scheduling/kv_groups.py`; one group unless layers differ
@@ -398,6 +398,6 @@ class RequestOutput:
     delta_reasoning: str = ""
     # Prompt tokens the prefix cache served at the request's admission (vLLM's name); 0 before.
     num_cached_tokens: int = 0
-    # Speculative decoding, once the sample has verified drafts: (draft tokens verified, draft
-    # tokens accepted, steps that verified them); its mean accepted length is 1 + accepted/steps.
-    speculative: tuple[int, int, int] | None = None
+    # Speculative decoding, once the sample has verified drafts: its draft tokens verified,
+    # accepted, the steps that verified them, and the figures made of them.
+    speculative: SpeculativeStats | None = None

@@ -88,16 +88,15 @@ class AgentColumn:
     name: str  # "sync", or with speculation "off, sync", "suffix, async", ...
     mode: str  # "sync" or "async"
     speculation: SpeculativeConfig | None
-    speculating: bool  # a column of a run with --speculative-config (off or on)
 
 
 def agent_columns(engine: Engine, modes: list[str]) -> list[AgentColumn]:
     """Each loop; with --speculative-config, each loop with speculation off and on."""
     spec = engine.speculative_config
     if spec is None:
-        return [AgentColumn(mode, mode, None, False) for mode in modes]
+        return [AgentColumn(mode, mode, None) for mode in modes]
     return [
-        AgentColumn(f"{name}, {mode}", mode, config, True)
+        AgentColumn(f"{name}, {mode}", mode, config)
         for name, config in (("off", None), (spec.method, spec))
         for mode in modes
     ]
@@ -212,7 +211,7 @@ def agent_table(
     per_block = block_bytes(engine)
     row("peak KV blocks held", lambda r: str(r.peak_blocks))
     row("peak KV held (MiB)", lambda r: f"{r.peak_blocks * per_block / 2**20:.1f}")
-    if columns[0].speculating:
+    if any(c.speculation is not None for c in columns):
         speculation_rows(table, runs, results, columns)
     identical = all(run.outputs == first.outputs for rs in runs.values() for run in rs)
     table.add_row(

@@ -467,12 +467,7 @@ class Engine:
                 record.drafted += item.num_drafts
                 record.accepted += len(tokens) - 1
                 record.verified += 1
-                drafted, accepted, steps = request.spec_counts
-                request.spec_counts = (
-                    drafted + item.num_drafts,
-                    accepted + len(tokens) - 1,
-                    steps + 1,
-                )
+                request.speculation.count(item.num_drafts, len(tokens) - 1)
                 self.scheduler.drafts.observe(request, item.num_drafts, len(tokens) - 1)
             reason, new = None, []
             for token, lp in zip(tokens, logprobs, strict=True):

@@ -3,6 +3,8 @@ output, tokens appended with their stop checks, text detokenized, `RequestOutput
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
@@ -150,7 +152,7 @@ def _output(
         reasoning=thinking.emitted_text if thinking is not None else None,
         delta_reasoning=delta_reasoning,
         num_cached_tokens=request.num_cached_tokens or 0,
-        speculative=request.spec_counts if request.spec_counts[2] else None,
+        speculative=replace(request.speculation) if request.speculation.num_verified else None,
     )
 
 

@@ -340,5 +340,7 @@ def token_delta(output: RequestOutput) -> wire.TokenDelta:
         finish_reason=output.finish_reason,
         error=output.error,
         logprobs=logprobs,
-        speculative=output.speculative if output.finished else None,
+        speculative=dataclasses.astuple(output.speculative)
+        if output.finished and output.speculative
+        else None,
     )

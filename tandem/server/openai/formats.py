@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.metrics import SpeculativeStats
 from tandem.request import Logprob, TokenLogprobs
 from tandem.server.frontend.encoding import sse
 from tandem.server.frontend.errors import error_body
@@ -33,12 +34,12 @@ def usage(stream: RequestStream) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
     }
     if stream.speculative:
-        drafted, accepted, steps = (sum(c) for c in zip(*stream.speculative.values(), strict=True))
+        spec = SpeculativeStats(*map(sum, zip(*stream.speculative.values(), strict=True)))
         counts["speculative_decoding"] = {
-            "draft_tokens": drafted,
-            "accepted_tokens": accepted,
-            "verifications": steps,
-            "mean_accepted_length": round(1 + accepted / steps, 3),
+            "draft_tokens": spec.drafted_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "verifications": spec.num_verified,
+            "mean_accepted_length": round(spec.mean_accepted_length, 3),
         }
     return counts
 
