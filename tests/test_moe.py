@@ -15,17 +15,25 @@ import pytest
 import torch
 from test_logprobs import check_against_hf
 
-from tandem import SamplingParams
+from tandem import LLM, SamplingParams
 from tandem.models.default_model import build_checkpoint
 from tandem.models.dummy import dummy_tensors
+from tandem.models.gguf_blocks import LAYOUTS as GGUF_LAYOUTS
 from tandem.models.llama import LlamaModel
-from tandem.models.loader import load_model, read_config
-from tandem.models.moe import Experts, SparseMoE
+from tandem.models.loader import build_model, load_model, read_config
+from tandem.models.moe import PROJECTIONS, Experts, SparseMoE
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import checkpoint_shapes
 from tandem.ops import elementwise
+from tandem.ops.quantized import dequantize, quantize_int8
 
-from conftest import _load_hf_model, hf_greedy_reference_allowing_near_ties, random_prompts
+from conftest import (
+    _load_hf_model,
+    follow_near_ties,
+    hf_greedy_reference_allowing_near_ties,
+    random_prompts,
+)
+from gguf_files import tiny_hf_folder, write_gguf
 from helpers import assert_idle_and_balanced, greedy, make_llm, prefill_then_decode_logits
 
 CPU = torch.device("cpu")
@@ -115,8 +123,10 @@ def test_greedy_and_logprobs_equal_transformers(moe_models, name, async_scheduli
         for _ in prompts
     ]  # fmt: skip
     llm = make_llm(path, async_scheduling=async_scheduling, max_num_batched_tokens=32, **OPTIONS)
-    assert llm.engine.execution.packed_gemm  # the fast path: packed experts, per-op forward
-    assert llm.engine.runner.model._fused_weights is None
+    assert llm.engine.execution.packed_gemm  # the fast path: packed experts
+    # The one-call forward, but for Qwen2-MoE's shared expert (op by op).
+    shared = llm.engine.runner.model.spec.moe.shared_intermediate_size
+    assert (llm.engine.runner.model._fused_weights is None) == bool(shared)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
     # The panels are the experts' weights: no stacked float copy beside them.
     assert experts and all(e.gate_up.shape[-1] == e.down.shape[-1] == 0 for e in experts)
@@ -219,11 +229,206 @@ def test_gguf_loads_as_its_safetensors(moe_models, name, tmp_path):
     _, tensors = read_gguf(q8)
     experts = load_model(q8, torch.float32, CPU).model.layers[1].mlp.experts
     kind, down = tensors["blk.1.ffn_down_exps.weight"]
-    assert kind == "Q8_0" and torch.equal(experts.down, torch.from_numpy(down))
+    assert kind == "Q8_0" and torch.equal(experts.float_weights("down"), torch.from_numpy(down))
     assert tensors["blk.1.ffn_gate_inp.weight"][0] == "F32"  # routers stay F32, as llama.cpp's
     llm = make_llm(q8, **OPTIONS)
     out = llm.generate([prompt], greedy(8))[0]
     assert len(out.token_ids) == 8 and isinstance(llm.generate("Hello", greedy(2))[0].text, str)
+
+
+@pytest.fixture(scope="module")
+def gguf_moe_folders(tmp_path_factory) -> dict[str, Path]:
+    """Qwen3-MoE and Mixtral whose every weight's rows fit every block type (hidden and expert
+    intermediate 256: K-quants' blocks of 256; 128 per rank at two ranks, whole blocks of 32)."""
+    root = tmp_path_factory.mktemp("gguf-moe")
+    experts = {"num_experts_per_tok": 2, "num_hidden_layers": 2}
+    return {
+        "qwen3moe": tiny_hf_folder(
+            root / "qwen3moe", "Qwen3MoeForCausalLM", head_dim=64, num_experts=4,
+            moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], **experts,
+        ),
+        "mixtral": tiny_hf_folder(
+            root / "mixtral", "MixtralForCausalLM", num_local_experts=4, intermediate_size=256,
+            **experts,
+        ),
+    }  # fmt: skip
+
+
+def file_experts(path: Path, layer: int) -> dict[str, torch.Tensor]:
+    """A GGUF's experts of one layer as the file's dequantized matrices, stacked per expert as
+    Tandem holds them: gate_up [experts, 2 * inter, hidden] (gate rows, then up), down."""
+    from gguf_files import read_gguf
+
+    _, tensors = read_gguf(path)
+    part = {p: torch.from_numpy(tensors[f"blk.{layer}.ffn_{p}_exps.weight"][1])
+            for p in ("gate", "up", "down")}  # fmt: skip
+    return {"gate_up": torch.cat([part["gate"], part["up"]], 1), "down": part["down"]}
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_K"])
+def test_gguf_experts_stay_in_their_blocks(gguf_moe_folders, tmp_path, tensor_type):
+    """Every natively run type keeps the experts in its blocks, stacked per projection with no
+    float copy, each expert exactly the file's dequantized matrix; Q5_K, which no kernel runs,
+    is dequantized (as Q5_K dense layers are). `quantization="none"` dequantizes all."""
+    path = write_gguf(gguf_moe_folders["qwen3moe"], tmp_path / "m.gguf", tensor_type)
+    want = file_experts(path, 1)
+    model = load_model(path, torch.float32, CPU).model
+    experts = model.layers[1].mlp.experts
+    native = tensor_type != "Q5_K"
+    layout = GGUF_LAYOUTS.get(tensor_type)
+    source = tensor_type if layout == tensor_type else f"{tensor_type} as {layout}"
+    for name in PROJECTIONS:
+        assert (name in experts.quantized) == native
+        if native:
+            assert experts.quantized[name].source == source
+            assert getattr(experts, name).shape[-1] == 0  # no float stack beside the blocks
+        assert torch.equal(experts.float_weights(name), want[name]), name
+    formats = model.weight_formats()
+    assert formats[f"{source if native else 'float32'} experts"] == 2 * len(model.layers)
+    dequantized = load_model(path, torch.float32, CPU, quantization="none").model
+    assert not dequantized.layers[1].mlp.experts.quantized
+    assert torch.equal(dequantized.layers[1].mlp.experts.down, want["down"])
+
+
+def moe_reference_tokens(reference: LLM, model, prompt: list[int], tokens: list[int], n: int):
+    """The dequantized model's greedy tokens that `tokens` must equal, following the kernels'
+    float rounding where the reference's top two logits are that close."""
+
+    def continuation(prefix: list[int], count: int) -> list[int]:
+        out = reference.generate([prompt + prefix], greedy(count))[0]
+        return list(out.token_ids)
+
+    def logits_after(prefix: list[int]) -> torch.Tensor:
+        return prefill_then_decode_logits(model, prompt + prefix)[-1]
+
+    return follow_near_ties(tokens, n, continuation, logits_after)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("arch, tensor_type", [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"),
+                                               ("qwen3moe", "Q4_0"), ("mixtral", "Q6_K")])  # fmt: skip
+def test_quantized_experts_generate_the_dequantized_model(
+    gguf_moe_folders, tmp_path, arch, tensor_type, async_scheduling
+):
+    """The experts run in their blocks (every expert of a projection in one kernel call): logits
+    within float32 rounding of the dequantized model's, and its greedy tokens, in both loops,
+    with a prefill sharing steps with decodes."""
+    path = write_gguf(gguf_moe_folders[arch], tmp_path / "m.gguf", tensor_type)
+    quantized = load_model(path, torch.float32, CPU).model
+    quantized.use_fast_path(fused=False)
+    dequantized = load_model(path, torch.float32, CPU, quantization="none").model
+    prompts = random_prompts(random.Random(3), 4, 2048, 3, 40)
+    got = prefill_then_decode_logits(quantized, prompts[0])
+    want = prefill_then_decode_logits(dequantized, prompts[0])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    options = {**OPTIONS, "async_scheduling": async_scheduling, "max_num_batched_tokens": 32}
+    llm = make_llm(path, **options)
+    assert any("experts" in f and "float" not in f for f in llm.engine.execution.weight_formats)
+    reference = make_llm(path, quantization="none", **OPTIONS)
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(10)), strict=True):
+        want = moe_reference_tokens(reference, dequantized, prompt, out.token_ids, 10)
+        assert out.token_ids == want
+    assert_idle_and_balanced(llm.engine)
+
+
+def test_two_ranks_hold_and_run_their_slices_of_quantized_experts(gguf_moe_folders, tmp_path):
+    """Each rank keeps its rows of gate/up and its blocks of columns of down in Q4_K's blocks:
+    put together, the whole model's experts bit for bit; the two ranks generate the one rank's
+    tokens."""
+    path, spec, hf_config = read_config(
+        write_gguf(gguf_moe_folders["qwen3moe"], tmp_path / "m.gguf", "Q4_K")
+    )
+
+    def experts(tp: TensorParallel):
+        model = build_model(path, spec, hf_config, torch.float32, CPU, None, tp)
+        return model.layers[0].mlp.experts
+
+    full, halves = experts(SINGLE), [experts(TensorParallel(rank, 2)) for rank in range(2)]
+    assert all(set(e.quantized) == set(PROJECTIONS) for e in [full, *halves])
+    inter = spec.moe.intermediate_size
+    gate_up = [h.float_weights("gate_up") for h in halves]
+    rows = [torch.cat([g[:, : inter // 2] for g in gate_up], 1),
+            torch.cat([g[:, inter // 2 :] for g in gate_up], 1)]  # fmt: skip
+    assert torch.equal(torch.cat(rows, 1), full.float_weights("gate_up"))
+    down = torch.cat([h.float_weights("down") for h in halves], 2)
+    assert torch.equal(down, full.float_weights("down"))
+    prompts = random_prompts(random.Random(9), 3, 2048, 3, 30)
+    results = {}
+    for size in (1, 2):
+        llm = make_llm(path, tensor_parallel_size=size, **OPTIONS)
+        try:
+            results[size] = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+        finally:
+            llm.close()
+    assert results[1] == results[2]
+
+
+def test_int8_quantizes_the_experts(moe_models):
+    """`quantization="int8"` covers the experts: each expert's rows per-channel int8 of its
+    loaded weights, and the model's logits within float32 rounding of those weights' product."""
+    path = moe_models["qwen3-moe-all-sparse"]
+    floats = load_model(path, torch.float32, CPU).model
+    model = load_model(path, torch.float32, CPU, quantization="int8").model
+    layer = next(i for i, x in enumerate(model.layers) if isinstance(x.mlp, SparseMoE))
+    experts, original = model.layers[layer].mlp.experts, floats.layers[layer].mlp.experts
+    for name in PROJECTIONS:
+        assert experts.quantized[name].source == "int8"
+        weights = getattr(original, name)
+        want = torch.stack([dequantize(quantize_int8(w)) for w in weights])
+        assert torch.equal(experts.float_weights(name), want)
+        setattr(original, name, torch.nn.Parameter(want))  # floats now hold the int8 weights
+    assert "int8 experts" in model.weight_formats()
+    model.use_fast_path(fused=False)  # the experts' kernel, every expert in one call
+    x = torch.randn(37, model.spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model.layers[layer].mlp(x, elementwise)
+        want = floats.layers[layer].mlp(x, elementwise)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    llm = make_llm(path, quantization="int8", **OPTIONS)
+    assert len(llm.generate([[5, 6, 7]], greedy(4))[0].token_ids) == 4
+
+
+# Loads a model in a fresh process, generates 4 tokens, and prints its resident memory before
+# loading and its peak after, in KiB (Linux's /proc/self/status).
+PEAK_SCRIPT = """
+import sys
+from tandem import LLM, SamplingParams
+
+def kib(key):
+    return int(next(x for x in open("/proc/self/status") if x.startswith(key)).split()[1])
+
+before = kib("VmRSS:")
+llm = LLM(sys.argv[1], cpu_threads=2, num_kv_blocks=16, max_model_len=64)
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
+print(before, kib("VmHWM:"), llm.engine.execution.weight_formats)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_a_moe_gguf_loads_in_about_its_own_size(tmp_path):
+    """A Qwen3-MoE GGUF with Q8_0 experts (hidden 1024, 8 layers, 64 experts of 384, top-8:
+    0.77 GB, whose experts would take 2.4 GB in float32) loads and generates with a peak within
+    1.5x the file's size: the experts stay in their blocks, each tensor's pages of the file are
+    let go once it is copied out, and the vocabulary is read a few thousand rows at a time. (The
+    embedding is held in float32 for its lookups: 0.2 GB of the peak here.)"""
+    import subprocess
+    import sys
+
+    from tandem.bench.random_gguf import write_random_gguf
+
+    shape = {"hidden_size": 1024, "num_hidden_layers": 8, "num_experts": 64,
+             "moe_intermediate_size": 384, "num_experts_per_tok": 8, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096}  # fmt: skip
+    path = write_random_gguf(MODELS_DIR / "qwen3-30b-a3b", tmp_path / "moe.gguf", "Q8_0", shape)
+    run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path)], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, peak, formats = run.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert "Q8_0 experts" in formats
+    size_kib = path.stat().st_size // 1024
+    assert (int(peak) - int(before)) < 1.5 * size_kib, (int(peak) - int(before), size_kib)
 
 
 def test_gguf_writer_refuses_dense_layers_in_a_moe(moe_models, tmp_path):

@@ -20,12 +20,14 @@ from tandem.models.loader import load_model
 from tandem.ops import cpu_kernels
 from tandem.ops.linear import Linear
 from tandem.ops.quantized import (
+    QuantizedExperts,
     dequantize,
     for_int8_activations,
     int8_activation_linear,
     pack,
     quantize_activations,
     quantize_int8,
+    quantized_experts_linear,
     quantized_linear,
     unpack,
 )
@@ -130,6 +132,31 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
             scale = reference.abs().max().item()
             assert (out.double() - reference).abs().max().item() <= 1e-5 * scale, (tiles, rows)
             assert torch.equal(alone[0], out[0]) and torch.equal(alone[1], out[-1]), (tiles, rows)
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("int8", [False, True], ids=["float-x", "int8-x"])
+def test_experts_in_one_call_are_each_expert_s_own_product(kind, int8):
+    """A layer's experts in one kernel call (rows sorted by expert; experts with no rows, one row,
+    a tile, more): every expert's rows the same bits as its own `quantized_linear`, so a row's
+    result does not depend on which other experts ran beside it."""
+    n, k, counts = 48, 96, [3, 0, 1, 13, 0, 130, 2, 0]
+    one = [random_weight(kind, n, k, seed=e) for e in range(len(counts))]
+    if int8:
+        one = [for_int8_activations(q) for q in one]
+    stack = QuantizedExperts.stack(one)
+    ends = torch.tensor(counts).cumsum(0)
+    x = torch.randn(int(ends[-1]), k)
+    for tiles in tile_settings():
+        with cpu_kernels.using_amx_tiles(tiles):
+            out = quantized_experts_linear(x, ends, stack)
+            start = 0
+            for e, end in enumerate(ends.tolist()):
+                if end > start:
+                    assert torch.equal(out[start:end], quantized_linear(x[start:end], one[e]))
+                start = end
+    with pytest.raises(RuntimeError, match="row_ends must rise"):
+        quantized_experts_linear(x, ends - 1, stack)
 
 
 def tile_settings() -> list[bool]:

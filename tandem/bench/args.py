@@ -12,7 +12,10 @@ from tandem.bench.agent import (
     AGENT_TASKS,
     PROMPT_MODES,
 )
+from tandem.bench.random_gguf import BLOCK_TYPES
 from tandem.bench.workloads import (
+    BATCH_SIZES,
+    BATCHES_PRESET,
     BLOG_CUDA_MODEL,
     BLOG_NUM_REQUESTS,
     BLOG_OUTPUT_LEN,
@@ -36,7 +39,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload",
                    choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, COPY_PRESET,
-                            COPY_JSON_PRESET, JSON_PRESET, AGENT_PRESET),
+                            COPY_JSON_PRESET, JSON_PRESET, AGENT_PRESET, BATCHES_PRESET),
                    default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
@@ -60,7 +63,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                    f"requests under the JSON schema {JSON_SCHEMA.name} (the others ignore EOS); "
                    f"{AGENT_PRESET}: coding-agent sessions (see the agent flags): a long shared "
                    "head of tool definitions, then turns that each add the previous answer and a "
-                   "tool result, the next turn submitted when the previous answer is complete")  # fmt: skip
+                   "tool result, the next turn submitted when the previous answer is complete; "
+                   f"{BATCHES_PRESET}: for each of --batch-sizes, B prompts of exactly "
+                   "--prompt-len tokens at once, each generating exactly --output-len (EOS "
+                   "ignored, greedy), in a fresh process per batch: prefill time, decode "
+                   "tokens/s, peak RSS and its ratio to the model file, beside llama.cpp's "
+                   "llama-batched-bench on the same GGUF (--llama-cpp); Tandem runs the engine's "
+                   "loop (async; --no-async for sync), --modes is not used")  # fmt: skip
     g.add_argument("--num-requests", type=int, default=None,
                    help=f"default {DEFAULT_SIZES['num_requests']} ({BLOG_PRESET}: "
                    f"{BLOG_NUM_REQUESTS}); all arrive at once unless --arrivals poisson, and "
@@ -109,6 +118,26 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-trace", metavar="DIR",
                    help="with --profile on CUDA: write each run's profiled window (kernels, "
                    "copies and memsets on every stream) to DIR as a gzipped Chrome trace")  # fmt: skip
+    b = parser.add_argument_group(f"{BATCHES_PRESET} workload")
+    b.add_argument("--batch-sizes", default=BATCH_SIZES, metavar="B,B,...",
+                   help=f"requests at once, one measurement each; default {BATCH_SIZES}")  # fmt: skip
+    b.add_argument("--llama-cpp", default="auto", metavar="auto|none|DIR",
+                   help="llama.cpp's binaries to run llama-batched-bench from (a GGUF model "
+                   "only): auto, those that benchmarks/setup_llama_server.sh builds into "
+                   "~/.cache/tandem/llama.cpp/bin, if there; none, Tandem alone; DIR, that "
+                   "folder's. Threads: --cpu-threads, else every usable core")  # fmt: skip
+    r = parser.add_argument_group("random GGUF")
+    r.add_argument("--random-gguf", choices=BLOCK_TYPES, default=None, metavar="TYPE",
+                   help=f"run a random-weight GGUF of --model's shape ({', '.join(BLOCK_TYPES)}: "
+                   "every weight in these blocks; norms and routers F32), --model being a folder "
+                   "with config.json or a shipped config's name (qwen3-30b-a3b, llama-3.2-1b, "
+                   "llama-3.1-8b): written once, without float weights, under "
+                   "~/.cache/tandem/models (TANDEM_CACHE_DIR), then reused. Its vocabulary is "
+                   "SmolLM2's (49152 tokens, from the smollm2-135m-instruct package), which "
+                   "llama.cpp and Tandem both read")  # fmt: skip
+    r.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="with --random-gguf: N layers in place of the config's (e.g. 12 for a "
+                   "Qwen3-30B-A3B shape that does not fit 24 GiB in float32)")  # fmt: skip
     a = parser.add_argument_group(f"{AGENT_PRESET} workload")
     a.add_argument("--sessions", type=int, default=AGENT_SIZES["sessions"],
                    help="sessions at once")  # fmt: skip

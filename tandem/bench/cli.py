@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import time
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,16 +37,19 @@ from rich.table import Table
 
 from tandem.bench.agent import AGENT_PRESET
 from tandem.bench.agent_report import run_agent_bench
+from tandem.bench.batches import check_batches_args, run_batches_bench
 from tandem.bench.kernel_profile import (
     LONG_GAP_S,
     KernelProfiler,
     KernelWindow,
     shares_per_step,
 )
+from tandem.bench.random_gguf import cached_random_gguf, config_folder
 from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
-from tandem.bench.run import Run, progress_bars, run_workload
+from tandem.bench.run import Run, describe_model, progress_bars, run_workload
 from tandem.bench.workloads import (
+    BATCHES_PRESET,
     BLOG_PRESET,
     CHAT_PRESET,
     COPY_JSON_PRESET,
@@ -68,24 +71,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.grammar import GrammarCompiler, tokenizer_info
 from tandem.metrics import plot_timeline, write_chrome_trace
 from tandem.models.catalog import DEFAULT_THINKING
-from tandem.models.spec import checkpoint_shapes
 from tandem.request import StructuredOutputsParams
-
-
-def describe_model(engine: Engine) -> str:
-    """Which model ran, and its shape: the figures mean little without it."""
-    s, config = engine.spec, engine.config
-    params = sum(math.prod(shape) for shape in checkpoint_shapes(s).values())
-    weights = (
-        f"dummy weights, seed {config.seed}" if config.load_format == "dummy" else "its weights"
-    )
-    dtype = str(config.torch_dtype).removeprefix("torch.")
-    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-    return (
-        f"model: {engine.model_path.name} ({weights}): {s.num_layers} layers, hidden "
-        f"{s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV) of {s.head_dim}, "
-        f"intermediate {s.intermediate_size}, vocab {s.vocab_size}, {count} parameters, {dtype}"
-    )
 
 
 def add_kernel_rows(table: Table, windows: list[KernelWindow | None]) -> None:
@@ -548,6 +534,18 @@ def speculation_line(config: EngineConfig) -> str:
     )
 
 
+def random_model(args: argparse.Namespace, config: EngineConfig, console: Console) -> Path:
+    """--random-gguf: the cached random-weight GGUF of --model's shape (written if absent)."""
+    if config.load_format == "dummy":
+        raise ValueError("--random-gguf writes weights to load: drop --load-format dummy")
+    if args.num_layers is not None and args.num_layers < 1:
+        raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
+    layers = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    return cached_random_gguf(
+        config_folder(config.model), args.random_gguf, layers, log=console.print
+    )
+
+
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     console = Console(stderr=True)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -566,8 +564,16 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     ):
         raise ValueError(f"--thinking-budget is a budget (>= 0) of the {JSON_PRESET} workload")
     config = resolve_workload(args, config, config.torch_device.type)
+    if args.workload == BATCHES_PRESET:
+        check_batches_args(args, config)  # before a random GGUF is written
+    if args.random_gguf is not None:
+        config = replace(config, model=str(random_model(args, config, console)))
+    elif args.num_layers is not None:
+        raise ValueError("--num-layers shapes the file that --random-gguf writes: add it")
     if args.workload == AGENT_PRESET:  # closed-loop sessions: a feeding loop and report of its own
         return run_agent_bench(args, config, modes)
+    if args.workload == BATCHES_PRESET:  # a fresh process per batch size, beside llama.cpp
+        return run_batches_bench(args, config)
     engine = Engine(config)
     try:
         workload = bench_workload(args, engine)

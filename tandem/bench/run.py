@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ from tandem.bench.kernel_profile import KernelProfiler, KernelWindow
 from tandem.bench.workloads import Workload
 from tandem.engine.engine import Engine
 from tandem.metrics import RunSummary, StepRecord
+from tandem.models.spec import checkpoint_shapes
 from tandem.request import SamplingParams
 
 
@@ -118,4 +120,20 @@ def run_workload(
         kernels,
         [reasons[r] for r in order],
         [times[r] for r in order],
+    )
+
+
+def describe_model(engine: Engine) -> str:
+    """Which model ran, and its shape: the figures mean little without it."""
+    s, config = engine.spec, engine.config
+    params = sum(math.prod(shape) for shape in checkpoint_shapes(s).values())
+    weights = (
+        f"dummy weights, seed {config.seed}" if config.load_format == "dummy" else "its weights"
+    )
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    return (
+        f"model: {engine.model_path.name} ({weights}): {s.num_layers} layers, hidden "
+        f"{s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV) of {s.head_dim}, "
+        f"intermediate {s.intermediate_size}, vocab {s.vocab_size}, {count} parameters, {dtype}"
     )

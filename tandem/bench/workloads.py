@@ -4,7 +4,8 @@ make. Most are random token ids (nothing is tokenized, so any model with a vocab
 `copy` asks the model to repeat a shipped passage (the case speculative decoding's drafts are
 right most often), `copy-json` the same as a JSON object under a schema (drafts under a
 grammar); `json` is the random workload with a share of its requests under a shipped JSON
-schema."""
+schema; `batches` is B random prompts at once of exactly --prompt-len tokens, each generating
+exactly --output-len, for each batch size B."""
 
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ COPY_JSON_SCHEMA = {
 JSON_PRESET = "json"
 JSON_FRACTIONS = "0,25,100"
 JSON_SCHEMA = Path(__file__).with_name("data") / "product_schema.json"
+# B requests at once, every prompt and output of the same length, for each B of --batch-sizes:
+# what llama.cpp's llama-batched-bench runs (batches.py), beside it.
+BATCHES_PRESET = "batches"
+BATCH_SIZES = "1,32"
 MODELS_DIR = Path(__file__).with_name("models")  # package data: config.json files only
 PROFILE_STEPS = 64  # steps per profiled window: a few tens of thousands of kernels on an 8B
 
@@ -168,6 +173,27 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
             t += rng.expovariate(args.rate)
         arrivals.append(t)
     return Workload(prompts, outputs, arrivals)
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """--batch-sizes: distinct positive batch sizes, in the order given."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-sizes takes distinct sizes >= 1, e.g. 1,32; got {text!r}")
+    return sizes
+
+
+def make_batch_workload(
+    batch: int, prompt_len: int, output_len: int, vocab_size: int, seed: int = 0
+) -> Workload:
+    """`batch` random prompts of exactly `prompt_len` tokens, all at once, each generating
+    exactly `output_len` tokens."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    return Workload(prompts, [output_len] * batch, [0.0] * batch)
 
 
 def chat_questions() -> list[str]:

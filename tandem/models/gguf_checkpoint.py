@@ -143,6 +143,11 @@ class GGUFFile:
         file, for as long as the file is cached here. Later reads fault pages back in."""
         self.reader.release_pages()
 
+    def release_tensor_pages(self, tensor: ReaderTensor) -> None:
+        """`release_pages` for one tensor's bytes, once they are copied out: so that a load's
+        peak holds the model and the tensor being read, not the model and the file."""
+        self.reader.release_pages(int(tensor.data_offset), int(tensor.n_bytes))
+
     @property
     def tensor_types(self) -> str:
         """The file's storage types, most common first, e.g. "Q4_1, F32, Q8_0"."""
@@ -227,9 +232,17 @@ class _Reader(GGUFReader):
             offs += 8 + length
         return offs - orig_offs, parts, list(range(2, 2 + n)), types
 
-    def release_pages(self) -> None:
-        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+    def release_pages(self, start: int = 0, length: int | None = None) -> None:
+        """Drop the mapping's pages over [start, start + length) (the whole file by default)."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if length is None:
             self._map.madvise(mmap.MADV_DONTNEED)
+            return
+        first = start - start % mmap.PAGESIZE  # madvise takes whole pages
+        end = min(start + length, len(self._map))
+        if end > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def gguf_config(file: GGUFFile) -> PretrainedConfig:
@@ -446,8 +459,7 @@ class GGUFTensor:
     def native_format(self) -> str | None:
         """The layout the CPU kernels run the tensor's blocks in (`quantized`;
         `gguf_blocks.LAYOUTS`), else None."""
-        native = self.expert is None  # experts: float
-        return gguf_blocks.LAYOUTS.get(self.tensor.tensor_type.name) if native else None
+        return gguf_blocks.LAYOUTS.get(self.tensor.tensor_type.name)
 
     def quantized(
         self, rows: slice | None, cols: slice | None, layout: str | None = None

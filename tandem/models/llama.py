@@ -142,7 +142,12 @@ class DecoderLayer(nn.Module):
         q_norm = a.q_norm.weight if a.spec.qk_norm else none
         k_norm = a.k_norm.weight if a.spec.qk_norm else none
         norms = [self.input_norm.weight, q_norm, k_norm, self.post_attn_norm.weight]
-        return norms + a.qkv.flat() + a.o.flat() + m.gate_up.flat() + m.down.flat()
+        if isinstance(m, moe.SparseMoE):
+            e = m.experts
+            mlp = e.flat("gate_up") + e.flat("down") + [m.router.weight]
+        else:
+            mlp = m.gate_up.flat() + m.down.flat() + [none]
+        return norms + a.qkv.flat() + a.o.flat() + mlp
 
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous sublayer's output (the embeddings for the first layer, where
@@ -161,6 +166,9 @@ def add_to_residual_and_norm(ops: ModuleType, x, residual, norm: RMSNorm):
     if residual is None:
         return ops.rms_norm(x, norm.weight, norm.eps), x
     return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+
+VOCAB_ROWS_PER_READ = 4096  # rows of the embedding or the LM head read from a checkpoint at once
 
 
 class LlamaModel(nn.Module):
@@ -206,8 +214,9 @@ class LlamaModel(nn.Module):
     def use_fast_path(self, fused: bool) -> bool:
         """Pack every float32 GEMM weight for the CPU GEMMs (`ops/linear.py`) and, if `fused` (the
         CPU kernels are loaded), run the whole forward as one kernel call (`tandem::llama_forward`),
-        which needs the GIL once per step instead of once per op. A mixture-of-experts model
-        runs the per-op forward with its packed GEMMs (the one kernel has no sparse MLP).
+        which needs the GIL once per step instead of once per op. A mixture of experts runs
+        there too where its experts are packed or quantized and it has no shared expert
+        (Qwen2-MoE's, which the one kernel lacks: it runs op by op).
 
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
         modules = [m for m in self.modules() if isinstance(m, Linear | moe.Experts)]
@@ -248,7 +257,18 @@ class LlamaModel(nn.Module):
     def has_fused_forward(self) -> bool:
         one_window = len(set(self.spec.layer_windows())) == 1
         fp8 = any(self._fp8_layers())  # the one-call forward has no FP8 GEMM
-        return self.family_has_fused_forward and one_window and self.spec.moe is None and not fp8
+        return self.family_has_fused_forward and one_window and not fp8 and self._fused_experts
+
+    @property
+    def _fused_experts(self) -> bool:
+        """Whether the one-call forward computes this model's sparse layers: no shared expert
+        (Qwen2-MoE's), every projection of the experts packed or quantized."""
+        moe_spec = self.spec.moe
+        if moe_spec is None:
+            return True
+        return not moe_spec.shared_intermediate_size and all(
+            e.packed_or_quantized for e in self._experts()
+        )
 
     def forward(
         self,
@@ -303,6 +323,7 @@ class LlamaModel(nn.Module):
             meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,
             self.layers[0].attn.window or 0, self.tp.group_name, self.shard.vocab.start,
+            s.moe.top_k if s.moe else 0, bool(s.moe and s.moe.norm_topk_prob),
         )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -325,15 +346,27 @@ class LlamaModel(nn.Module):
         place = self._place(name)
         if place is None:
             return False
+        experts = self._quantized_experts(place)
+        if experts is not None:  # one expert of a planned stack: its blocks as they are
+            module, projection = experts
+            layout = self._quantized_layouts[place.target]
+            part = source.quantized(place.rows, place.cols, layout)
+            module.load_quantized(projection, place.expert, place.offset or 0, part)
+            return True
         quantized = self._quantized_target(place.target)
         if quantized is not None:  # a planned layer: the checkpoint's blocks as they are
             layout = self._quantized_layouts.get(place.target)
-            quantized.load_quantized_rows(
-                place.offset or 0, source.quantized(place.rows, place.cols, layout)
-            )
+            for rows, offset in _row_reads(place):
+                quantized.load_quantized_rows(offset, source.quantized(rows, place.cols, layout))
             return True
         if name == "model.embed_tokens.weight" and self.tied_logits is not None:
             self.tied_logits.load_quantized_rows(0, source.quantized(place.rows, None))
+        if place.target in ("embed.weight", "lm_head.weight"):
+            param = self.get_parameter(place.target).data
+            param.zero_()  # the last rank's padding rows past the vocabulary
+            for rows, offset in _row_reads(place):
+                param[offset : offset + rows.stop - rows.start].copy_(source[rows])
+            return True
         if place.cols is not None:
             tensor = source[:, place.cols]
         elif place.rows is not None:
@@ -346,8 +379,6 @@ class LlamaModel(nn.Module):
         if place.offset is None:
             param.copy_(tensor)
             return True
-        if place.target in ("embed.weight", "lm_head.weight"):
-            param.zero_()  # the last rank's padding rows past the vocabulary
         param.narrow(0, place.offset, tensor.shape[0]).copy_(tensor)
         return True
 
@@ -365,15 +396,24 @@ class LlamaModel(nn.Module):
         formats: dict[str, set[str | None]] = {}
         for name in self.checkpoint_names():
             place = self._place(name)
-            if place is not None and place.target.endswith(".weight"):
+            if place is not None and (place.target.endswith(".weight") or place.expert is not None):
                 sources.setdefault(place.target, []).append(place)
                 formats.setdefault(place.target, set()).add(format_of(name))
         for target, places in sources.items():
-            module = self.get_submodule(target.removesuffix(".weight"))
-            fits = isinstance(module, Linear) and all(map(_fits, places))
             found = formats[target]
             one = next(iter(found)) if len(found) == 1 else common and common(found)
-            if fits and one and can_quantize(module.out_features, module.in_features):
+            if not one or not all(map(_fits, places)):
+                continue
+            owner, _, projection = target.rpartition(".")
+            module = self.get_submodule(owner)
+            if isinstance(module, moe.Experts):  # a projection of every expert, stacked
+                shape = module.out_features[projection], module.in_features[projection]
+                if can_quantize(*shape):
+                    module.plan_quantized(projection)
+                    self._quantized_layouts[target] = one
+                continue
+            module = self.get_submodule(target.removesuffix(".weight"))
+            if isinstance(module, Linear) and can_quantize(module.out_features, module.in_features):
                 module.drop_dense_weight()
                 self._quantized_layouts[target] = one
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
@@ -415,6 +455,15 @@ class LlamaModel(nn.Module):
         """Per-channel int8 for every linear layer (and the tied logits) whose shape fits the
         layout, from the loaded float weights."""
         self._quantize_linear_layers(self.modules(), quantize_int8, can_quantize)
+        for experts in self._experts():
+            for name in moe.PROJECTIONS:
+                weights = getattr(experts, name)
+                if name in experts.quantized or not can_quantize(*weights.shape[1:]):
+                    continue
+                absmax = weights.abs().amax(dim=2)
+                if name == "down":  # row-parallel: a rank holds some columns of each row
+                    self.tp.all_reduce_max(absmax)
+                experts.quantize(name, quantize_int8, absmax)
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         if (
             self.spec.tie_word_embeddings
@@ -454,7 +503,15 @@ class LlamaModel(nn.Module):
         layers = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is not None]
         for module in layers:
             module.quantized = for_int8_activations(module.quantized)
-        return len(layers)
+        stacks = 0
+        for experts in self._experts():
+            for name, stack in experts.quantized.items():
+                experts.quantized[name] = for_int8_activations(stack)
+                stacks += 1
+        return len(layers) + stacks
+
+    def _experts(self) -> list[moe.Experts]:
+        return [m for m in self.modules() if isinstance(m, moe.Experts)]
 
     def weight_formats(self) -> dict[str, int]:
         """How many linear layers (the logits' included) hold each format, e.g. {"Q4_1": 120}."""
@@ -466,7 +523,23 @@ class LlamaModel(nn.Module):
                 if getattr(module.quantized, "int8_activations", False):
                     name += " with int8 activations"
                 counts[name] = counts.get(name, 0) + 1
+        for experts in self._experts():  # each projection's stack counts as one layer
+            for name in moe.PROJECTIONS:
+                stack = experts.quantized.get(name)
+                held = "float32" if stack is None else stack.source
+                if stack is not None and stack.int8_activations:
+                    held += " with int8 activations"
+                counts[f"{held} experts"] = counts.get(f"{held} experts", 0) + 1
         return counts
+
+    def _quantized_experts(self, place: Placement) -> tuple[moe.Experts, str] | None:
+        """The experts and the projection an expert's tensor belongs to, if planned quantized."""
+        if place.expert is None:
+            return None
+        owner, _, projection = place.target.rpartition(".")
+        module = self.get_submodule(owner)
+        planned = isinstance(module, moe.Experts) and module.planned_quantized(projection)
+        return (module, projection) if planned else None
 
     def _quantized_target(self, target: str) -> Linear | None:
         """The linear layer `target` (a weight's name) belongs to, if it was planned quantized."""
@@ -528,6 +601,21 @@ class LlamaModel(nn.Module):
             replicated["self_attn.q_norm.weight"] = "attn.q_norm.weight"
             replicated["self_attn.k_norm.weight"] = "attn.k_norm.weight"
         return Placement(f"{p}.{replicated[rest]}") if rest in replicated else None
+
+
+def _row_reads(place: Placement) -> list[tuple[slice | None, int]]:
+    """The reads of a checkpoint tensor's part: (its rows, their first row in the parameter).
+    A vocabulary (the embedding, the LM head) is read VOCAB_ROWS_PER_READ rows at a time: read
+    whole, its dequantized or unpacked copy would double the model's largest tensor for as long
+    as it is copied."""
+    offset = place.offset or 0
+    if place.target not in ("embed.weight", "lm_head.weight") or place.rows is None:
+        return [(place.rows, offset)]
+    rows = place.rows
+    return [
+        (slice(start, min(rows.stop, start + VOCAB_ROWS_PER_READ)), offset + start - rows.start)
+        for start in range(rows.start, rows.stop, VOCAB_ROWS_PER_READ)
+    ]
 
 
 def _fits(place: Placement) -> bool:

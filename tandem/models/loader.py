@@ -272,7 +272,11 @@ def _load_gguf_weights(model: LlamaModel, path: Path) -> None:
     config, so a file whose metadata and tensors disagree never loads as a wrong model."""
     file, loaded = gguf.open_gguf(path), set()
     shapes = model.checkpoint_shapes()
+    previous = None  # the file's tensor read last (a stacked experts tensor: one per expert)
     for name, tensor in gguf.gguf_tensors(file, model.spec.head_dim):
+        if previous is not None and tensor.tensor is not previous:
+            file.release_tensor_pages(previous)  # copied out: its pages need not stay
+        previous = tensor.tensor
         if name in shapes and tensor.shape != shapes[name]:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.tensor.name} has shape {tensor.shape}, the metadata "

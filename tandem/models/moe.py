@@ -19,6 +19,8 @@ all-reduce. `docs/moe.md` says how expert parallelism would map onto the same co
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -27,8 +29,32 @@ from transformers import PretrainedConfig
 
 from tandem.models.parallel import Placement, Shard, TensorParallel
 from tandem.models.spec import LlamaSpec, MoESpec
-from tandem.ops.linear import Linear, can_prepack, linear, prepack, shape_only
-from tandem.ops.moe import grouped_experts, grouped_experts_on_device, grouped_mm_runs, route
+from tandem.ops import cpu_kernels
+from tandem.ops.linear import (
+    Linear,
+    can_pack_panels,
+    linear,
+    pack_panels,
+    panels_shape,
+    rows_from_panels,
+    shape_only,
+)
+from tandem.ops.moe import (
+    experts_in_one_pass,
+    grouped_experts,
+    grouped_experts_on_device,
+    grouped_mm_runs,
+    route,
+)
+from tandem.ops.quantized import (
+    QuantizedExperts,
+    QuantizedWeight,
+    copy_rows,
+    dequantize,
+    quantized_experts_linear,
+    quantized_linear,
+    zero_rows,
+)
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 # A checkpoint's expert part -> which of gate, up, down it is (Qwen's names, then Mixtral's).
@@ -74,34 +100,117 @@ class Expert(nn.Module):
         return self.down(self.gate_up.silu_and_mul(x, ops))
 
 
+PROJECTIONS = ("gate_up", "down")
+
+
 class Experts(nn.Module):
-    """A layer's experts, stacked; expert e's gate/up rows are `gate_up[e]`, its down `down[e]`."""
+    """A layer's experts, stacked; expert e's gate/up rows are `gate_up[e]`, its down `down[e]`.
+
+    Each projection is held one of three ways: the float stack (its parameter); on the CPU fast
+    path, every expert's matrix packed into panels, stacked ([experts, panels, in, width]: one
+    buffer, which replaces the float stack); or quantized (`quantized[name]`: a GGUF's blocks as
+    they are, or int8), the parameter then left empty. The kernels run a projection of every
+    expert in one call (`ops/moe.experts_in_one_pass`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.out_features = {"gate_up": 2 * intermediate, "down": hidden}
+        self.in_features = {"gate_up": hidden, "down": intermediate}
+        self.panels: dict[str, torch.Tensor] = {}
+        self.quantized: dict[str, QuantizedExperts] = {}
 
     def __len__(self) -> int:
         return self.gate_up.shape[0]
 
+    def plan_quantized(self, name: str) -> None:
+        """Keep no float stack for projection `name`: it is to be loaded quantized."""
+        setattr(self, name, shape_only(len(self), self.out_features[name]))
+
+    def planned_quantized(self, name: str) -> bool:
+        return getattr(self, name).shape[-1] == 0 and name not in self.panels
+
+    def load_quantized(self, name: str, expert: int, first_row: int, part: QuantizedWeight) -> None:
+        """Copy one expert's rows [first_row, ...) of projection `name` in the kernels' layout
+        (gate and up are two parts of one matrix); the first part sets the stack's format."""
+        stack = self.quantized.get(name)
+        if stack is None:
+            one = zero_rows(self.out_features[name], part)
+            stack = self.quantized[name] = QuantizedExperts.empty_like(len(self), one)
+        into = stack[expert]  # views of the stack
+        copy_rows(into, first_row, part)
+        stack.source = into.source
+
+    def quantize(self, name: str, quantize_one: Callable, absmax: torch.Tensor) -> None:
+        """Replace the float stack of `name` by each expert's quantize_one(weight, absmax[e])."""
+        weights = getattr(self, name)
+        one_by_one = [quantize_one(w, a) for w, a in zip(weights, absmax, strict=True)]
+        self.quantized[name] = QuantizedExperts.stack(one_by_one)
+        self.plan_quantized(name)
+
     def prepack(self) -> bool:
-        """Pack each expert's two matrices for the CPU GEMMs where they exist; True if it did.
-        Panels replace the stacked float weights (as in `Linear.prepack`)."""
-        if can_prepack(self.gate_up):
-            self.packed = [
-                (prepack(g), prepack(d)) for g, d in zip(self.gate_up, self.down, strict=True)
-            ]
-            if self.packed[0][0].dim() == 3:
-                self.gate_up = shape_only(*self.gate_up.shape[:2])
-                self.down = shape_only(*self.down.shape[:2])
-        return self.packed is not None
+        """Pack each float projection's experts into stacked panels for the CPU GEMMs where the
+        kernels are loaded; True if every projection runs packed or quantized."""
+        for name in PROJECTIONS:
+            weights = getattr(self, name)
+            if name in self.quantized or name in self.panels or not can_pack_panels(weights):
+                continue
+            shape = (len(self), *panels_shape(self.out_features[name], self.in_features[name]))
+            panels = torch.empty(shape)
+            for e in range(len(self)):
+                pack_panels(weights[e], panels[e])
+            self.panels[name] = panels
+            setattr(self, name, shape_only(len(self), self.out_features[name]))
+        return self.packed_or_quantized
+
+    @property
+    def packed_or_quantized(self) -> bool:
+        return all(n in self.quantized or n in self.panels for n in PROJECTIONS)
+
+    def runs_in_one_pass(self, x: torch.Tensor) -> bool:
+        """Whether every projection runs all its experts in one kernel call for x."""
+        kernels = cpu_kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
+        return kernels and self.packed_or_quantized
+
+    def flat(self, name: str) -> list[torch.Tensor]:
+        """Projection `name` as the fused forward reads it (csrc: LayerWeight): an empty [out, 0]
+        tensor (the out features), the stacked panels or quantized values, scales, offsets, and
+        an empty tensor."""
+        none = torch.empty(0)
+        outs = torch.empty(self.out_features[name], 0)
+        if name in self.quantized:
+            values, scales, offsets = self.quantized[name].flat()
+            return [outs, values, scales, offsets, none]
+        return [outs, self.panels[name], none, none, none]
+
+    def project(self, name: str, rows: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
+        """Projection `name` of each expert's rows (sorted by expert, `row_ends`), in one call."""
+        if name in self.quantized:
+            return quantized_experts_linear(rows, row_ends, self.quantized[name])
+        out = self.out_features[name]
+        return torch.ops.tandem.gemm_experts(rows, row_ends, self.panels[name], out)
 
     def forward(self, e: int, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        gate_up, down = self.packed[e] if self.packed is not None else (None, None)
-        h = ops.silu_and_mul(linear(x, self.gate_up[e], None, gate_up))
-        return linear(h, self.down[e], None, down)
+        h = ops.silu_and_mul(self._expert(e, "gate_up", x))
+        return self._expert(e, "down", h)
+
+    def _expert(self, e: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in self.quantized:
+            return quantized_linear(x, self.quantized[name][e])
+        if name in self.panels:
+            return linear(x, getattr(self, name)[e], None, self.panels[name][e])
+        return linear(x, getattr(self, name)[e])
+
+    def float_weights(self, name: str) -> torch.Tensor:
+        """Projection `name` of every expert, [experts, out, in] in float32, however it is held
+        (for inspection)."""
+        if name in self.quantized:
+            return torch.stack([dequantize(self.quantized[name][e]) for e in range(len(self))])
+        if name in self.panels:
+            rows = torch.arange(self.out_features[name])
+            return torch.stack([rows_from_panels(panels, rows) for panels in self.panels[name]])
+        return getattr(self, name).detach()
 
 
 class SparseMoE(nn.Module):
@@ -122,8 +231,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         m = self.moe
         weights, ids = route(self.router(x), m.top_k, m.norm_topk_prob, m.float32_weights)
-        if grouped_mm_runs(x):  # no host sync (CUDA)
-            e = self.experts
+        e = self.experts
+        if e.runs_in_one_pass(x):  # the CPU kernels: each projection of every expert in one call
+            out = experts_in_one_pass(
+                x, weights, ids, m.num_experts, functools.partial(e.project, "gate_up"),
+                functools.partial(e.project, "down"), ops.silu_and_mul,
+            )  # fmt: skip
+        elif grouped_mm_runs(x):  # no host sync (CUDA)
             out = grouped_experts_on_device(x, weights, ids, e.gate_up, e.down, ops.silu_and_mul)
         else:
             out = grouped_experts(

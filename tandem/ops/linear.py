@@ -28,11 +28,12 @@ from tandem.ops import cpu_kernels
 from tandem.ops.fp8 import Fp8Weight, dequantize_fp8, fp8_linear
 from tandem.ops.huge_pages import HUGE_PAGE, advise
 from tandem.ops.quantized import (
-    GROUP_ROWS,
     QuantizedWeight,
+    copy_rows,
     dequantize,
     or_empty,
     quantized_linear,
+    zero_rows,
 )
 
 # The M that MKL tunes its packed layout for (the fallback without the kernels); any M runs
@@ -193,20 +194,8 @@ class Linear(nn.Module):
         projection's part: q, k or v; gate or up); the first part sets the format, and the
         source names each part's, in any load order the same (e.g. "Q5_0 as Q8_0 + Q8_0")."""
         if self.quantized is None:
-            groups = self.out_features // GROUP_ROWS
-            whole = [None if t is None else t.new_zeros((groups, *t.shape[1:])) for t in
-                     (part.values, part.scales, part.offsets)]  # fmt: skip
-            self.quantized = QuantizedWeight(*whole, part.source)
-        q = self.quantized
-        same = part.bits == q.bits and part.values.dtype == q.values.dtype
-        same = same and part.scales.dtype == q.scales.dtype and part.scale_cols == q.scale_cols
-        if not same or (part.offsets is None) != (q.offsets is None):
-            raise ValueError(f"parts of one layer in two formats ({q.source}, {part.source})")
-        q.source = " + ".join(sorted({*q.source.split(" + "), part.source}))
-        group = first_row // GROUP_ROWS
-        for whole, piece in zip(q.flat(), part.flat(), strict=True):
-            if piece.numel():
-                whole.narrow(0, group, piece.shape[0]).copy_(piece)
+            self.quantized = zero_rows(self.out_features, part)
+        copy_rows(self.quantized, first_row, part)
 
     def will_pack_panels(self) -> bool:
         """Whether `prepack` packs this layer in panels (a float32 weight, the kernels loaded)."""

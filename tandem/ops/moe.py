@@ -61,6 +61,31 @@ def grouped_experts(
     return out.index_add_(0, tokens, (ys * sorted_weights[:, None]).to(out.dtype))
 
 
+def experts_in_one_pass(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    gate_up: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    down: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`grouped_experts` with each projection of every expert in one call: `gate_up(rows,
+    row_ends)` and `down(rows, row_ends)` take all the rows sorted by expert and each expert's
+    end row (the CPU kernels run them as one task list: a layer's experts at decode are a
+    handful of small products, each too small for a parallel region of its own)."""
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within each
+    tokens = order // top_k
+    row_ends = torch.bincount(flat, minlength=num_experts).cumsum(0)  # on the CPU: no sync
+    rows = x.index_select(0, tokens)
+    ys = down(act(gate_up(rows, row_ends)), row_ends)
+    out = torch.zeros_like(x)
+    # Row by row in order, so each token's terms add by ascending expert, as in the loop.
+    return out.index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(out.dtype))
+
+
 def grouped_experts_on_device(
     x: torch.Tensor,
     weights: torch.Tensor,

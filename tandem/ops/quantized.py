@@ -78,6 +78,81 @@ class QuantizedWeight:
         return [self.values, self.scales, or_empty(self.offsets)]
 
 
+@dataclass
+class QuantizedExperts:
+    """One projection of a layer's every expert, each a `QuantizedWeight` of one shape and format,
+    stacked: values, scales and offsets with a leading [experts] dimension, as the kernels walk
+    them in one task list (`quantized_experts_linear`)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    source: str
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def __getitem__(self, e: int) -> QuantizedWeight:
+        offsets = None if self.offsets is None else self.offsets[e]
+        return QuantizedWeight(self.values[e], self.scales[e], offsets, self.source)
+
+    @classmethod
+    def stack(cls, weights: list[QuantizedWeight]) -> QuantizedExperts:
+        """Weights of one shape and format, stacked."""
+        parts = [[q.values for q in weights], [q.scales for q in weights]]
+        offsets = None if weights[0].offsets is None else torch.stack([q.offsets for q in weights])
+        return cls(torch.stack(parts[0]), torch.stack(parts[1]), offsets, weights[0].source)
+
+    @classmethod
+    def empty_like(cls, experts: int, one: QuantizedWeight) -> QuantizedExperts:
+        """Zeros for `experts` weights shaped and typed as `one`, to be filled expert by expert."""
+        parts = (one.values, one.scales, one.offsets)
+        stacked = [None if t is None else t.new_zeros((experts, *t.shape)) for t in parts]
+        return cls(*stacked, one.source)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Each expert's [out_features, in_features]."""
+        return self[0].shape
+
+    @property
+    def int8_activations(self) -> bool:
+        return self[0].int8_activations
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.values, self.scales, self.offsets)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def flat(self) -> list[torch.Tensor]:
+        return [self.values, self.scales, or_empty(self.offsets)]
+
+
+def zero_rows(out_features: int, like: QuantizedWeight) -> QuantizedWeight:
+    """Zeros for a weight of `out_features` rows in the format of `like` (a part of it), to be
+    filled part by part (`copy_rows`)."""
+    groups = out_features // GROUP_ROWS
+    parts = (like.values, like.scales, like.offsets)
+    whole = [None if t is None else t.new_zeros((groups, *t.shape[1:])) for t in parts]
+    return QuantizedWeight(*whole, like.source)
+
+
+def copy_rows(whole: QuantizedWeight, first_row: int, part: QuantizedWeight) -> None:
+    """Copy rows [first_row, first_row + part's rows) of a weight fused from parts (q, k and v;
+    gate and up), which must share its format; its source then names each part's, in any load
+    order the same (e.g. "Q5_0 as Q8_0 + Q8_0")."""
+    same = part.bits == whole.bits and part.values.dtype == whole.values.dtype
+    same = same and part.scales.dtype == whole.scales.dtype
+    same = same and part.scale_cols == whole.scale_cols
+    if not same or (part.offsets is None) != (whole.offsets is None):
+        raise ValueError(f"parts of one layer in two formats ({whole.source}, {part.source})")
+    whole.source = " + ".join(sorted({*whole.source.split(" + "), part.source}))
+    group = first_row // GROUP_ROWS
+    for into, piece in zip(whole.flat(), part.flat(), strict=True):
+        if piece.numel():
+            into.narrow(0, group, piece.shape[0]).copy_(piece)
+
+
 def can_quantize(out_features: int, in_features: int) -> bool:
     """Whether a weight of this shape fits the layout (whole groups of rows, whole blocks)."""
     return out_features % GROUP_ROWS == 0 and in_features % BLOCK_COLS == 0 and out_features > 0
@@ -125,13 +200,14 @@ def pack(
     )
 
 
-def for_int8_activations(q: QuantizedWeight) -> QuantizedWeight:
-    """The same weight laid out for the kernels' integer products (int8 activations): the words'
-    very bytes, typed as bytes."""
-    if q.int8_activations:
+def for_int8_activations(q: QuantizedWeight | QuantizedExperts):
+    """The same weight (or experts) laid out for the kernels' integer products (int8
+    activations): the words' very bytes, typed as bytes."""
+    one = q[0] if isinstance(q, QuantizedExperts) else q
+    if one.int8_activations:
         return q
-    values = q.values.view(torch.uint8 if q.bits == 4 else torch.int8)
-    return QuantizedWeight(values, q.scales, q.offsets, q.source)
+    values = q.values.view(torch.uint8 if one.bits == 4 else torch.int8)
+    return type(q)(values, q.scales, q.offsets, q.source)
 
 
 def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -223,6 +299,23 @@ def quantized_linear(
     if q.int8_activations:
         return int8_activation_linear(x, q, bias)
     return F.linear(x, dequantize(q).to(x.dtype), bias)
+
+
+def quantized_experts_linear(
+    x: torch.Tensor, row_ends: torch.Tensor, q: QuantizedExperts
+) -> torch.Tensor:
+    """Rows [row_ends[e - 1], row_ends[e]) of x (sorted by expert) @ expert e's weight.T, for
+    every expert: in one kernel call where the kernels are loaded, else expert by expert."""
+    if cpu_kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.float32:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return torch.ops.tandem.quantized_experts(x, row_ends, *q.flat())
+    out = x.new_empty(x.shape[0], q.shape[0])
+    start = 0
+    for e, end in enumerate(row_ends.tolist()):  # CPU tensor: a read, no device sync
+        if end > start:
+            out[start:end] = quantized_linear(x[start:end], q[e])
+        start = end
+    return out
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:

@@ -954,10 +954,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 // Per layer, in this order; a missing optional weight is an empty tensor. Each linear layer is
 // five tensors (`Linear.flat()` in ops/linear.py): its float32 weight, or its quantized values,
 // then its panels (the float32 GEMM's packed weight), the quantized scales and offsets, and the
-// bias.
+// bias. A mixture-of-experts layer has a router; its gate/up and down slots then hold every
+// expert's projection (`Experts.flat()` in models/moe.py): an empty [out, 0] tensor (the out
+// features), the stacked panels or quantized values, the scales and offsets, nothing.
 enum LayerWeight {
   kInputNorm, kQNorm, kKNorm, kPostNorm, kQkv, kO = kQkv + 5, kGateUp = kO + 5,
-  kDown = kGateUp + 5, kWeightsPerLayer = kDown + 5
+  kDown = kGateUp + 5, kRouter = kDown + 5, kWeightsPerLayer
 };
 
 // ---- Float32 GEMM over weights packed in panels ----
@@ -1066,49 +1068,104 @@ int64_t rows_per_task(int64_t in) {
 
 int64_t gemm_panel_width() { return kPanel; }
 
-// x [M, in] @ weight.T (+ bias) over the weight's panels [ceil(outs / kPanel), in, kPanel]: out
-// [M, outs]. Tasks are (a run of panels, a block of rows); steps up to kGemvMaxRows rows take
-// every row in one block, so each thread streams its panels once.
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias, int64_t outs) {
-  check_float_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in]");
-  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
-                  panels.size(1) == x.size(1) && panels.size(2) == kPanel &&
-                  panels.size(0) == (outs + kPanel - 1) / kPanel,
-              "panels must be float32 [ceil(out / ", kPanel, "), in, ", kPanel,
-              "] matching x (packed by ops/linear.py's pack_panels on this build)");
-  TORCH_CHECK(!present(bias) || (bias.is_contiguous() && bias.numel() == outs &&
-                                 bias.scalar_type() == at::kFloat),
-              "bias must be float32 [out]");
-  const int64_t rows = x.size(0), in = x.size(1), x_stride = x.stride(0);
-  auto out = at::empty({rows, outs}, x.options());
-  if (rows == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  const float* bp = present(bias) ? bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t num_panels = panels.size(0);
+// Rows [row0, row0 + rows) of x times one weight's panels: a linear layer is one job, a layer's
+// experts a job each over the rows routed to them.
+struct PanelJob {
+  int64_t row0, rows;
+  const float* panels;
+};
+
+// Every job's rows times its panels ([num_panels, in, kPanel] each) into out [M, outs], all jobs
+// as one task list. Tasks are (a job, a run of panels, a block of rows); jobs up to kGemvMaxRows
+// rows take every row in one block, so each thread streams its panels once.
+void gemm_jobs(const float* xp, int64_t x_stride, int64_t in, const std::vector<PanelJob>& jobs,
+               int64_t num_panels, const float* bp, float* op, int64_t outs) {
   // 64 KiB of weights per task at least: smaller tasks cost more to hand out than they save.
   const int64_t run = std::max<int64_t>(1, ((1 << 14) + kPanel * in - 1) / (kPanel * in));
-  const int64_t row_block = rows <= kGemvMaxRows ? rows : rows_per_task(in);
-  const int64_t row_blocks = (rows + row_block - 1) / row_block;
   const int64_t runs = (num_panels + run - 1) / run;
-  const auto walk = rows <= kGemvMaxRows ? &panel_rows<true> : &panel_rows<false>;
-  parallel_chunks(runs * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+  std::vector<int64_t> row_block(jobs.size()), task_ends(jobs.size());
+  int64_t tasks = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const int64_t rows = jobs[j].rows;
+    row_block[j] = rows <= kGemvMaxRows ? rows : rows_per_task(in);
+    task_ends[j] = tasks += runs * ((rows + row_block[j] - 1) / row_block[j]);
+  }
+  parallel_chunks(tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m = t % row_blocks * row_block, block = std::min(row_block, rows - m);
-      for (int64_t p = t / row_blocks * run; p < std::min(num_panels, (t / row_blocks + 1) * run);
-           ++p) {
+      const size_t j = std::upper_bound(task_ends.begin(), task_ends.end(), t) - task_ends.begin();
+      const PanelJob& job = jobs[j];
+      const int64_t local = t - (j > 0 ? task_ends[j - 1] : 0);
+      const int64_t row_blocks = (job.rows + row_block[j] - 1) / row_block[j];
+      const int64_t m = job.row0 + local % row_blocks * row_block[j];
+      const int64_t block = std::min(row_block[j], job.row0 + job.rows - m);
+      const auto walk = job.rows <= kGemvMaxRows ? &panel_rows<true> : &panel_rows<false>;
+      const int64_t first = local / row_blocks * run;
+      for (int64_t p = first; p < std::min(num_panels, first + run); ++p) {
         const int64_t o = p * kPanel;
         for (int64_t k0 = 0; k0 < in; k0 += kInputsPerPass) {
           const int64_t k1 = std::min(in, k0 + kInputsPerPass);
-          walk(xp + m * x_stride, x_stride, block, pp + p * in * kPanel, k0, k1,
+          walk(xp + m * x_stride, x_stride, block, job.panels + p * in * kPanel, k0, k1,
                bp != nullptr && k1 == in ? bp + o : nullptr, op + m * outs + o, outs,
                std::min(kPanel, outs - o));
         }
       }
     }
   });
+}
+
+void check_panels(const at::Tensor& panels, int64_t in, int64_t outs) {
+  const int64_t d = panels.dim();
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == at::kFloat && d >= 3 &&
+                  panels.size(d - 2) == in && panels.size(d - 1) == kPanel &&
+                  panels.size(d - 3) == (outs + kPanel - 1) / kPanel,
+              "panels must be float32 [ceil(out / ", kPanel, "), in, ", kPanel,
+              "] matching x (packed by ops/linear.py's pack_panels on this build)");
+}
+
+// x [M, in] @ weight.T (+ bias) over the weight's panels [ceil(outs / kPanel), in, kPanel]: out
+// [M, outs].
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias, int64_t outs) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in]");
+  TORCH_CHECK(panels.dim() == 3, "panels must be 3-D");
+  check_panels(panels, x.size(1), outs);
+  TORCH_CHECK(!present(bias) || (bias.is_contiguous() && bias.numel() == outs &&
+                                 bias.scalar_type() == at::kFloat),
+              "bias must be float32 [out]");
+  const int64_t rows = x.size(0);
+  auto out = at::empty({rows, outs}, x.options());
+  if (rows == 0) return out;
+  gemm_jobs(x.data_ptr<float>(), x.stride(0), x.size(1), {{0, rows, panels.data_ptr<float>()}},
+            panels.size(0), present(bias) ? bias.data_ptr<float>() : nullptr,
+            out.data_ptr<float>(), outs);
+  return out;
+}
+
+// A layer's experts: rows [row_ends[e - 1], row_ends[e]) of x (sorted by expert) times expert e's
+// panels (panels [experts, ceil(outs / kPanel), in, kPanel]), every expert in one task list.
+at::Tensor gemm_experts(const at::Tensor& x, const at::Tensor& row_ends, const at::Tensor& panels,
+                        int64_t outs) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in]");
+  TORCH_CHECK(panels.dim() == 4, "panels must be 4-D [experts, panels, in, width]");
+  check_panels(panels, x.size(1), outs);
+  const int64_t experts = panels.size(0);
+  TORCH_CHECK(row_ends.device().is_cpu() && row_ends.scalar_type() == at::kLong &&
+                  row_ends.dim() == 1 && row_ends.size(0) == experts,
+              "row_ends must be int64 [experts] on the CPU");
+  const int64_t* ends = row_ends.data_ptr<int64_t>();
+  TORCH_CHECK(std::is_sorted(ends, ends + experts) && (experts == 0 || ends[0] >= 0) &&
+                  (experts == 0 ? x.size(0) == 0 : ends[experts - 1] == x.size(0)),
+              "row_ends must rise from 0 to x's ", x.size(0), " rows");
+  auto out = at::empty({x.size(0), outs}, x.options());
+  const float* pp = panels.data_ptr<float>();
+  const int64_t per_expert = panels.stride(0);
+  std::vector<PanelJob> jobs;
+  for (int64_t e = 0, row0 = 0; e < experts; row0 = ends[e++])
+    if (ends[e] > row0) jobs.push_back({row0, ends[e] - row0, pp + e * per_expert});
+  if (!jobs.empty())
+    gemm_jobs(x.data_ptr<float>(), x.stride(0), x.size(1), jobs, panels.size(1), nullptr,
+              out.data_ptr<float>(), outs);
   return out;
 }
 
@@ -1339,6 +1396,35 @@ at::Tensor embed_tokens(const at::Tensor& embed, const at::Tensor& input_ids, in
   return x;
 }
 
+// One projection of every expert (the five tensors from w[first]) over rows sorted by expert.
+at::Tensor experts_projection(const at::Tensor& rows, const at::Tensor& row_ends, at::TensorList w,
+                              int64_t first) {
+  const at::Tensor& stack = w[first + 1];
+  if (stack.scalar_type() != at::kFloat)
+    return quantized_experts(rows, row_ends, stack, w[first + 2], w[first + 3]);
+  return gemm_experts(rows, row_ends, stack, w[first].size(0));
+}
+
+// A mixture-of-experts layer's MLP: ops/moe.py's `route` and `experts_in_one_pass`, the same ATen
+// ops in the same order (so the same bits as the op-by-op forward), without a Python call each.
+at::Tensor sparse_mlp(const at::Tensor& h, at::TensorList w, int64_t top_k, bool renormalize) {
+  const at::Tensor& router = w[kRouter];
+  const auto logits = at::linear(h, router);
+  auto [weights, ids] = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
+  if (renormalize) weights.div_(weights.sum(-1, /*keepdim=*/true));
+  const auto flat = ids.flatten();
+  const auto order = at::argsort(flat, /*stable=*/true);  // by expert, tokens ascending in each
+  const auto tokens = at::div(order, top_k, "floor");
+  const auto row_ends = at::bincount(flat, {}, router.size(0)).cumsum(0);
+  const auto rows = h.index_select(0, tokens);
+  const auto gate_up = experts_projection(rows, row_ends, w, kGateUp);
+  const auto ys = experts_projection(silu_and_mul(gate_up), row_ends, w, kDown);
+  auto out = at::zeros_like(h);
+  // Row by row in order, so each token's terms add by ascending expert.
+  const auto weighted = ys * weights.flatten().index({order}).unsqueeze(1);
+  return out.index_add_(0, tokens, weighted.to(h.scalar_type()));
+}
+
 at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& positions,
                          const at::Tensor& embed, at::TensorList weights,
                          at::TensorList kv_caches, const at::Tensor& final_norm,
@@ -1348,7 +1434,7 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
                          const at::Tensor& prefills, int64_t block_size, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t sliding_window, c10::string_view group_name,
-                         int64_t vocab_start) {
+                         int64_t vocab_start, int64_t moe_top_k, bool moe_renormalize) {
   TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
               "expected ", kWeightsPerLayer, " weights per layer");
   TORCH_CHECK(prefills.dim() == 2 && prefills.size(1) == 5 && prefills.scalar_type() == at::kLong,
@@ -1370,8 +1456,9 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
     all_reduce_(a, group);  // O is row-parallel: its bias is added once, to the sum
     if (present(w[kO + 4])) a.add_(w[kO + 4]);
     h = add_rms_norm(a, residual, w[kPostNorm], eps);
-    x = linear(silu_and_mul(linear(h, w, kGateUp)), w, kDown);
-    all_reduce_(x, group);  // down is row-parallel
+    x = present(w[kRouter]) ? sparse_mlp(h, w, moe_top_k, moe_renormalize)
+                            : linear(silu_and_mul(linear(h, w, kGateUp)), w, kDown);
+    all_reduce_(x, group);  // down is row-parallel (each expert's too)
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }
@@ -1604,6 +1691,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("gemm(Tensor x, Tensor panels, Tensor bias, int outs) -> Tensor");
   m.def("gemm_panel_width() -> int", &gemm_panel_width);
+  m.def("gemm_experts(Tensor x, Tensor row_ends, Tensor panels, int outs) -> Tensor");
+  m.def(
+      "quantized_experts(Tensor x, Tensor row_ends, Tensor values, Tensor scales, "
+      "Tensor offsets) -> Tensor");
   m.def(
       "quantized_linear(Tensor x, Tensor values, Tensor scales, Tensor offsets, Tensor bias) "
       "-> Tensor");
@@ -1623,7 +1714,8 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, int num_decodes, Tensor prefills, "
       "int block_size, int heads, int kv_heads, int head_dim, float eps, float scale, "
-      "int sliding_window, str group_name, int vocab_start) -> Tensor");
+      "int sliding_window, str group_name, int vocab_start, int moe_top_k, "
+      "bool moe_renormalize) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -1637,6 +1729,8 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("gemm", &gemm);
   m.impl("quantized_linear", &tandem::quantized_linear);
+  m.impl("quantized_experts", &tandem::quantized_experts);
+  m.impl("gemm_experts", &gemm_experts);
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);

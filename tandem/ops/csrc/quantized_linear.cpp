@@ -197,6 +197,36 @@ Groups<Scale> groups_of(const at::Tensor& values, const at::Tensor& scales,
           values.stride(0) * values.element_size(), scales.stride(0)};
 }
 
+// Rows [row0, row0 + rows) of x against one weight, into the same rows of out: one linear layer
+// is one job; a layer's experts are a job each, over the rows routed to them (sorted by expert).
+template <typename Scale>
+struct Job {
+  int64_t row0, rows;
+  Groups<Scale> weight;
+};
+
+// Every job's weight has `groups` groups of `blocks` blocks, in one format.
+template <typename Scale>
+struct Jobs {
+  std::vector<Job<Scale>> list;
+  int64_t groups, blocks;
+};
+
+// Calls f(job, g0, g1) for every job's groups in chunks of `grain`, all jobs as one task list:
+// a layer's experts at decode are a handful of small products, and a parallel region each would
+// cost more in waking and joining threads than they compute.
+template <typename Scale, typename F>
+void parallel_jobs(const Jobs<Scale>& jobs, int64_t grain, const F& f) {
+  const int64_t per_job = (jobs.groups + grain - 1) / grain;
+  const int64_t tasks = per_job * static_cast<int64_t>(jobs.list.size());
+  parallel_chunks(tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g0 = t % per_job * grain;
+      f(jobs.list[t / per_job], g0, std::min(jobs.groups, g0 + grain));
+    }
+  });
+}
+
 // kHalves, through the float and integer walks: 8-bit codes with a scale per 16 columns (GGUF's
 // Q6_K). A template argument, so that the other weights' walks carry no test for it.
 // Block b's 16 scales: its own, or with kHalves its first 16 columns' (half 0) or its last 16's
@@ -310,15 +340,13 @@ inline int column_exponent(int64_t j) {
 // magnitude), column j of each block times a further 2^column_exponent(j). The block scales take
 // 2^-e back (`add_block`): powers of two, exact, so each product, sum and rounding is the one the
 // shifted codes make on x itself (wherever none of theirs is subnormal), and a row has the same
-// bits alone as in a batch. The buffer is the calling thread's, reused from call to call.
+// bits alone as in a batch. Into `scaled` (k floats).
 struct InPlaceRow {
   const float* x;
   float undo;  // 2^-e
 };
 
-InPlaceRow in_place_row(const float* row, int64_t k) {
-  thread_local std::vector<float> scaled;
-  scaled.resize(k);
+InPlaceRow in_place_row(const float* row, int64_t k, float* scaled) {
   float amax = 0.f;
   for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
   int e = 0;  // an inf or a NaN (not counted by max) spoils its own row, unscaled
@@ -329,7 +357,7 @@ InPlaceRow in_place_row(const float* row, int64_t k) {
   std::array<float, kBlockCols> factors;
   for (int64_t j = 0; j < kBlockCols; ++j) factors[j] = std::ldexp(1.f, e + column_exponent(j));
   for (int64_t i = 0; i < k; ++i) scaled[i] = row[i] * factors[i % kBlockCols];
-  return {scaled.data(), std::ldexp(1.f, -e)};
+  return {scaled, std::ldexp(1.f, -e)};
 }
 
 // Groups side by side in a one-row tile of 4-bit weights, so that 4 independent sums are in
@@ -501,35 +529,43 @@ void group_through_buffer(const Group<Scale> (&g)[1], int64_t blocks, const floa
 }
 
 template <bool kFourBit, bool kHalves, typename Scale>
-void run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-         const at::Tensor& offsets, at::Tensor& out) {
+void run(const at::Tensor& x, const Jobs<Scale>& jobs, at::Tensor& out) {
   static constexpr auto in_registers =
       register_kernels<kFourBit, kHalves, Scale>(std::make_integer_sequence<int64_t, kTileRows>{});
-  const int64_t rows = x.size(0), x_stride = x.stride(0), groups = values.size(0);
-  const int64_t blocks = values.size(1), n = out.size(1);
-  const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
+  const int64_t x_stride = x.stride(0), blocks = jobs.blocks, n = out.size(1), k = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* sums = kFourBit ? block_sums_of_x(x) : nullptr;
-  // A chunk of one row (the last) meets in-place codes (AVX2, 4-bit): its x scaled here.
-  InPlaceRow last{};
-  if (in_place_codes(kFourBit, rows % kChunkRows))
-    last = in_place_row(xp + (rows - 1) * x_stride, x.size(1));
+  // A job's last chunk of one row meets in-place codes (AVX2, 4-bit): that row scaled here.
+  const int64_t num_jobs = static_cast<int64_t>(jobs.list.size());
+  thread_local std::vector<float> scaled;
+  std::vector<InPlaceRow> last(num_jobs);
+  if constexpr (in_place_codes(kFourBit, 1)) {
+    scaled.resize(num_jobs * k);
+    for (int64_t j = 0; j < num_jobs; ++j) {
+      const Job<Scale>& job = jobs.list[j];
+      if (job.rows % kChunkRows == 1)
+        last[j] = in_place_row(xp + (job.row0 + job.rows - 1) * x_stride, k, &scaled[j * k]);
+    }
+  }
   float* outp = out.data_ptr<float>();
-  const int64_t grain = groups_per_task(weight.group_bytes, groups_per_tile(kFourBit, 1));
-  parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
-      const int64_t m = std::min(kChunkRows, rows - m0);
+  const Job<Scale>* first_job = jobs.list.data();
+  const int64_t grain =
+      groups_per_task(first_job->weight.group_bytes, groups_per_tile(kFourBit, 1));
+  parallel_jobs(jobs, grain, [&](const Job<Scale>& job, int64_t g0, int64_t g1) {
+    const InPlaceRow& job_last = last[&job - first_job];
+    for (int64_t m0 = job.row0; m0 < job.row0 + job.rows; m0 += kChunkRows) {
+      const int64_t m = std::min(kChunkRows, job.row0 + job.rows - m0);
       float* o = outp + m0 * n;
       const bool in_place = in_place_codes(kFourBit, m);
-      const float* xm = in_place ? last.x : xp + m0 * x_stride;
+      const float* xm = in_place ? job_last.x : xp + m0 * x_stride;
       const float* sm = kFourBit ? sums + m0 * blocks : nullptr;
       if (m <= kTileRows) {
-        in_registers[m - 1](weight, g0, g1, blocks, xm, x_stride, sm, blocks, o, n,
-                            in_place ? last.undo : 1.f);
+        in_registers[m - 1](job.weight, g0, g1, blocks, xm, x_stride, sm, blocks, o, n,
+                            in_place ? job_last.undo : 1.f);
         continue;
       }
       for (int64_t gi = g0; gi < g1; ++gi) {
-        const Group<Scale> one[1] = {weight[gi]};
+        const Group<Scale> one[1] = {job.weight[gi]};
         group_through_buffer<kFourBit, kHalves>(one, blocks, xm, x_stride, sm, blocks, m,
                                                 o + gi * kGroupRows, n);
       }
@@ -795,23 +831,20 @@ constexpr auto int_kernels(std::integer_sequence<int64_t, T...>) {
 }
 
 template <bool kFourBit, bool kSymmetric, bool kHalves, typename Scale>
-void run_integer(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                 const at::Tensor& offsets, at::Tensor& out) {
+void run_integer(const at::Tensor& x, const Jobs<Scale>& jobs, at::Tensor& out) {
   static constexpr auto tiles = int_kernels<kFourBit, kSymmetric, kHalves, Scale>(
       std::make_integer_sequence<int64_t, kIntTileRows>{});
   const QuantizedRows xq = quantize_rows(x);
-  const int64_t rows = x.size(0), groups = values.size(0), blocks = values.size(1);
-  const int64_t n = out.size(1), k = x.size(1);
-  const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
+  const int64_t blocks = jobs.blocks, n = out.size(1), k = x.size(1);
   const int8_t* cp = xq.codes;
   const float* dp = xq.steps;
   float* outp = out.data_ptr<float>();
-  const int64_t grain = groups_per_task(weight.group_bytes, 1);
-  parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
-      const int64_t m = std::min(kChunkRows, rows - m0);
+  const int64_t grain = groups_per_task(jobs.list[0].weight.group_bytes, 1);
+  parallel_jobs(jobs, grain, [&](const Job<Scale>& job, int64_t g0, int64_t g1) {
+    for (int64_t m0 = job.row0; m0 < job.row0 + job.rows; m0 += kChunkRows) {
+      const int64_t m = std::min(kChunkRows, job.row0 + job.rows - m0);
       for (int64_t gi = g0; gi < g1; ++gi) {
-        const Group<Scale> g = weight[gi];
+        const Group<Scale> g = job.weight[gi];
         for (int64_t t = 0; t < m; t += kIntTileRows) {
           const int64_t r = m0 + t;
           tiles[std::min(kIntTileRows, m - t) - 1](g, blocks, cp + r * k, k, dp + r * blocks,
@@ -1200,25 +1233,28 @@ void amx_groups(const Groups<Scale>& weight, int64_t g0, int64_t g1, int64_t row
 #endif
 
 template <Codes C, typename Scale>
-void run_digits(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                const at::Tensor& offsets, at::Tensor& out) {
+void run_digits(const at::Tensor& x, const Jobs<Scale>& jobs, at::Tensor& out) {
   static constexpr auto tiles =
       digit_kernels<C, Scale>(std::make_integer_sequence<int64_t, kDigitTileRows>{});
-  const int64_t rows = x.size(0), groups = values.size(0), n = out.size(1);
-  const Groups<Scale> weight = groups_of<Scale>(values, scales, offsets);
+  const int64_t n = out.size(1);
   const DigitRows xd = digit_rows(x, code_bias(C));
   const float* sums = C == Codes::kOffsets ? block_sums_of_x(x) : nullptr;  // the offsets'
   float* outp = out.data_ptr<float>();
-  [[maybe_unused]] const bool on_tiles = rows >= amx_least_rows(four_bit(C)) && amx_tiles();
-  parallel_chunks(groups, groups_per_task(weight.group_bytes, 1), [&](int64_t g0, int64_t g1) {
+  [[maybe_unused]] const bool tiles_granted = amx_tiles();
+  const int64_t grain = groups_per_task(jobs.list[0].weight.group_bytes, 1);
+  parallel_jobs(jobs, grain, [&](const Job<Scale>& job, int64_t g0, int64_t g1) {
+    const int64_t r0 = job.row0, rows = job.rows;
+    const float* job_sums = sums != nullptr ? sums + r0 * xd.blocks : nullptr;
 #if defined(TANDEM_AMX_DIGITS)
-    if (on_tiles) return amx_groups<C>(weight, g0, g1, rows, xd, sums, outp, n);
+    if (tiles_granted && rows >= amx_least_rows(four_bit(C)))
+      return amx_groups<C>(job.weight, g0, g1, rows, xd.from_row(r0), job_sums, outp + r0 * n, n);
 #endif
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t r = 0; r < rows; r += kDigitTileRows)
         tiles[std::min(kDigitTileRows, rows - r) - 1](
-            weight[gi], xd.from_row(r), sums != nullptr ? sums + r * xd.blocks : nullptr,
-            outp + r * n + gi * kGroupRows, n);
+            job.weight[gi], xd.from_row(r0 + r),
+            job_sums != nullptr ? job_sums + r * xd.blocks : nullptr,
+            outp + (r0 + r) * n + gi * kGroupRows, n);
   });
 }
 #endif
@@ -1238,11 +1274,17 @@ bool amx_tiles() {
 #endif
 }
 
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                            const at::Tensor& offsets, const at::Tensor& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "x must be float32 [M, K] with contiguous rows");
+namespace {
+
+// What the kernels need to know of a weight's tensors, checked once.
+struct Format {
+  bool words, four_bit, halves, symmetric, half;
+};
+
+// One weight's values, scales and offsets checked against x [M, K]: their layout and which
+// numerics they take (`quantized_linear`'s comment says which).
+Format check_weight(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                    const at::Tensor& offsets) {
   // Words (int32) for float activations, quads (int8 or uint8 bytes) for int8 activations;
   // 4-bit codes in 4 runs of 64 bytes a block, 8-bit ones in 8.
   const bool words = values.scalar_type() == at::kInt;
@@ -1268,46 +1310,112 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               "] (8-bit codes: or 2 x ", kGroupRows, ", a scale per 16 columns)");
   TORCH_CHECK(!halves || scale_type == at::kFloat, "a scale per 16 columns must be float32");
   // 4-bit weights have offsets, except symmetric ones; 8-bit ones none.
-  const bool symmetric = four_bit && !present(offsets);
   TORCH_CHECK(four_bit || !present(offsets), "4-bit weights may have offsets, 8-bit ones none");
   TORCH_CHECK(!present(offsets) || (offsets.is_contiguous() && offsets.sizes() == scales.sizes() &&
                             offsets.scalar_type() == scale_type),
               "offsets must be shaped and typed as the scales");
-  const int64_t n = groups * kGroupRows;
+  return {words, four_bit, halves, four_bit && !present(offsets), scale_type == at::kHalf};
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "x must be float32 [M, K] with contiguous rows");
+}
+
+// A stack of weights (values [W, ...], scales and offsets alike) as jobs: weight w over rows
+// [ends[w - 1], ends[w]) of x (from 0 for the first), weights without rows left out.
+template <typename Scale>
+Jobs<Scale> jobs_of(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                    const std::vector<int64_t>& ends) {
+  Jobs<Scale> jobs{{}, values.size(1), values.size(2)};
+  int64_t row0 = 0;
+  for (int64_t w = 0; w < static_cast<int64_t>(ends.size()); row0 = ends[w++]) {
+    if (ends[w] == row0) continue;
+    const at::Tensor no_offsets;
+    jobs.list.push_back({row0, ends[w] - row0,
+                         groups_of<Scale>(values[w], scales[w],
+                                          present(offsets) ? offsets[w] : no_offsets)});
+  }
+  return jobs;
+}
+
+// x against each weight of the stack (`jobs_of`), into out, in the numerics of `f`.
+template <typename Scale>
+void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
+               const at::Tensor& scales, const at::Tensor& offsets,
+               const std::vector<int64_t>& ends, at::Tensor& out) {
+  const Jobs<Scale> jobs = jobs_of<Scale>(values, scales, offsets, ends);
+  if (jobs.list.empty()) return;
+  constexpr bool kHalf = std::is_same_v<Scale, c10::Half>;
+  // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
+  // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
+  // Codes with a scale per 16 columns always widen: the tiles' products span a block.
+  [[maybe_unused]] const bool eight_bit_digits = !f.four_bit && !f.halves && amx_tiles();
+  if (!f.words && f.symmetric) run_integer<true, true, false, Scale>(x, jobs, out);
+  else if (!f.words && f.four_bit) run_integer<true, false, false, Scale>(x, jobs, out);
+  else if (!f.words && f.halves) {
+    if constexpr (!kHalf) run_integer<false, false, true, Scale>(x, jobs, out);
+  } else if (!f.words) run_integer<false, false, false, Scale>(x, jobs, out);
+#if defined(TANDEM_DIGIT_PRODUCTS)
+  else if (f.symmetric) run_digits<Codes::kSymmetric, Scale>(x, jobs, out);
+  else if (f.four_bit) run_digits<Codes::kOffsets, Scale>(x, jobs, out);
+  else if (eight_bit_digits) run_digits<Codes::kEightBit, Scale>(x, jobs, out);
+#else
+  else if (f.four_bit) run<true, false, Scale>(x, jobs, out);
+#endif
+  else if (f.halves) {
+    if constexpr (!kHalf) run<false, true, Scale>(x, jobs, out);
+  } else run<false, false, Scale>(x, jobs, out);
+}
+
+void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
+               const at::Tensor& scales, const at::Tensor& offsets,
+               const std::vector<int64_t>& ends, at::Tensor& out) {
+  if (f.half) run_stack<c10::Half>(f, x, values, scales, offsets, ends, out);
+  else run_stack<float>(f, x, values, scales, offsets, ends, out);
+}
+
+}  // namespace
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                            const at::Tensor& offsets, const at::Tensor& bias) {
+  check_x(x);
+  const Format f = check_weight(x, values, scales, offsets);
+  const int64_t n = values.size(0) * kGroupRows;
   TORCH_CHECK(!present(bias) || (bias.scalar_type() == at::kFloat && bias.numel() == n),
               "bias must be float32 [", n, "]");
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  const bool half = scale_type == at::kHalf;
-  const at::Tensor& o = offsets;
-  const at::Tensor& v = values;
-  // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
-  // an FMA about as fast (experiments.md), and every row count of a setting takes one numerics.
-  // Codes with a scale per 16 columns always widen: the tiles' products span a block.
-  [[maybe_unused]] const bool eight_bit_digits = !four_bit && !halves && amx_tiles();
-  using H = c10::Half;
-  if (!words && symmetric && half) run_integer<true, true, false, H>(x, v, scales, o, out);
-  else if (!words && symmetric) run_integer<true, true, false, float>(x, v, scales, o, out);
-  else if (!words && four_bit && half) run_integer<true, false, false, H>(x, v, scales, o, out);
-  else if (!words && four_bit) run_integer<true, false, false, float>(x, v, scales, o, out);
-  else if (!words && halves) run_integer<false, false, true, float>(x, v, scales, o, out);
-  else if (!words && half) run_integer<false, false, false, H>(x, v, scales, o, out);
-  else if (!words) run_integer<false, false, false, float>(x, v, scales, o, out);
-#if defined(TANDEM_DIGIT_PRODUCTS)
-  else if (symmetric && half) run_digits<Codes::kSymmetric, H>(x, v, scales, o, out);
-  else if (symmetric) run_digits<Codes::kSymmetric, float>(x, v, scales, o, out);
-  else if (four_bit && half) run_digits<Codes::kOffsets, H>(x, v, scales, o, out);
-  else if (four_bit) run_digits<Codes::kOffsets, float>(x, v, scales, o, out);
-  else if (eight_bit_digits && half) run_digits<Codes::kEightBit, H>(x, v, scales, o, out);
-  else if (eight_bit_digits) run_digits<Codes::kEightBit, float>(x, v, scales, o, out);
-#else
-  else if (four_bit && half) run<true, false, H>(x, values, scales, o, out);
-  else if (four_bit) run<true, false, float>(x, values, scales, o, out);
-#endif
-  else if (halves) run<false, true, float>(x, values, scales, o, out);
-  else if (half) run<false, false, H>(x, values, scales, o, out);
-  else run<false, false, float>(x, values, scales, o, out);
+  const at::Tensor none;
+  run_stack(f, x, values.unsqueeze(0), scales.unsqueeze(0),
+            present(offsets) ? offsets.unsqueeze(0) : none, {x.size(0)}, out);
   if (present(bias)) out.add_(bias);
+  return out;
+}
+
+at::Tensor quantized_experts(const at::Tensor& x, const at::Tensor& row_ends,
+                             const at::Tensor& values, const at::Tensor& scales,
+                             const at::Tensor& offsets) {
+  check_x(x);
+  TORCH_CHECK(values.dim() == 5 && values.is_contiguous() && scales.is_contiguous() &&
+                  scales.dim() == 4 && scales.size(0) == values.size(0) &&
+                  (!present(offsets) || (offsets.dim() == 4 && offsets.is_contiguous())),
+              "values must be [experts, groups, blocks, runs, lanes], scales and offsets "
+              "[experts, groups, blocks, scales], contiguous");
+  const at::Tensor none;
+  const Format f = check_weight(x, values[0], scales[0], present(offsets) ? offsets[0] : none);
+  const int64_t experts = values.size(0);
+  TORCH_CHECK(row_ends.device().is_cpu() && row_ends.scalar_type() == at::kLong &&
+                  row_ends.dim() == 1 && row_ends.size(0) == experts,
+              "row_ends must be int64 [experts] on the CPU");
+  const int64_t* ep = row_ends.data_ptr<int64_t>();
+  std::vector<int64_t> ends(ep, ep + experts);
+  TORCH_CHECK(std::is_sorted(ends.begin(), ends.end()) && (ends.empty() || ends[0] >= 0) &&
+                  (ends.empty() ? x.size(0) == 0 : ends.back() == x.size(0)),
+              "row_ends must rise from 0 to x's ", x.size(0), " rows");
+  auto out = at::empty({x.size(0), values.size(1) * kGroupRows}, x.options());
+  if (x.size(0) > 0) run_stack(f, x, values, scales, offsets, ends, out);
   return out;
 }
 

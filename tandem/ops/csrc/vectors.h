@@ -33,6 +33,12 @@ inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; 
 // layout); out [M, N] float32.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& bias);
+// A layer's experts: rows [row_ends[e - 1], row_ends[e]) of x (sorted by expert) times expert
+// e's weight, for every expert, in one task list; values, scales and offsets stacked [experts,
+// ...] as quantized_linear takes one weight's.
+at::Tensor quantized_experts(const at::Tensor& x, const at::Tensor& row_ends,
+                             const at::Tensor& values, const at::Tensor& scales,
+                             const at::Tensor& offsets);
 
 // Whether quantized weights with float activations multiply on AMX tiles here (the build has
 // them and the kernel granted the process their state).
