@@ -207,4 +207,6 @@ def test_batches_report_without_llama_cpp(files, capsys, monkeypatch):
         assert 0 < loaded <= peak
         assert per_file == pytest.approx(peak * 1024**3 / file.stat().st_size, rel=0.02)
     assert "llama.cpp: not run (--llama-cpp none)" in out
+    # At batch 1 the decode rate against streaming the token's weights (top-k experts) once.
+    assert re.search(r"Tandem at batch 1: a token reads \d+ MB of weights .* GB/s", out)
     assert "2 layers, hidden 256" in out

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem.bench.llama_cpp import default_bin_dir, find_llama_cpp, run_batched_bench
+from tandem.bench.roofline import streaming_bandwidth
 from tandem.bench.run import Run, describe_model, run_workload
 from tandem.bench.workloads import make_batch_workload, parse_batch_sizes
 from tandem.config import EngineConfig, usable_cores
@@ -54,6 +55,23 @@ class Measured:
     decode_tokens_per_s: float
     peak_rss: int  # bytes
     loaded_rss: int | None = None  # bytes, Tandem's peak once the model was loaded
+    # Tandem at batch 1: the weights' bytes a token reads, and what the machine streams per
+    # second in the same process (the decode rate's ceiling is their ratio)
+    token_bytes: int | None = None
+    streaming: float | None = None
+
+    def stream_note(self) -> str | None:
+        """How the decode rate compares with streaming a token's weights once."""
+        if not self.token_bytes or not self.streaming:
+            return None
+        reached = self.token_bytes * self.decode_tokens_per_s
+        return (
+            f"Tandem at batch {self.batch}: a token reads {self.token_bytes / 1e6:.0f} MB of "
+            f"weights (each sparse layer's top-k experts), {reached / 1e9:.1f} GB/s, "
+            f"{reached / self.streaming:.0%} of the {self.streaming / 1e9:.1f} GB/s this machine "
+            f"streamed in the same process: {self.streaming / reached:.2f}x the time to stream "
+            "them once"
+        )
 
 
 def peak_rss() -> int:
@@ -96,6 +114,11 @@ def tandem_batch(config: EngineConfig, shape: Shape) -> tuple[Measured, list[str
             for i in range(shape.repeats)
         ]
         threads = engine.execution.cpu_threads or torch.get_num_threads()
+        model = engine.runner.model if shape.batch == 1 else None  # one request: exact bytes
+        token_bytes = model.token_weight_bytes() if model is not None else None
+        streaming = (
+            streaming_bandwidth(engine.config.torch_device, threads) if model is not None else None
+        )
         loop = "async" if engine.config.async_scheduling else "sync"
         notes = [
             describe_model(engine),
@@ -104,7 +127,9 @@ def tandem_batch(config: EngineConfig, shape: Shape) -> tuple[Measured, list[str
     finally:
         engine.close()
     prefill, decode = (statistics.median(values) for values in zip(*runs, strict=True))
-    return Measured("Tandem", shape.batch, threads, prefill, decode, peak_rss(), loaded), notes
+    measured = Measured("Tandem", shape.batch, threads, prefill, decode, peak_rss(), loaded,
+                        token_bytes, streaming)  # fmt: skip
+    return measured, notes
 
 
 def in_fresh_process(config: EngineConfig, shape: Shape) -> tuple[Measured, list[str]]:
@@ -179,6 +204,7 @@ def run_batches_bench(args: argparse.Namespace, config: EngineConfig) -> int:
             "ahead; decode tok/s: above 1). loaded: Tandem's peak RSS once the model was "
             "loaded; peak: after the runs (llama.cpp's, the most of its runs)"
         )
+    notes += [note for m in results if (note := m.stream_note())]
     for line in described + notes:
         Console().print(line)
     return 0

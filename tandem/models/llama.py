@@ -244,13 +244,21 @@ class LlamaModel(nn.Module):
         """Bytes of weights one forward reads, each once (a decode step's least traffic beside
         the KV cache): the linear layers as they are held, the norms, the logits' matrix. None
         for a mixture of experts, whose step reads only the experts its tokens chose."""
-        if any(isinstance(m, moe.Experts) for m in self.modules()):
-            return None
+        return None if self._experts() else self.token_weight_bytes()
+
+    def token_weight_bytes(self) -> int:
+        """Bytes of weights one token's forward reads: `weight_bytes`, and of a mixture of
+        experts the routers and the top-k experts a token chooses in each sparse layer (what a
+        decode step of one request reads)."""
         total = sum(m.nbytes for m in self.modules() if isinstance(m, Linear))
         total += sum(tensor_bytes(m.weight) for m in self.modules() if isinstance(m, RMSNorm))
         if self.spec.tie_word_embeddings and self.tied_logits is None:
             packed = self._packed_logits_weight
             total += tensor_bytes(packed if packed is not None else self.embed.weight)
+        for block in self.modules():
+            if isinstance(block, moe.SparseMoE):
+                chosen = block.experts.nbytes * block.moe.top_k // len(block.experts)
+                total += tensor_bytes(block.router.weight) + chosen
         return total
 
     @property

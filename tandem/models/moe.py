@@ -165,6 +165,18 @@ class Experts(nn.Module):
         return self.packed_or_quantized
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every expert's weights as they are held (quantized, packed or float)."""
+        total = 0
+        for name in PROJECTIONS:
+            if name in self.quantized:
+                total += self.quantized[name].nbytes
+            else:
+                held = self.panels.get(name, getattr(self, name))
+                total += held.numel() * held.element_size()
+        return total
+
+    @property
     def packed_or_quantized(self) -> bool:
         return all(n in self.quantized or n in self.panels for n in PROJECTIONS)
 

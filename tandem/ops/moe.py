@@ -79,11 +79,11 @@ def experts_in_one_pass(
     order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within each
     tokens = order // top_k
     row_ends = torch.bincount(flat, minlength=num_experts).cumsum(0)  # on the CPU: no sync
-    rows = x.index_select(0, tokens)
-    ys = down(act(gate_up(rows, row_ends)), row_ends)
-    out = torch.zeros_like(x)
+    # Each intermediate freed as the next is made: a long prefill's rows are tokens x top-k.
+    ys = down(act(gate_up(x.index_select(0, tokens), row_ends)), row_ends)
+    ys.mul_(weights.flatten()[order, None])
     # Row by row in order, so each token's terms add by ascending expert, as in the loop.
-    return out.index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
 
 
 def grouped_experts_on_device(
