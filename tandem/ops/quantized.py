@@ -35,20 +35,36 @@ QUAD_BYTES = RUN * GROUP_ROWS  # csrc: kQuadBytes
 
 
 @dataclass
-class QuantizedWeight:
-    """Packed codes, scales and offsets of one [out_features, in_features] weight."""
+class Blocks:
+    """Codes, scales and offsets as the kernels take them (one weight, or a stack of them)."""
 
-    # float activations: words int32 [G, B, 8, 16] (8-bit) or [G, B, 4, 16] (4-bit), a row's run
-    # as one word; int8 activations: the same bytes as quads, int8 [G, B, 8, 64] or uint8
-    # [G, B, 4, 64]
     values: torch.Tensor
-    # [G, B, 16] float16 or float32; 8-bit codes with a scale per 16 columns: [G, B, 32], a
-    # block's first 16 columns' scales of its 16 rows, then its last 16's
     scales: torch.Tensor
-    # 4-bit: like scales; 8-bit: None. 4-bit weights without offsets are symmetric (GGUF's Q4_0):
-    # weight = (code - 8) * scale, the offset -8 * scale not stored (the kernels make it).
     offsets: torch.Tensor | None
     source: str  # what the codes came from, e.g. "Q4_1", "int8"
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.values, self.scales, self.offsets)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def flat(self) -> list[torch.Tensor]:
+        """values, scales, offsets (an empty tensor for none), as the kernels take them."""
+        return [self.values, self.scales, or_empty(self.offsets)]
+
+
+@dataclass
+class QuantizedWeight(Blocks):
+    """Packed codes, scales and offsets of one [out_features, in_features] weight."""
+
+    # values: with float activations words, int32 [G, B, 8, 16] (8-bit) or [G, B, 4, 16]
+    # (4-bit), a row's run as one word; with int8 activations the same bytes as quads, int8
+    # [G, B, 8, 64] or uint8 [G, B, 4, 64].
+    # scales: [G, B, 16] float16 or float32; 8-bit codes with a scale per 16 columns: [G, B, 32],
+    # a block's first 16 columns' scales of its 16 rows, then its last 16's.
+    # offsets: 4-bit, like scales; 8-bit, None. 4-bit weights without offsets are symmetric
+    # (GGUF's Q4_0): weight = (code - 8) * scale, the offset -8 * scale not stored (the kernels
+    # make it).
 
     @property
     def bits(self) -> int:
@@ -68,26 +84,12 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return self.values.shape[0] * GROUP_ROWS, self.values.shape[1] * BLOCK_COLS
 
-    @property
-    def nbytes(self) -> int:
-        parts = (self.values, self.scales, self.offsets)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
-
-    def flat(self) -> list[torch.Tensor]:
-        """values, scales, offsets (an empty tensor for none), as the kernels take them."""
-        return [self.values, self.scales, or_empty(self.offsets)]
-
 
 @dataclass
-class QuantizedExperts:
+class QuantizedExperts(Blocks):
     """One projection of a layer's every expert, each a `QuantizedWeight` of one shape and format,
     stacked: values, scales and offsets with a leading [experts] dimension, as the kernels walk
     them in one task list (`quantized_experts_linear`)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-    source: str
 
     def __len__(self) -> int:
         return self.values.shape[0]
@@ -118,14 +120,6 @@ class QuantizedExperts:
     @property
     def int8_activations(self) -> bool:
         return self[0].int8_activations
-
-    @property
-    def nbytes(self) -> int:
-        parts = (self.values, self.scales, self.offsets)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
-
-    def flat(self) -> list[torch.Tensor]:
-        return [self.values, self.scales, or_empty(self.offsets)]
 
 
 def zero_rows(out_features: int, like: QuantizedWeight) -> QuantizedWeight:
