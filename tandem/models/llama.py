@@ -142,11 +142,15 @@ class DecoderLayer(nn.Module):
         q_norm = a.q_norm.weight if a.spec.qk_norm else none
         k_norm = a.k_norm.weight if a.spec.qk_norm else none
         norms = [self.input_norm.weight, q_norm, k_norm, self.post_attn_norm.weight]
-        if isinstance(m, moe.SparseMoE):
-            e = m.experts
-            mlp = e.flat("gate_up") + e.flat("down") + [m.router.weight]
+        no_shared = [none] * 11  # the shared expert's two linear layers and its gate
+        if not isinstance(m, moe.SparseMoE):
+            mlp = m.gate_up.flat() + m.down.flat() + [none] + no_shared
         else:
-            mlp = m.gate_up.flat() + m.down.flat() + [none]
+            e, shared = m.experts, m.shared
+            mlp = e.flat("gate_up") + e.flat("down") + [m.router.weight]
+            mlp += no_shared if shared is None else (
+                shared.gate_up.flat() + shared.down.flat() + [m.shared_gate.weight]
+            )  # fmt: skip
         return norms + a.qkv.flat() + a.o.flat() + mlp
 
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
@@ -215,8 +219,7 @@ class LlamaModel(nn.Module):
         """Pack every float32 GEMM weight for the CPU GEMMs (`ops/linear.py`) and, if `fused` (the
         CPU kernels are loaded), run the whole forward as one kernel call (`tandem::llama_forward`),
         which needs the GIL once per step instead of once per op. A mixture of experts runs
-        there too where its experts are packed or quantized and it has no shared expert
-        (Qwen2-MoE's, which the one kernel lacks: it runs op by op).
+        there too where its experts are packed or quantized.
 
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
         modules = [m for m in self.modules() if isinstance(m, Linear | moe.Experts)]
@@ -269,14 +272,9 @@ class LlamaModel(nn.Module):
 
     @property
     def _fused_experts(self) -> bool:
-        """Whether the one-call forward computes this model's sparse layers: no shared expert
-        (Qwen2-MoE's), every projection of the experts packed or quantized."""
-        moe_spec = self.spec.moe
-        if moe_spec is None:
-            return True
-        return not moe_spec.shared_intermediate_size and all(
-            e.packed_or_quantized for e in self._experts()
-        )
+        """Whether the one-call forward computes this model's sparse layers: every projection
+        of the experts packed or quantized."""
+        return all(e.packed_or_quantized for e in self._experts())
 
     def forward(
         self,

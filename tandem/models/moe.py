@@ -6,10 +6,10 @@ replicated matrix, never packed or quantized, so the experts chosen are transfor
 `top_k` experts per token; the experts run grouped by expert (`ops/moe.py`), each a SwiGLU MLP.
 A layer's experts are two stacked parameters ([experts, 2 * inter, hidden] and [experts, hidden,
 inter]), not a module per expert: Qwen3-30B-A3B has 6144 experts, and a module each costs a
-minute to build. On the CPU fast path each expert's matrices are packed into panels for
-Tandem's own GEMM, through `ops/linear.linear` as every dense layer does. The experts stay in
-float under `quantization="int8"` and `"fp8"`, and a GGUF's expert blocks are dequantized.
-Qwen2-MoE adds a shared expert that every token takes, scaled by a sigmoid gate.
+minute to build. On the CPU fast path each projection of every expert is packed into panels
+for Tandem's own GEMM, or held in quantized blocks (a GGUF's own, or `quantization="int8"`),
+and runs in one kernel call for all experts (`Experts`). Under `"fp8"` the experts stay in the
+model's dtype. Qwen2-MoE adds a shared expert that every token takes, scaled by a sigmoid gate.
 
 Under tensor parallelism every expert's intermediate dimension is split across the ranks (gate
 and up by rows, down by columns), as the dense MLP's is: each rank computes every expert on its
@@ -249,7 +249,7 @@ class SparseMoE(nn.Module):
                 x, weights, ids, m.num_experts, functools.partial(e.project, "gate_up"),
                 functools.partial(e.project, "down"), ops.silu_and_mul,
             )  # fmt: skip
-        elif grouped_mm_runs(x):  # no host sync (CUDA)
+        elif grouped_mm_runs(x) and not e.quantized:  # no host sync (CUDA)
             out = grouped_experts_on_device(x, weights, ids, e.gate_up, e.down, ops.silu_and_mul)
         else:
             out = grouped_experts(

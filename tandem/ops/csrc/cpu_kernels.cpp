@@ -956,10 +956,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 // then its panels (the float32 GEMM's packed weight), the quantized scales and offsets, and the
 // bias. A mixture-of-experts layer has a router; its gate/up and down slots then hold every
 // expert's projection (`Experts.flat()` in models/moe.py): an empty [out, 0] tensor (the out
-// features), the stacked panels or quantized values, the scales and offsets, nothing.
+// features), the stacked panels or quantized values, the scales and offsets, nothing. Qwen2-MoE's
+// shared expert adds its two linear layers and its gate.
 enum LayerWeight {
   kInputNorm, kQNorm, kKNorm, kPostNorm, kQkv, kO = kQkv + 5, kGateUp = kO + 5,
-  kDown = kGateUp + 5, kRouter = kDown + 5, kWeightsPerLayer
+  kDown = kGateUp + 5, kRouter = kDown + 5, kSharedGateUp, kSharedDown = kSharedGateUp + 5,
+  kSharedGate = kSharedDown + 5, kWeightsPerLayer
 };
 
 // ---- Float32 GEMM over weights packed in panels ----
@@ -1422,7 +1424,12 @@ at::Tensor sparse_mlp(const at::Tensor& h, at::TensorList w, int64_t top_k, bool
       row_ends, w, kDown);
   ys.mul_(weights.flatten().index({order}).unsqueeze(1));
   // Row by row in order, so each token's terms add by ascending expert.
-  return at::zeros_like(h).index_add_(0, tokens, ys);
+  auto out = at::zeros_like(h).index_add_(0, tokens, ys);
+  if (present(w[kSharedGate])) {  // the shared expert, every token, scaled by its gate
+    const auto shared = linear(silu_and_mul(linear(h, w, kSharedGateUp)), w, kSharedDown);
+    out.add_(at::sigmoid(at::linear(h, w[kSharedGate])) * shared);
+  }
+  return out;
 }
 
 at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& positions,
