@@ -27,7 +27,6 @@ from tandem.ops.quantized import (
     pack,
     quantize_activations,
     quantize_int8,
-    quantized_experts_linear,
     quantized_linear,
     unpack,
 )
@@ -149,14 +148,14 @@ def test_experts_in_one_call_are_each_expert_s_own_product(kind, int8):
     x = torch.randn(int(ends[-1]), k)
     for tiles in tile_settings():
         with cpu_kernels.using_amx_tiles(tiles):
-            out = quantized_experts_linear(x, ends, stack)
+            out = torch.ops.tandem.quantized_experts(x, ends, *stack.flat())
             start = 0
             for e, end in enumerate(ends.tolist()):
                 if end > start:
                     assert torch.equal(out[start:end], quantized_linear(x[start:end], one[e]))
                 start = end
     with pytest.raises(RuntimeError, match="row_ends must rise"):
-        quantized_experts_linear(x, ends - 1, stack)
+        torch.ops.tandem.quantized_experts(x, ends - 1, *stack.flat())
 
 
 def tile_settings() -> list[bool]:

@@ -51,7 +51,6 @@ from tandem.ops.quantized import (
     QuantizedWeight,
     copy_rows,
     dequantize,
-    quantized_experts_linear,
     quantized_linear,
     zero_rows,
 )
@@ -199,7 +198,7 @@ class Experts(nn.Module):
     def project(self, name: str, rows: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
         """Projection `name` of each expert's rows (sorted by expert, `row_ends`), in one call."""
         if name in self.quantized:
-            return quantized_experts_linear(rows, row_ends, self.quantized[name])
+            return torch.ops.tandem.quantized_experts(rows, row_ends, *self.quantized[name].flat())
         out = self.out_features[name]
         return torch.ops.tandem.gemm_experts(rows, row_ends, self.panels[name], out)
 

@@ -89,7 +89,7 @@ class QuantizedWeight(Blocks):
 class QuantizedExperts(Blocks):
     """One projection of a layer's every expert, each a `QuantizedWeight` of one shape and format,
     stacked: values, scales and offsets with a leading [experts] dimension, as the kernels walk
-    them in one task list (`quantized_experts_linear`)."""
+    them in one task list (`tandem::quantized_experts`)."""
 
     def __len__(self) -> int:
         return self.values.shape[0]
@@ -293,23 +293,6 @@ def quantized_linear(
     if q.int8_activations:
         return int8_activation_linear(x, q, bias)
     return F.linear(x, dequantize(q).to(x.dtype), bias)
-
-
-def quantized_experts_linear(
-    x: torch.Tensor, row_ends: torch.Tensor, q: QuantizedExperts
-) -> torch.Tensor:
-    """Rows [row_ends[e - 1], row_ends[e]) of x (sorted by expert) @ expert e's weight.T, for
-    every expert: in one kernel call where the kernels are loaded, else expert by expert."""
-    if cpu_kernels.loaded() and x.device.type == "cpu" and x.dtype == torch.float32:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        return torch.ops.tandem.quantized_experts(x, row_ends, *q.flat())
-    out = x.new_empty(x.shape[0], q.shape[0])
-    start = 0
-    for e, end in enumerate(row_ends.tolist()):  # CPU tensor: a read, no device sync
-        if end > start:
-            out[start:end] = quantized_linear(x[start:end], q[e])
-        start = end
-    return out
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:

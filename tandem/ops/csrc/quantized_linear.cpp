@@ -186,15 +186,22 @@ struct Groups {
   }
 };
 
-// A weight's groups as every kernel walks them; offsets null where none are stored (8-bit
-// codes, symmetric 4-bit ones: `quantized_linear` checks which).
+// Weight w of the `count` weights that (contiguous) values, scales and offsets hold back to back
+// (one weight: w = 0, count = 1), its groups as every kernel walks them; offsets null where none
+// are stored (8-bit codes, symmetric 4-bit ones: `quantized_linear` checks which). Pointers, not
+// tensor views: a decode step calls this for every quantized layer.
 template <typename Scale>
 Groups<Scale> groups_of(const at::Tensor& values, const at::Tensor& scales,
-                        const at::Tensor& offsets) {
-  return {static_cast<const uint8_t*>(values.data_ptr()),
-          static_cast<const Scale*>(scales.data_ptr()),
-          present(offsets) ? static_cast<const Scale*>(offsets.data_ptr()) : nullptr,
-          values.stride(0) * values.element_size(), scales.stride(0)};
+                        const at::Tensor& offsets, int64_t w, int64_t count) {
+  const int64_t per_weight = values.size(values.dim() - 4), first = w * per_weight;
+  const int64_t groups = count * per_weight;
+  const int64_t group_bytes = values.numel() / groups * values.element_size();
+  const int64_t group_scales = scales.numel() / groups;
+  return {static_cast<const uint8_t*>(values.data_ptr()) + first * group_bytes,
+          static_cast<const Scale*>(scales.data_ptr()) + first * group_scales,
+          present(offsets) ? static_cast<const Scale*>(offsets.data_ptr()) + first * group_scales
+                           : nullptr,
+          group_bytes, group_scales};
 }
 
 // Rows [row0, row0 + rows) of x against one weight, into the same rows of out: one linear layer
@@ -1323,29 +1330,26 @@ void check_x(const at::Tensor& x) {
               "x must be float32 [M, K] with contiguous rows");
 }
 
-// A stack of weights (values [W, ...], scales and offsets alike) as jobs: weight w over rows
-// [ends[w - 1], ends[w]) of x (from 0 for the first), weights without rows left out.
+// `count` weights stored back to back as jobs: weight w over rows [ends[w - 1], ends[w]) of x
+// (from 0 for the first), weights without rows left out.
 template <typename Scale>
 Jobs<Scale> jobs_of(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
-                    const std::vector<int64_t>& ends) {
-  Jobs<Scale> jobs{{}, values.size(1), values.size(2)};
-  int64_t row0 = 0;
-  for (int64_t w = 0; w < static_cast<int64_t>(ends.size()); row0 = ends[w++]) {
-    if (ends[w] == row0) continue;
-    const at::Tensor no_offsets;
-    jobs.list.push_back({row0, ends[w] - row0,
-                         groups_of<Scale>(values[w], scales[w],
-                                          present(offsets) ? offsets[w] : no_offsets)});
-  }
+                    const int64_t* ends, int64_t count) {
+  const int64_t d = values.dim() - 4;  // 1 for a stack of weights, 0 for one
+  Jobs<Scale> jobs{{}, values.size(d), values.size(d + 1)};
+  for (int64_t w = 0, row0 = 0; w < count; row0 = ends[w++])
+    if (ends[w] > row0)
+      jobs.list.push_back(
+          {row0, ends[w] - row0, groups_of<Scale>(values, scales, offsets, w, count)});
   return jobs;
 }
 
 // x against each weight of the stack (`jobs_of`), into out, in the numerics of `f`.
 template <typename Scale>
 void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
-               const at::Tensor& scales, const at::Tensor& offsets,
-               const std::vector<int64_t>& ends, at::Tensor& out) {
-  const Jobs<Scale> jobs = jobs_of<Scale>(values, scales, offsets, ends);
+               const at::Tensor& scales, const at::Tensor& offsets, const int64_t* ends,
+               int64_t count, at::Tensor& out) {
+  const Jobs<Scale> jobs = jobs_of<Scale>(values, scales, offsets, ends, count);
   if (jobs.list.empty()) return;
   constexpr bool kHalf = std::is_same_v<Scale, c10::Half>;
   // 8-bit codes meet the digits only where AMX tiles run them: on VNNI alone a code widens for
@@ -1370,10 +1374,10 @@ void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
 }
 
 void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
-               const at::Tensor& scales, const at::Tensor& offsets,
-               const std::vector<int64_t>& ends, at::Tensor& out) {
-  if (f.half) run_stack<c10::Half>(f, x, values, scales, offsets, ends, out);
-  else run_stack<float>(f, x, values, scales, offsets, ends, out);
+               const at::Tensor& scales, const at::Tensor& offsets, const int64_t* ends,
+               int64_t count, at::Tensor& out) {
+  if (f.half) run_stack<c10::Half>(f, x, values, scales, offsets, ends, count, out);
+  else run_stack<float>(f, x, values, scales, offsets, ends, count, out);
 }
 
 }  // namespace
@@ -1387,9 +1391,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
               "bias must be float32 [", n, "]");
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  const at::Tensor none;
-  run_stack(f, x, values.unsqueeze(0), scales.unsqueeze(0),
-            present(offsets) ? offsets.unsqueeze(0) : none, {x.size(0)}, out);
+  const int64_t rows = x.size(0);
+  run_stack(f, x, values, scales, offsets, &rows, 1, out);
   if (present(bias)) out.add_(bias);
   return out;
 }
@@ -1409,13 +1412,12 @@ at::Tensor quantized_experts(const at::Tensor& x, const at::Tensor& row_ends,
   TORCH_CHECK(row_ends.device().is_cpu() && row_ends.scalar_type() == at::kLong &&
                   row_ends.dim() == 1 && row_ends.size(0) == experts,
               "row_ends must be int64 [experts] on the CPU");
-  const int64_t* ep = row_ends.data_ptr<int64_t>();
-  std::vector<int64_t> ends(ep, ep + experts);
-  TORCH_CHECK(std::is_sorted(ends.begin(), ends.end()) && (ends.empty() || ends[0] >= 0) &&
-                  (ends.empty() ? x.size(0) == 0 : ends.back() == x.size(0)),
+  const int64_t* ends = row_ends.data_ptr<int64_t>();
+  TORCH_CHECK(std::is_sorted(ends, ends + experts) && (experts == 0 || ends[0] >= 0) &&
+                  (experts == 0 ? x.size(0) == 0 : ends[experts - 1] == x.size(0)),
               "row_ends must rise from 0 to x's ", x.size(0), " rows");
   auto out = at::empty({x.size(0), values.size(1) * kGroupRows}, x.options());
-  if (x.size(0) > 0) run_stack(f, x, values, scales, offsets, ends, out);
+  if (x.size(0) > 0) run_stack(f, x, values, scales, offsets, ends, experts, out);
   return out;
 }
 
