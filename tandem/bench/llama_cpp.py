@@ -14,13 +14,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.models.catalog import cache_root
+
 BATCHED_BENCH = "llama-batched-bench"
 WARMUP_TOKENS = 16  # llama-batched-bench's warm-up batch, which its context must hold too
 
 
 def default_bin_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "llama.cpp" / "bin"
+    return cache_root() / "llama.cpp" / "bin"
 
 
 def find_llama_cpp(option: str) -> Path | None:

@@ -30,7 +30,7 @@ import gguf
 import numpy as np
 
 from tandem.bench.workloads import MODELS_DIR
-from tandem.models.catalog import PACKAGED_MODELS
+from tandem.models.catalog import PACKAGED_MODELS, cache_root
 from tandem.models.errors import ModelLoadError
 
 BLOCK_TYPES = ("Q4_0", "Q8_0", "Q4_K")
@@ -54,8 +54,7 @@ FORMAT_VERSION = 1  # part of the cache key: a change to what is written makes a
 
 def cache_dir() -> Path:
     """Tandem's cache (TANDEM_CACHE_DIR, else ~/.cache/tandem)/models."""
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 @dataclass(frozen=True)

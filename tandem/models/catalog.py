@@ -7,6 +7,7 @@ asked for its path): a server checks a path before it starts any process."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,12 @@ PACKAGED_MODELS = {
 # The built-in default model's reasoning twin (a thinking block in its chat template), built
 # offline on first use like the default model.
 DEFAULT_THINKING = "default-thinking"
+
+
+def cache_root() -> Path:
+    """Tandem's cache folder: $TANDEM_CACHE_DIR, else ~/.cache/tandem (the bench's random GGUF
+    files and llama.cpp's binaries live there, beside the built-in model)."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
 def resolve_model(model: str | None) -> Path:
