@@ -12,18 +12,24 @@ Responses API or Ollama's chat; the same seed sends the same prompts through eac
 `--compare chat,messages,responses,ollama --repeats 8` runs the same load through each API in
 turn, round after round (each round starting with the next API), and prints each one's median
 output tokens/s and its ratio to the first's, with the server's device idle fraction: what
-translating an API costs the host.
+translating an API costs the host. `--dashboard-ab` runs the load with the server's /dashboard
+closed and open in a headless Chromium (`--chromium`), alternately: what a page watching the
+engines costs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -329,6 +335,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the load through each API in turn, --repeats times, and compare\n"
                    "their median output tokens/s (the first is the reference)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="rounds of --compare")
+    p.add_argument("--dashboard-ab", action="store_true",
+                   help="run each load with the server's /dashboard closed and open in a\n"
+                   "headless Chromium, --repeats rounds, and compare")  # fmt: skip
+    p.add_argument(
+        "--chromium", default="/usr/bin/chromium", help="the browser --dashboard-ab runs"
+    )
     p.add_argument(
         "--token-prompts",
         action="store_true",
@@ -342,23 +354,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Headless Chromium as the probe that tested the pages runs it: no background connections.
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+PAGE_OPEN = "+dashboard"
+
+
+@contextlib.contextmanager
+def dashboard_browser(url: str, chromium: str) -> Iterator[Callable[[bool], None]]:
+    """The callable opens `url`/dashboard in a headless Chromium of its own (True), or closes it:
+    the page polls and draws as it would on a screen until the browser is stopped."""
+    browser: list[subprocess.Popen] = []
+    profile = tempfile.TemporaryDirectory(prefix="tandem-dashboard-")
+
+    def show(open_: bool) -> None:
+        while browser:
+            process = browser.pop()
+            process.terminate()
+            process.wait(10)
+        if open_:
+            flags = [*CHROMIUM_FLAGS, "--headless", f"--user-data-dir={profile.name}"]
+            browser.append(subprocess.Popen([chromium, *flags, f"{url}/dashboard"],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            time.sleep(3.0)  # started, the page loaded and polling, before the load begins
+
+    try:
+        yield show
+    finally:
+        show(False)
+        profile.cleanup()
+
+
 def compare(args: argparse.Namespace) -> int:
-    """The same load through each API, interleaved round by round: medians and ratios."""
-    names = args.compare.split(",")
-    unknown = [n for n in names if n not in APIS]
+    """The same load through each API, interleaved round by round: medians and ratios. With
+    --dashboard-ab, each API's load runs once with /dashboard closed and once with it open in a
+    headless Chromium (the page's cost to the server: its polls, and the browser's CPU)."""
+    apis = args.compare.split(",") if args.compare else [args.api]
+    unknown = [n for n in apis if n not in APIS]
     if unknown:
         print(f"--compare: unknown API {unknown[0]!r} (known: {', '.join(APIS)})", file=sys.stderr)
         return 2
+    pages = (False, True) if args.dashboard_ab else (False,)
+    names = [api + (PAGE_OPEN if page else "") for api in apis for page in pages]
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for round_ in range(args.repeats):
-        turn = round_ % len(names)  # each API goes first in some round: no order favours one
-        for name in names[turn:] + names[:turn]:
-            summary = asyncio.run(run(argparse.Namespace(**{**vars(args), "api": name})))
-            runs[name].append(summary)
-            print(f"round {round_ + 1} {name:<11} {summary['output_tokens_per_s']:8.1f} tok/s, "
-                  f"{summary['errors']} errors", file=sys.stderr)  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        show = None
+        if args.dashboard_ab:
+            show = stack.enter_context(dashboard_browser(args.url, args.chromium))
+        for round_ in range(args.repeats):
+            turn = round_ % len(
+                names
+            )  # each variant goes first in some round: no order favours one
+            for name in names[turn:] + names[:turn]:
+                api = name.removesuffix(PAGE_OPEN)
+                if show is not None:
+                    show(name.endswith(PAGE_OPEN))
+                summary = asyncio.run(run(argparse.Namespace(**{**vars(args), "api": api})))
+                runs[name].append(summary)
+                print(f"round {round_ + 1} {name:<21} {summary['output_tokens_per_s']:8.1f} tok/s, "
+                      f"{summary['errors']} errors", file=sys.stderr)  # fmt: skip
     reference = float(np.median([s["output_tokens_per_s"] for s in runs[names[0]]]))
-    print(f"{'api':<11} {'tok/s (median)':>15} {'ratio':>7} {'TTFT p50 ms':>12} "
+    print(f"{'api':<21} {'tok/s (median)':>15} {'ratio':>7} {'TTFT p50 ms':>12} "
           f"{'device idle':>12} {'errors':>7}")  # fmt: skip
     # device idle: the median over rounds of each run's median window while all streams ran
     failed = 0
@@ -370,7 +426,7 @@ def compare(args: argparse.Namespace) -> int:
         idle_text = f"{np.median(idle):.3f}" if None not in idle else "n/a"
         errors = sum(s["errors"] for s in runs[name])
         failed += errors
-        print(f"{name:<11} {median:15.1f} {median / reference:6.3f}x {ttft:12.1f} "
+        print(f"{name:<21} {median:15.1f} {median / reference:6.3f}x {ttft:12.1f} "
               f"{idle_text:>12} {errors:7d}")  # fmt: skip
     return 1 if failed else 0
 
@@ -380,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.token_prompts and args.api != "completions":
         print("--token-prompts sends completions prompts: use --api completions", file=sys.stderr)
         return 2
-    if args.compare:
+    if args.compare or args.dashboard_ab:
         return compare(args)
     summary = asyncio.run(run(args))
     if args.json:

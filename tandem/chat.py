@@ -20,6 +20,7 @@ from tandem.engine.engine import Engine
 from tandem.request import RequestOutput, SamplingParams
 
 Message = dict[str, str]
+DIM, RESET = "\x1b[2m", "\x1b[0m"  # a terminal's faint text, and back
 COMMANDS = "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply"
 
 
@@ -51,12 +52,19 @@ class Conversation:
         conversation = [*self.messages, {"role": "user", "content": text}]
         return render_chat_ids(self.engine.tokenizer, conversation)
 
-    def reply(self, text: str, on_delta: Callable[[str], None] | None = None) -> str:
-        """The assistant's answer to `text`, each new piece passed to `on_delta` as it comes.
+    def reply(
+        self,
+        text: str,
+        on_delta: Callable[[str], None] | None = None,
+        on_thinking: Callable[[str], None] | None = None,
+    ) -> str:
+        """The assistant's answer to `text`, each new piece passed to `on_delta` as it comes
+        (a reasoning model's thinking, before it, to `on_thinking`).
 
-        The turn joins the conversation only once the reply is complete: if `on_delta` raises
-        (KeyboardInterrupt from Ctrl-C), the request is aborted, the engine drained and the
-        conversation left as it was. A prompt that no longer fits raises ValueError.
+        The turn joins the conversation only once the reply is complete (its answer, not its
+        thinking): if a callback raises (KeyboardInterrupt from Ctrl-C), the request is aborted,
+        the engine drained and the conversation left as it was. A prompt that no longer fits
+        raises ValueError.
         """
         request_id = f"chat-{uuid.uuid4().hex}"
         self.engine.add_request(self.prompt_ids(text), self.params, request_id)
@@ -65,6 +73,8 @@ class Conversation:
             for output in self.engine.stream_outputs():
                 if output.request_id != request_id:
                     continue
+                if output.delta_reasoning and on_thinking is not None:
+                    on_thinking(output.delta_reasoning)
                 if output.delta_text and on_delta is not None:
                     on_delta(output.delta_text)
                 if output.finished:
@@ -101,21 +111,38 @@ def sigint_as_flag() -> Iterator[threading.Event]:
 
 def stream_reply(conversation: Conversation, text: str, out: TextIO) -> None:
     """Write the reply to `out` as it comes, then a newline; Ctrl-C stops it (KeyboardInterrupt
-    after the abort, with the conversation unchanged)."""
+    after the abort, with the conversation unchanged). On a terminal a reasoning model's
+    thinking comes first, dimmed, and a blank line before the answer; elsewhere (a pipe, a
+    script reading the answers) it is left out."""
+    terminal = out.isatty()
+    thought = False
+
     with sigint_as_flag() as pressed:
 
         def write(delta: str) -> None:
+            nonlocal thought
+            if thought:
+                out.write(RESET + "\n\n")
+                thought = False
             out.write(delta)
             out.flush()
             if pressed.is_set():
                 raise KeyboardInterrupt
 
+        def think(delta: str) -> None:
+            nonlocal thought
+            out.write(("" if thought else DIM) + delta)
+            thought = True
+            out.flush()
+            if pressed.is_set():
+                raise KeyboardInterrupt
+
         try:
-            conversation.reply(text, write)
+            conversation.reply(text, write, think if terminal else None)
         except KeyboardInterrupt:
-            out.write("\n")
+            out.write((RESET if thought else "") + "\n")
             raise
-        out.write("\n")
+        out.write((RESET if thought else "") + "\n")
         out.flush()
 
 

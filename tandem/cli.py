@@ -138,6 +138,16 @@ def sampling_params(
     )
 
 
+def overridden_by(args: argparse.Namespace) -> str:
+    """ "; over them: --temperature 0" for the sampling flags given, or nothing."""
+    given = [
+        f"--{name.replace('_', '-')} {value:g}"
+        for name in SAMPLING_FIELDS
+        if (value := getattr(args, name)) is not None
+    ]
+    return f"; over them: {' '.join(given)}" if given else ""
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.llm import LLM
 
@@ -179,7 +189,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     sampling_params(args)  # before loading the model: bad flags fail fast
     engine = Engine(engine_config(args))
-    params = sampling_params(args, engine.generation_defaults.values)
+    defaults = engine.generation_defaults.for_chat()  # llama.cpp's where the model sets none
+    params = sampling_params(args, defaults.values)
+    print(f"tandem chat: {defaults.describe()}{overridden_by(args)}", file=sys.stderr)
     try:
         return run_chat(engine, params, args.system, args.question)
     finally:

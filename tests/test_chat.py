@@ -3,6 +3,7 @@ identical to offline generation, Ctrl-C aborting a reply; the command in real pr
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -13,16 +14,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem import LLM
-from tandem.chat import Conversation
+from tandem import LLM, SamplingParams
+from tandem.chat import DIM, RESET, Conversation, stream_reply
+from tandem.cli import build_parser, sampling_params
 from tandem.engine.chat_template import chat_template_problem
 from tandem.models.default_model import default_model_path
+from tandem.models.generation_defaults import CHAT_SAMPLING, GenerationDefaults
 
 from helpers import assert_idle_and_balanced, greedy
 
 ENGINE = {"max_model_len": 512, "kv_cache_memory_gib": 0.1, "cpu_threads": 2, "device": "cpu"}
-FLAGS = ["--max-model-len", "512", "--kv-cache-memory-gib", "0.1", "--cpu-threads", "2",
-         "--device", "cpu", "--max-tokens", "8", "--ignore-eos", "--temperature", "0"]  # fmt: skip
+ENGINE_FLAGS = ["--max-model-len", "512", "--kv-cache-memory-gib", "0.1", "--cpu-threads", "2",
+                "--device", "cpu", "--max-tokens", "8", "--ignore-eos"]  # fmt: skip
+FLAGS = [*ENGINE_FLAGS, "--temperature", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +157,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]
         "one_shot": tandem_chat("Hello there", *one_line),
         "piped": tandem_chat(*one_line, stdin=turns),
         "no_template": tandem_chat("Hello", "--model", str(no_template), *FLAGS),
+        # The default model sets no sampling: a chat samples with llama.cpp's defaults.
+        "seed_1": tandem_chat("Tell me a story", *ENGINE_FLAGS, "--sampling-seed", "1"),
+        "seed_2": tandem_chat("Tell me a story", *ENGINE_FLAGS, "--sampling-seed", "2"),
+        "greedy": tandem_chat("Tell me a story", *FLAGS),
     }
     results = {}
     try:
@@ -184,3 +192,68 @@ def test_a_model_without_chat_template_exits_2(runs: dict[str, SimpleNamespace])
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("tandem chat: error:") and "no chat template" in lines[-1]
+
+
+def test_chat_samples_with_llama_cpp_defaults_unless_told_otherwise(
+    runs: dict[str, SimpleNamespace], llm: LLM
+) -> None:
+    """A model that sets no sampling gets llama.cpp's chat defaults (said on stderr at start):
+    two seeds give two replies; `--temperature 0` is greedy, equal to offline generation."""
+    replies = {}
+    for name in ("seed_1", "seed_2", "greedy"):
+        result = runs[name]
+        assert result.returncode == 0, result.stderr
+        said = next(line for line in result.stderr.splitlines() if "sampling defaults" in line)
+        assert "temperature=0.8, top_k=40, top_p=0.95, min_p=0.05" in said, said
+        assert "llama.cpp's chat defaults" in said
+        replies[name] = result.stdout.removesuffix("\n")
+    assert replies["seed_1"] != replies["seed_2"]
+    assert "over them: --temperature 0" in runs["greedy"].stderr
+    offline = llm.generate(template_ids(llm, [user("Tell me a story")]), greedy(8))[0]
+    assert replies["greedy"] == offline.text
+    seeded = SamplingParams(max_tokens=8, ignore_eos=True, seed=1, **CHAT_SAMPLING)
+    assert (
+        replies["seed_1"]
+        == llm.generate(template_ids(llm, [user("Tell me a story")]), seeded)[0].text
+    )
+
+
+def test_chat_sampling_comes_from_the_model_when_it_sets_any() -> None:
+    """The model's defaults where it sets how to sample; llama.cpp's where it sets none or only a
+    thinking budget; the flags over either."""
+    model = GenerationDefaults({"temperature": 0.6, "top_p": 0.9}, "generation_config.json")
+    assert model.for_chat() is model
+    budget_only = GenerationDefaults({"thinking_token_budget": 5}, "the override")
+    assert budget_only.for_chat().values == {**CHAT_SAMPLING, "thinking_token_budget": 5}
+    none = GenerationDefaults(source="no generation_config.json")
+    assert none.for_chat().values == CHAT_SAMPLING
+    args = build_parser().parse_args(["chat", "--temperature", "0", "--top-k", "5"])
+    params = sampling_params(args, none.for_chat().values)
+    assert (params.temperature, params.top_k, params.top_p, params.min_p) == (0, 5, 0.95, 0.05)
+    args = build_parser().parse_args(["chat"])
+    params = sampling_params(args, model.for_chat().values)
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_thinking_is_shown_dimmed_before_the_answer_on_a_terminal(thinking_qwen3: Path) -> None:
+    """A reasoning model's thinking streams first, dimmed, then the answer after a blank line;
+    piped, only the answer. The conversation keeps the answer alone."""
+    llm = LLM(str(thinking_qwen3), **ENGINE)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, thinking_token_budget=4)
+        terminal, pipe = Terminal(), io.StringIO()
+        stream_reply(Conversation(llm.engine, params), "Hi", terminal)
+        conversation = Conversation(llm.engine, params)
+        stream_reply(conversation, "Hi", pipe)
+        out = conversation.last_output
+        assert out.reasoning and out.text
+        assert terminal.getvalue() == f"{DIM}{out.reasoning}{RESET}\n\n{out.text}\n"
+        assert pipe.getvalue() == out.text + "\n"
+        assert conversation.messages[-1] == {"role": "assistant", "content": out.text}
+    finally:
+        llm.close()

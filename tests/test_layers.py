@@ -105,7 +105,7 @@ SERVER_LAYERS = [
     ("front end", ("tandem.server.frontend",)),
     ("translation", ("tandem.server.generation",)),
     ("APIs", ("tandem.server.openai", "tandem.server.responses", "tandem.server.anthropic",
-              "tandem.server.ollama")),
+              "tandem.server.ollama", "tandem.server.web")),
     ("assembly", ("tandem.server.app", "tandem.server.frontend_process", "tandem.server.serve")),
 ]  # fmt: skip
 APIS = SERVER_LAYERS[3][1]

@@ -31,6 +31,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, EngineConfig, SamplingParams
+from tandem.models.generation_defaults import CHAT_SAMPLING
 from tandem.server.app import create_app
 from tandem.server.core import wire
 from tandem.server.core.client import CoreClient, CoreEndpoint
@@ -596,6 +597,66 @@ def test_metrics_move_with_requests(live: LiveServer, model: str) -> None:
         assert (f"tandem_requests_{gauge}", engine) in after
     assert ("tandem_requests_in_flight", ()) in after
     assert 0.0 <= after[("tandem_device_idle_fraction", engine)] <= 1.0
+
+
+def test_dashboard_data_follows_the_steps_and_matches_metrics(live: LiveServer, model: str) -> None:
+    """`/dashboard/data`: each engine's steps after the step asked for (none twice, none lost,
+    in order, each with its device span and host phases on the core's clock), its state as
+    /metrics shows it, and the server's counters as /metrics sums them; a bad `after` is a 400
+    naming it. `/chat/settings`: the model, its context and the sampling a chat starts from."""
+    first = httpx.get(f"{live.url}/dashboard/data").json()
+    (engine,) = first["engines"]
+    steps = engine["timeline"]["steps"]
+    last = steps[-1][0] if steps else -1
+    prompt = "A prompt only this test sends, so that no prefix of it is cached"
+    out = live.client().completions.create(
+        model=model, prompt=prompt, max_tokens=9, extra_body={"ignore_eos": True}
+    )
+    assert_idle(live)
+    data = httpx.get(f"{live.url}/dashboard/data", params={"after": str(last)}).json()
+    (engine,) = data["engines"]
+    timeline = engine["timeline"]
+    new = timeline["steps"]
+    ids = [step[0] for step in new]
+    assert ids == list(range(last + 1, last + 1 + len(ids))) and len(ids) >= 9  # prefill + 8
+    assert ids[-1] == engine["stats"]["num_steps"] - 1
+    assert sum(step[1] for step in new) == out.usage.prompt_tokens + 8  # tokens computed
+    for _, _, seqs, (start, end), wait, skipped, host in new:
+        assert seqs == 1 and not skipped and wait == 0.0
+        assert start <= end <= timeline["now"]
+        assert {"schedule", "build", "launch"} <= set(host)
+        assert all(a <= b for a, b in host.values())
+    again = httpx.get(f"{live.url}/dashboard/data", params={"after": str(ids[-1])}).json()
+    assert again["engines"][0]["timeline"]["steps"] == []
+
+    metrics = metric_samples(live.url)
+    label = (("engine", "0"),)
+    stats = engine["stats"]
+    for name, field in (("tandem_requests_running", "num_running"),
+                        ("tandem_requests_waiting", "num_waiting"),
+                        ("tandem_kv_blocks_used", "kv_blocks_used"),
+                        ("tandem_kv_blocks_cached", "kv_blocks_cached"),
+                        ("tandem_kv_blocks_total", "kv_blocks_total"),
+                        ("tandem_engine_generation_tokens_total", "generation_tokens")):  # fmt: skip
+        assert metrics[(name, label)] == stats[field], name
+    for name, value in data["server"].items():
+        assert metrics[(name, ())] == value, name
+    assert data["server"]["tandem_generation_tokens_total"] >= 9
+    assert data["model"] == model and data["max_model_len"] == live.model.max_model_len
+
+    for bad in ("x", "1,2"):
+        refused = httpx.get(f"{live.url}/dashboard/data", params={"after": bad})
+        assert refused.status_code == 400 and "after" in refused.json()["error"]["message"]
+    settings = httpx.get(f"{live.url}/chat/settings").json()
+    assert settings["model"] == model and settings["max_model_len"] == live.model.max_model_len
+    assert settings["sampling"] == CHAT_SAMPLING and not settings["reasoning"]
+    for path in ("/", "/dashboard", "/static/chat.html"):
+        page = httpx.get(f"{live.url}{path}")
+        assert page.status_code == 200 and "<html" in page.text.lower(), path
+        assert page.headers["content-type"].startswith("text/html"), path
+    assert httpx.head(live.url).status_code == 200  # Ollama's clients' "is it running?"
+    for outside in ("/static/..%2Froutes.py", "/static/routes.py", "/static/nothing.js"):
+        assert httpx.get(f"{live.url}{outside}").status_code in (400, 404), outside
 
 
 def test_admission_control(tiny_llama: Path) -> None:

@@ -467,6 +467,15 @@ def test_api_key(tiny_llama: Path) -> None:
         assert refused.status_code == 401 and "missing API key" in refused.json()["error"]
         keyed = ollama.Client(host=live.url, headers={"Authorization": f"Bearer {KEY}"})
         assert [m.model for m in keyed.list().models] == [model]
+        # The pages are open (they ask for the key); the data they read needs it.
+        for page in ("/", "/dashboard", "/static/chat.html"):
+            assert httpx.get(f"{live.url}{page}").status_code == 200, page
+        for data in ("/chat/settings", "/dashboard/data"):
+            refused = httpx.get(f"{live.url}{data}")
+            assert (
+                refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            )
+            assert httpx.get(f"{live.url}{data}", headers={"X-Api-Key": KEY}).status_code == 200
         # /health is always open; /metrics is open unless protect_metrics.
         assert httpx.get(f"{live.url}/health").status_code == 200
         assert httpx.get(f"{live.url}/metrics").status_code == 200

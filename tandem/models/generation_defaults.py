@@ -17,6 +17,20 @@ from tandem.request import SAMPLING_FIELDS, SamplingParams
 # auto: the checkpoint's; vllm: none (Tandem's and vLLM's own defaults); else a folder path.
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 INTEGER_FIELDS = ("top_k", "thinking_token_budget")
+# llama.cpp's sampling for a conversation (llama-cli's defaults): what a chat gets where neither
+# the user nor the model sets any, since small models loop under greedy decoding.
+CHAT_SAMPLING: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
+                                         "min_p": 0.05}  # fmt: skip
+CHAT_SAMPLING_SOURCE = "llama.cpp's chat defaults, as the model sets none"
+
+
+def chat_sampling(model_values: dict[str, float | int]) -> tuple[dict[str, float | int], bool]:
+    """The sampling a chat starts from, and whether it is the model's: the model's where it
+    sets how to sample (any sampling field but the thinking budget, which is kept either way),
+    else `CHAT_SAMPLING`."""
+    own = {k: v for k, v in model_values.items() if k in SAMPLING_FIELDS}
+    budget = {k: own.pop(k) for k in ("thinking_token_budget",) if k in own}
+    return {**(own or CHAT_SAMPLING), **budget}, bool(own)
 
 
 @dataclass(frozen=True)
@@ -32,10 +46,19 @@ class GenerationDefaults:
             source = self.source or "none given"
             return f"sampling defaults: none from the model ({source}){cap}"
         given = ", ".join(f"{name}={value}" for name, value in self.values.items())
+        if self.source == CHAT_SAMPLING_SOURCE:
+            return f"sampling defaults: {given} ({self.source}){cap}"
         return (
             f"sampling defaults: {given} (from {self.source}; --generation-config vllm ignores "
             f"them){cap}"
         )
+
+    def for_chat(self) -> GenerationDefaults:
+        """The defaults a chat starts from: these if the model sets any, else llama.cpp's."""
+        values, own = chat_sampling(self.values)
+        if own:
+            return self
+        return GenerationDefaults(values, CHAT_SAMPLING_SOURCE, self.max_tokens)
 
     def overridden(self, overrides: dict[str, float | int] | None) -> GenerationDefaults:
         """These defaults with `overrides` (vLLM's --override-generation-config) over them:

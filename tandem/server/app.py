@@ -36,9 +36,12 @@ from tandem.server.ollama import routes as ollama_routes
 from tandem.server.openai import routes as openai_routes
 from tandem.server.responses import routes as responses_routes
 from tandem.server.responses.store import ResponseStore
+from tandem.server.web import routes as web_routes
 
-# Paths that need the API key, when one is set: every API's, and vLLM's token utilities.
-GUARDED_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize")
+# Paths that need the API key, when one is set: every API's, vLLM's token utilities and the
+# pages' data.
+# The pages themselves are open: they ask for the key where the data they read needs it.
+GUARDED_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize", "/chat/settings", "/dashboard/data")
 
 logger = logging.getLogger("tandem.server")
 
@@ -143,6 +146,7 @@ def create_app(
     store = ResponseStore() if response_store is None else response_store
     app.include_router(responses_routes.routes(service, preparer, store))
     app.include_router(ollama_routes.routes(service, preparer, shapes))
+    app.include_router(web_routes.routes(service, name))
 
     @app.get("/health")
     async def health() -> Response:

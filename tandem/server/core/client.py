@@ -18,6 +18,7 @@ import logging
 import os
 import select
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class _Core:
     in_flight: int = 0  # this front end's sequences on it
     last_heard: float = 0.0
     pending: wire.Inbox = field(default_factory=wire.Inbox)
+    timelines: deque[asyncio.Future] = field(default_factory=deque)  # queries awaiting answers
     owner: zmq.Socket | None = None  # the socket itself: a shadow does not keep it open
 
 
@@ -170,6 +172,19 @@ class CoreClient:
             core.pending.aborts.append(wire.Abort(request_id, index))
             self._schedule_flush()
 
+    async def timelines(self, after: list[int], timeout_s: float) -> list[wire.Timeline | None]:
+        """Each core's steps retired after `after[i]` (-1: its latest seconds' worth); None for
+        a core that has not answered within `timeout_s` (it answers between steps)."""
+        assert self._aloop is not None, "start() first"
+        futures = []
+        for core, last in zip(self._cores, after, strict=True):
+            future = self._aloop.create_future()
+            core.timelines.append(future)
+            core.sock.send(wire.encode(wire.TimelineQuery(last)))
+            futures.append(future)
+        await asyncio.wait(futures, timeout=timeout_s)
+        return [f.result() if f.done() and not f.cancelled() else None for f in futures]
+
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled and self._aloop is not None:
             self._flush_scheduled = True
@@ -195,6 +210,10 @@ class CoreClient:
                     self._finished(core, message.deltas)
                     if self.on_outputs is not None:
                         self.on_outputs(message.deltas)
+                elif isinstance(message, wire.Timeline):
+                    future = core.timelines.popleft()  # answers come in the order asked
+                    if not future.done():  # else cancelled: its reader went away
+                        future.set_result(message)
                 elif isinstance(message, wire.CoreFailed):
                     self._fail(f"engine core {core.index} failed: {message.message}")
         except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):

@@ -45,6 +45,7 @@ IDLE_POLL_MS = 1000  # an idle core wakes this often to check its ranks' health
 STATS_WINDOW_S = 1.0  # the device-idle gauge's window
 GAUGE_HISTORY_STEPS = 2048  # step records kept for the gauge (a window holds fewer)
 GAUGE_HISTORY_REQUESTS = 100
+TIMELINE_S = 10.0  # the most of the past a dashboard's timeline query gets
 
 
 @dataclass
@@ -165,6 +166,7 @@ class CoreLoop:
         self._owner: dict[str, bytes] = {}  # request id -> its front end
         self._unfinished: dict[str, int] = {}  # request id -> samples not finished
         self._stats_stale = False  # something changed since the front ends last heard
+        self._generation_tokens = 0  # output tokens sent since start
         if not keep_history:
             engine.history.keep(steps=GAUGE_HISTORY_STEPS, requests=GAUGE_HISTORY_REQUESTS)
         self._window_start = engine.history.mark()
@@ -219,6 +221,8 @@ class CoreLoop:
                 self._frontends.append(identity)
                 self.sock.send_multipart([identity, wire.encode(self._ready())])
                 self.sock.send_multipart([identity, wire.encode(self._outputs([]))])
+            elif isinstance(message, wire.TimelineQuery):
+                self.sock.send_multipart([identity, wire.encode(self._timeline(message.after))])
             elif isinstance(message, wire.Shutdown):
                 return True
         return False
@@ -265,7 +269,9 @@ class CoreLoop:
         """One message per front end with outputs in this step (every front end once idle)."""
         by_owner: dict[bytes, list[wire.TokenDelta]] = defaultdict(list)
         for output in outputs:
-            by_owner[self._owner[output.request_id]].append(token_delta(output))
+            delta = token_delta(output)
+            self._generation_tokens += len(delta.token_ids)
+            by_owner[self._owner[output.request_id]].append(delta)
             if output.finished:
                 self._unfinished[output.request_id] -= 1
                 if not self._unfinished[output.request_id]:
@@ -313,7 +319,28 @@ class CoreLoop:
             spec_acceptance_rate=spec.acceptance_rate,
             spec_mean_accepted_length=spec.mean_accepted_length,
             spec_method=method.method if (method := self.engine.speculative_config) else "",
+            generation_tokens=self._generation_tokens,
         )
+
+    def _timeline(self, after: int) -> wire.Timeline:
+        """The steps retired after step `after`, within the last `TIMELINE_S` seconds."""
+        now = time.perf_counter()
+        steps = []
+        for record in reversed(self.engine.history.steps()):
+            if record.step_id <= after or record.spans["schedule"][0] < now - TIMELINE_S:
+                break
+            spans = wire.StepSpans(
+                record.step_id,
+                record.num_tokens,
+                record.num_seqs,
+                record.device,
+                record.device_wait,
+                record.skipped,
+                record.spans,
+            )
+            steps.append(spans)
+        steps.reverse()
+        return wire.Timeline(now, steps)
 
 
 def server_defaults(defaults: GenerationDefaults) -> dict[str, float | int]:

@@ -41,7 +41,14 @@ class Shutdown(msgspec.Struct, tag=True):
     """Stop at once (the front ends have drained or failed): what is in flight is dropped."""
 
 
-FrontendMessage = Hello | Inbox | Shutdown
+class TimelineQuery(msgspec.Struct, tag=True):
+    """The steps retired after step `after` (-1: the latest `TIMELINE_S` seconds' worth), for
+    the dashboard: asked about once a second while a page shows it, answered between steps."""
+
+    after: int = -1
+
+
+FrontendMessage = Hello | Inbox | Shutdown | TimelineQuery
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -86,6 +93,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_acceptance_rate: float
     spec_mean_accepted_length: float
     spec_method: str  # the drafting method in use ("" without speculation)
+    generation_tokens: int = 0  # output tokens sent since start (dropped speculative ones not)
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -110,13 +118,34 @@ class StepOutputs(msgspec.Struct, tag=True):
     stats: CoreStats
 
 
+class StepSpans(msgspec.Struct, array_like=True):
+    """One retired step on the core's clock (`time.perf_counter`, seconds): when the device ran
+    it, the time within that it waited for a grammar bitmask, and the host's phases."""
+
+    step_id: int
+    num_tokens: int
+    num_seqs: int
+    device: tuple[float, float]
+    device_wait: float
+    skipped: bool
+    host: dict[str, tuple[float, float]]
+
+
+class Timeline(msgspec.Struct, tag=True):
+    """The answer to a `TimelineQuery`: the steps asked for, oldest first, and the core's clock
+    as it answered (a reader places the steps against its own time by it)."""
+
+    now: float
+    steps: list[StepSpans]
+
+
 class CoreFailed(msgspec.Struct, tag=True):
     """The engine failed (its load or a step): the core exits after sending this."""
 
     message: str
 
 
-CoreMessage = Ready | StepOutputs | CoreFailed
+CoreMessage = Ready | StepOutputs | Timeline | CoreFailed
 
 encode = msgspec.msgpack.Encoder().encode
 frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
