@@ -25,7 +25,7 @@ class StepRecord:
     device_wait: float = 0.0  # seconds within `device` the device waited for a grammar bitmask
     discarded: int = 0  # sampled tokens dropped at retirement: their request had finished
     skipped: bool = False  # not run: every request in it had ended on a stop id (StopCheck)
-    kv_bytes: int = 0  # K and V its attention reads at least (engine.kv_bytes_read)
+    kv_bytes: int = 0  # K and V its attention reads at least (engine.stats.kv_bytes_read)
     # Speculative decoding: draft tokens verified, how many of them were accepted, and the
     # requests that verified drafts (each also gains one token of its own). A request that had
     # finished a step earlier (the async loop's extra step) counts in `discarded` only.

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from tandem import LLM
 from tandem.bench.roofline import decode_roofline, nominal_bandwidth, streaming_bandwidth
 from tandem.cli import main
-from tandem.engine.engine import kv_bytes_read
+from tandem.engine.stats import kv_bytes_read
 from tandem.metrics import StepRecord
 from tandem.scheduling.scheduler import ScheduledBatch, ScheduledRequest
 

@@ -8,29 +8,29 @@ a request that does finish has its one extra in-flight token discarded at retire
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.engine.fan_out import fan_out
 from tandem.engine.grammar import (
     GrammarCompiler,
+    PendingGrammars,
     StepBitmasks,
-    allowed_prefix,
+    advance_grammar,
     constrained_items,
-    grammar_of,
     is_answer,
     prepare_reasoning,
 )
-from tandem.engine.intake import RequestIntake, eos_token_ids
+from tandem.engine.inbox import Inbox
+from tandem.engine.intake import RequestIntake, context_limit, eos_token_ids
 from tandem.engine.outputs import OutputProcessor
-from tandem.engine.stats import EngineStats, StepHistory
-from tandem.execution.batch import SKIPPED_STEP, BatchBuilder, StopCheck
+from tandem.engine.speculation import Speculation, check_speculation
+from tandem.engine.stats import EngineStats, StepHistory, describe_kv_cache, kv_bytes_read
+from tandem.engine.stop_check import check_skipped, stop_check
+from tandem.execution.batch import SKIPPED_STEP, BatchBuilder
 from tandem.execution.executor import WorkerFailure
 from tandem.execution.kv_cache import layer_groups
 from tandem.execution.setup import load_execution
@@ -40,14 +40,10 @@ from tandem.models.catalog import resolve_model
 from tandem.models.errors import ModelLoadError
 from tandem.models.generation_defaults import read_generation_defaults
 from tandem.models.loader import find_tokenizer, read_config
-from tandem.ops.kv_quant import row_width
 from tandem.reasoning import resolve_parser
 from tandem.request import Request, RequestOutput, RequestStatus, SamplingParams
 from tandem.sampler.inputs import GrammarRows, LogprobRows
-from tandem.scheduling.draft_policy import DraftPolicy, StepCosts
-from tandem.scheduling.kv_groups import KVGroups
 from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
-from tandem.scheduling.suffix_proposer import SuffixProposer
 
 logger = logging.getLogger("tandem")
 
@@ -57,10 +53,6 @@ class _Keep:
 
 
 KEEP = _Keep()
-
-
-# A step of more requests than this is not checked before it runs: they rarely all stop at once.
-STOP_CHECK_MAX_REQUESTS = 8
 
 
 @dataclass
@@ -87,14 +79,9 @@ class Engine:
         self.generation_defaults = read_generation_defaults(
             path, config.generation_config
         ).overridden(config.override_generation_config)
-        max_model_len = config.max_model_len or self.spec.max_position_embeddings
-        if max_model_len > self.spec.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{self.spec.max_position_embeddings}"
-            )
+        max_model_len = context_limit(config.max_model_len, self.spec.max_position_embeddings)
         groups = layer_groups(self.spec, config.max_model_len)
-        _check_speculation(config.speculative_config, groups)
+        check_speculation(config.speculative_config, groups)
         loaded = load_execution(config, path, self.spec, hf_config)
         self.num_kv_blocks = num_blocks = loaded.num_kv_blocks
         fits = groups.max_length(
@@ -108,18 +95,13 @@ class Engine:
         self.max_model_len = max_model_len
 
         self.scheduler = Scheduler(
-            num_blocks,
-            config.block_size,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            max_model_len,
-            config.enable_prefix_caching,
-            groups=groups,
-        )
+            num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            max_model_len, config.enable_prefix_caching, groups=groups,
+        )  # fmt: skip
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
         self._depth = 1 if config.async_scheduling else 0
-        self._step_costs: dict[tuple[str, int], StepCosts] = {}
-        self._speculation(config.speculative_config)
+        self.speculation = Speculation(config.speculative_config, self.scheduler, self.builder)
+        self.speculation.use(config.speculative_config, self._depth)
         self.runner, self.execution = loaded.start(self.scheduler.slots.size, max_model_len)
         logger.info("execution: %s", self.execution.describe())
         self.reasoning = resolve_parser(config.reasoning_parser, self.tokenizer)
@@ -131,34 +113,22 @@ class Engine:
                 "reasoning parser (its chat template writes no <think>; see --reasoning-parser)"
             )
         self.intake = RequestIntake(
-            self.tokenizer,
-            self.spec.vocab_size,
-            eos_ids,
-            max_model_len,
-            config.seed,
+            self.tokenizer, self.spec.vocab_size, eos_ids, max_model_len, config.seed,
             self.reasoning,
-        )
+        )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, config.detokenize)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, eos_ids)
-        self._compiling: list[tuple[list[Request], Future]] = []  # samples waiting for a grammar
         on_cuda = config.torch_device.type == "cuda"
         self._bitmasks = StepBitmasks(self.grammars.bitmask_width, pin_memory=on_cuda)
         self.history = StepHistory()
-        storage = config.kv_storage_dtype
-        row_bytes = row_width(self.spec.head_dim, storage) * storage.itemsize
-        self._kv_bytes = self.spec.kv_bytes_by_window(row_bytes)
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %s, %d bytes a token", num_blocks,
-            config.block_size, kv_cache_kind(config), self.kv_bytes_per_token,
-        )  # fmt: skip
+        self._kv_bytes, kv_cache = describe_kv_cache(config, self.spec)
+        logger.info("KV cache: %d blocks of %d tokens, %s", num_blocks, config.block_size, kv_cache)
         self._speculative_stats = SpeculativeStats()
         self._inflight: deque[_InFlight] = deque()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
+        self.inbox = Inbox()
+        self._compiling = PendingGrammars(self.grammars, self.inbox.wakeup.set)
         if config.tensor_parallel_size > 1:
-            self.runner.on_exit = self._wakeup.set  # an idle loop learns of a dead rank at once
-        self._live_ids: set[str] = set()
+            self.runner.on_exit = self.inbox.wakeup.set  # an idle loop learns of a dead rank now
         self._requests: dict[str, list[Request]] = {}  # request id -> its samples
 
     # ------------------------------------------------------------------ API
@@ -191,12 +161,7 @@ class Engine:
         return request
 
     def submit(self, request: Request) -> str:
-        with self._lock:
-            if request.request_id in self._live_ids:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._live_ids.add(request.request_id)
-        self._inbox.put(("add", request))
-        self._wakeup.set()
+        self.inbox.add(request)
         return request.request_id
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
@@ -204,20 +169,17 @@ class Engine:
         self.runner.check_health()
         if self.has_unfinished():
             return True
-        self._wakeup.wait(timeout)
-        self._wakeup.clear()
+        self.inbox.wait(timeout)
         self.runner.check_health()
         return self.has_unfinished()
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """End the request (or only its sample `index`) as "abort". Thread-safe; aborting an
         unknown or finished request does nothing."""
-        self._inbox.put(("abort", (request_id, index)))
-        self._wakeup.set()
+        self.inbox.abort(request_id, index)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._live_ids) or bool(self._inflight)
+        return self.inbox.any_live() or bool(self._inflight)
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks, prefix-cache and speculation counters, at
@@ -256,37 +218,12 @@ class Engine:
             raise RuntimeError("reconfigure the engine only while it is idle")
         if async_scheduling is not None:
             self._depth = 1 if async_scheduling else 0
-            if self.scheduler.drafts is not None:
-                self.scheduler.drafts.costs = self._step_costs_of(self.builder.speculative)
+            self.speculation.loop_changed(self._depth)
         if enable_prefix_caching is not None:
             self.scheduler.enable_prefix_caching = enable_prefix_caching
             self.scheduler.reset_prefix_cache()
         if speculative_config is not KEEP:
-            self._speculation(SpeculativeConfig.of(speculative_config))
-
-    def _speculation(self, spec: SpeculativeConfig | None) -> None:
-        _check_speculation(spec, self.scheduler.groups)
-        loaded = self.config.speculative_config
-        same_draft = loaded is not None and loaded.model == spec.model if spec else False
-        if spec is not None and spec.method == "draft_model" and not same_draft:
-            raise ValueError(
-                "a draft model must be loaded with the engine "
-                "(EngineConfig.speculative_config): this engine has none or another"
-            )
-        self.builder.speculative = spec
-        self.scheduler.drafts = (
-            None
-            if spec is None
-            else DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self._step_costs_of(spec))
-        )
-        suffix = spec is not None and spec.method == "suffix"
-        self.scheduler.proposer = SuffixProposer(spec, allowed_prefix) if suffix else None
-
-    def _step_costs_of(self, spec: SpeculativeConfig) -> StepCosts:
-        """The step times drafts are priced by, kept per method and loop for the engine's life:
-        what a step of n tokens costs is the device's and the model's, so speculation switched
-        off and on again (`configure`) does not time its steps afresh, drafting less meanwhile."""
-        return self._step_costs.setdefault((spec.method, self._depth), StepCosts())
+            self.speculation.use(SpeculativeConfig.of(speculative_config), self._depth)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (only while idle)."""
@@ -303,12 +240,11 @@ class Engine:
         if batch is not None:
             t1 = time.perf_counter()
             inputs = self.builder.build(batch)
-            if (
-                self._inflight
-                and self.runner.skips_stopped_steps
-                and inputs.sampler.grammar is None
-            ):
-                inputs.stop_check = self._stop_check(batch, self._inflight[-1])
+            before = self._inflight[-1] if self._inflight else None
+            if before and self.runner.skips_stopped_steps and inputs.sampler.grammar is None:
+                inputs.stop_check = stop_check(
+                    batch, before.batch, before.logprobs, self.eos_token_ids
+                )
             t2 = time.perf_counter()
             handle = self.runner.launch(inputs)
             t3 = time.perf_counter()
@@ -326,7 +262,7 @@ class Engine:
                     outputs.extend(self._retire(self._inflight.popleft()))
                 self._sample_constrained(self._inflight[-1], inputs.sampler.drafts_to_host)
         elif not self._inflight and self._compiling:
-            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+            self._compiling.wait(0.05)
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
             outputs.extend(self._retire(self._inflight.popleft()))
         return outputs
@@ -351,11 +287,7 @@ class Engine:
     # ------------------------------------------------------------- internals
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return outputs
+        for kind, payload in self.inbox.take():
             if kind == "add":
                 samples = fan_out(payload, self.spec.vocab_size)
                 self._requests[payload.request_id] = samples
@@ -363,9 +295,7 @@ class Engine:
                     self.outputs.track(request)
                 spec = payload.params.structured_outputs
                 if spec is not None and payload.compiled_grammar is None:
-                    future = self.grammars.submit(spec)
-                    future.add_done_callback(lambda _: self._wakeup.set())
-                    self._compiling.append((samples, future))
+                    self._compiling.add(samples, spec)
                     continue
                 for request in samples:
                     self.scheduler.add(request)
@@ -374,17 +304,12 @@ class Engine:
                 for request in samples:  # every unfinished sample asked for ends here
                     if not request.finished and index in (None, request.index):
                         outputs.append(self._finish(request, "abort"))
+        return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar has compiled; end those whose grammar failed."""
         outputs = []
-        for entry in [e for e in self._compiling if e[1].done()]:
-            self._compiling.remove(entry)
-            samples, future = entry
-            try:
-                compiled, error = future.result(), None
-            except ValueError as exc:
-                compiled, error = None, str(exc)
+        for samples, compiled, error in self._compiling.done():
             for request in samples:
                 if request.finished:
                     continue  # aborted while its grammar compiled
@@ -406,32 +331,6 @@ class Engine:
         inflight.handle = self.runner.sample_constrained(inflight.handle, bitmask)
         inflight.record.spans["grammar"] = (t0, time.perf_counter())
 
-    def _stop_check(self, batch: ScheduledBatch, previous: _InFlight) -> StopCheck | None:
-        """The check that skips `batch` if each of its requests stops in the step before it
-        (`StopCheck`): only for a few decodes without grammars, all of them in that step, whose
-        output holds nothing but ids; None otherwise."""
-        if (
-            previous.logprobs is not None
-            or len(batch.items) > STOP_CHECK_MAX_REQUESTS
-            or batch.num_decodes != len(batch.items)
-        ):
-            return None
-        before = previous.batch.sampled
-        index = {id(item.request): j for j, item in enumerate(before)}
-        items = [index.get(id(item.request)) for item in batch.items]
-        if None in items:
-            return None
-        eos = self.eos_token_ids
-        return StopCheck(
-            previous_rows=tuple(item.num_rows for item in before),
-            previous_verify=tuple(item.verify for item in before),
-            items=tuple(items),
-            stop_ids=tuple(
-                frozenset(p.stop_token_ids).union(() if p.ignore_eos else eos)
-                for p in (item.request.params for item in batch.items)
-            ),
-        )
-
     def _retire(self, inflight: _InFlight) -> list[RequestOutput]:
         record = inflight.record
         t0 = time.perf_counter()
@@ -439,11 +338,7 @@ class Engine:
         t1 = time.perf_counter()
         if isinstance(result, str) and result == SKIPPED_STEP:
             # Every request in it ended a step earlier: nothing ran, nothing to read.
-            running = [
-                it.request.request_id for it in inflight.batch.sampled if not it.request.finished
-            ]
-            if running:  # the check and the host disagree: tokens would be lost, so stop here
-                raise RuntimeError(f"step {record.step_id} was skipped with {running} running")
+            check_skipped(inflight.batch)
             self.scheduler.retire_step(inflight.batch)
             for item in inflight.batch.sampled:
                 self.scheduler.settle(item, 0)
@@ -464,16 +359,12 @@ class Engine:
                 record.discarded += len(tokens)  # summed into RunSummary.discarded_tokens
                 continue  # the speculative tokens of a request that finished a step earlier
             if item.num_drafts:
-                record.drafted += item.num_drafts
-                record.accepted += len(tokens) - 1
-                record.verified += 1
-                request.speculation.count(item.num_drafts, len(tokens) - 1)
-                self.scheduler.drafts.observe(request, item.num_drafts, len(tokens) - 1)
+                self.speculation.count(record, item, len(tokens))
             reason, new = None, []
             for token, lp in zip(tokens, logprobs, strict=True):
                 reason = self.outputs.append_token(request, token, t1, lp)
                 if reason is None and request.compiled_grammar is not None and is_answer(request):
-                    reason = self._advance_grammar(request, token)
+                    reason = advance_grammar(request, token)
                 new.append(token)
                 if reason is not None:
                     record.discarded += len(tokens) - len(new)  # after the stop: never streamed
@@ -488,19 +379,8 @@ class Engine:
         record.device_wait = inflight.handle.device_wait
         self.history.add_step(record)
         self._speculative_stats.add(record)
-        batch = inflight.batch
-        if self.scheduler.drafts is not None and batch.num_decodes == len(batch.items):
-            device = record.device[1] - record.device[0] - record.device_wait
-            self.scheduler.drafts.observe_step(record.num_tokens, device)  # decodes' cost only
+        self.speculation.time_step(inflight.batch, record)
         return outputs
-
-    def _advance_grammar(self, request: Request, token: int) -> str | None:
-        """Feed a retired token to the sample's matcher: "stop" once the grammar has ended."""
-        grammar = grammar_of(request)
-        if not grammar.accept(token):  # only a token sampled outside its bitmask: a bug
-            request.error = f"token {token} does not match the request's grammar"
-            return "abort"
-        return "stop" if grammar.terminated else None
 
     def _finish(
         self, request: Request, reason: str, new_ids: list[int] | None = None
@@ -514,34 +394,5 @@ class Engine:
         samples = self._requests[request.request_id]
         if all(sample.finished for sample in samples):
             del self._requests[request.request_id]
-            with self._lock:
-                self._live_ids.discard(request.request_id)
+            self.inbox.release(request.request_id)
         return output
-
-
-def kv_cache_kind(config: EngineConfig) -> str:
-    """e.g. "float32" or "int8 codes, a float32 scale per token and KV head"."""
-    if config.kv_cache_dtype == "auto":
-        return str(config.torch_dtype).removeprefix("torch.")
-    return f"{config.kv_cache_dtype} codes, a float32 scale per token and KV head"
-
-
-def _check_speculation(spec: SpeculativeConfig | None, groups: KVGroups) -> None:
-    """A draft model reads every earlier position through the target's blocks, which a window
-    gives back."""
-    if spec is not None and groups.windowed and spec.method == "draft_model":
-        raise ValueError(
-            "speculative_config method 'draft_model' is not supported with a sliding-window "
-            "model (its blocks before the window are freed); use 'ngram'"
-        )
-
-
-def kv_bytes_read(bytes_by_window: dict[int | None, int], batch: ScheduledBatch) -> int:
-    """Bytes of K and V a step's attention reads at least: each request's positions up to its
-    last new one, within each layer's window (`LlamaSpec.kv_bytes_by_window`)."""
-    ends = [item.start + item.num_tokens for item in batch.items]
-    total = 0
-    for window, per_position in bytes_by_window.items():
-        positions = sum(ends) if window is None else sum(min(end, window) for end in ends)
-        total += per_position * positions
-    return total

@@ -15,7 +15,8 @@ import functools
 import json
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -202,6 +203,40 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
+class PendingGrammars:
+    """Samples held out of the scheduler while their grammar compiles on the compiler's thread
+    (the server's core: its front end validated the grammar already)."""
+
+    def __init__(self, compiler: GrammarCompiler, on_done: Callable[[], None]):
+        self._compiler = compiler
+        self._on_done = on_done  # wakes an idle loop
+        self._pending: list[tuple[list[Request], Future]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, samples: list[Request], spec: StructuredOutputsParams) -> None:
+        future = self._compiler.submit(spec)
+        future.add_done_callback(lambda _: self._on_done())
+        self._pending.append((samples, future))
+
+    def wait(self, timeout: float) -> None:
+        """Until one of them has compiled (or failed), at most `timeout` seconds."""
+        wait([f for _, f in self._pending], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def done(self) -> list[tuple[list[Request], xgr.CompiledGrammar | None, str | None]]:
+        """Those compiled or failed, each with its grammar or the reason it failed."""
+        done = []
+        for entry in [e for e in self._pending if e[1].done()]:
+            self._pending.remove(entry)
+            samples, future = entry
+            try:
+                done.append((samples, future.result(), None))
+            except ValueError as exc:
+                done.append((samples, None, str(exc)))
+        return done
+
+
 def initial_bitmask(compiled: xgr.CompiledGrammar, width: int) -> np.ndarray:
     """[width] int32: the tokens a grammar allows first (what a reasoning row's answer starts
     under on the device, `sampler/reasoning.py`)."""
@@ -224,6 +259,16 @@ def grammar_of(request: Request) -> RequestGrammar:
     if request.grammar is None:
         request.grammar = RequestGrammar.of(request.compiled_grammar)
     return request.grammar
+
+
+def advance_grammar(request: Request, token: int) -> str | None:
+    """Feed a retired token to the sample's matcher: "stop" once the grammar has ended, "abort"
+    (the request's error set) for a token its bitmask did not allow, which only a bug makes."""
+    grammar = grammar_of(request)
+    if not grammar.accept(token):
+        request.error = f"token {token} does not match the request's grammar"
+        return "abort"
+    return "stop" if grammar.terminated else None
 
 
 def is_answer(request: Request) -> bool:

@@ -162,6 +162,17 @@ def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple:
     return (params.temperature, top_k, params.top_p, params.min_p, seed_key(seed))
 
 
+def context_limit(requested: int | None, model_limit: int) -> int:
+    """The longest sequence (prompt and output) the engine takes: `requested`
+    (`EngineConfig.max_model_len`) or the model's own limit, never past it."""
+    limit = requested or model_limit
+    if limit > model_limit:
+        raise ValueError(
+            f"max_model_len {limit} exceeds the model's max_position_embeddings {model_limit}"
+        )
+    return limit
+
+
 def eos_token_ids(hf_config, tokenizer, path: Path) -> set[int]:
     """Every id that ends a request: the config's, the tokenizer's, generation_config.json's."""
     ids: set[int] = set()

@@ -7,8 +7,11 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
+from tandem.config import EngineConfig
 from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord, summarize
-from tandem.scheduling.scheduler import CacheStats, Scheduler
+from tandem.models.spec import LlamaSpec
+from tandem.ops.kv_quant import row_width
+from tandem.scheduling.scheduler import CacheStats, ScheduledBatch, Scheduler
 
 HISTORY_LENGTH = 100_000  # step and request records kept: bounded, so a server can run for days
 
@@ -106,3 +109,26 @@ class StepHistory:
 def _tail(records: deque, n: int) -> list:
     n = min(n, len(records))
     return list(records)[len(records) - n :] if n else []
+
+
+def describe_kv_cache(config: EngineConfig, spec: LlamaSpec) -> tuple[dict[int | None, int], str]:
+    """Bytes of K and V one cached position holds in the layers of each window, and the cache's
+    kind in words, e.g. "float32, 2048 bytes a token" or "int8 codes, a float32 scale per token
+    and KV head, 576 bytes a token"."""
+    storage = config.kv_storage_dtype
+    by_window = spec.kv_bytes_by_window(row_width(spec.head_dim, storage) * storage.itemsize)
+    kind = str(config.torch_dtype).removeprefix("torch.")
+    if config.kv_cache_dtype != "auto":
+        kind = f"{config.kv_cache_dtype} codes, a float32 scale per token and KV head"
+    return by_window, f"{kind}, {sum(by_window.values())} bytes a token"
+
+
+def kv_bytes_read(bytes_by_window: dict[int | None, int], batch: ScheduledBatch) -> int:
+    """Bytes of K and V a step's attention reads at least: each request's positions up to its
+    last new one, within each layer's window (`LlamaSpec.kv_bytes_by_window`)."""
+    ends = [item.start + item.num_tokens for item in batch.items]
+    total = 0
+    for window, per_position in bytes_by_window.items():
+        positions = sum(ends) if window is None else sum(min(end, window) for end in ends)
+        total += per_position * positions
+    return total
