@@ -155,6 +155,7 @@ def test_server_answers_a_factual_question(gguf_path, tmp_path):
         assert choice.finish_reason == "stop"  # the model's own <|im_end|>
         assert reply.usage.completion_tokens < MAX_TOKENS
         assert "sampling defaults: none from the model" in server.output()
+        assert f"chat page: {server.url}/ " in server.output()  # where a person opens it
 
 
 def test_json_schema_answer_equals_transformers_under_the_same_grammar(gguf_path, engines):

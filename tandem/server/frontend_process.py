@@ -187,6 +187,11 @@ def run_frontend(options: FrontendOptions, listener: socket.socket) -> str | Non
             else "off",
             options.max_request_bytes,
         )
+        host, port = listener.getsockname()[:2]
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        host = f"[{host}]" if ":" in host else host
+        logger.info("chat page: http://%s:%d/  the engines, live: http://%s:%d/dashboard",
+                    host, port, host, port)  # fmt: skip
     uv_config = uvicorn.Config(
         app,
         access_log=False,  # a log line per request costs more than a tiny model's step
