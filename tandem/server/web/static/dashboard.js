@@ -470,9 +470,12 @@
     const { muted } = theme;
     ctx.font = `11px ${theme.font}`;
     ctx.textBaseline = "middle";
-    ctx.fillStyle = muted;
-    ctx.fillText("host", 10, HOST.y + HOST.h / 2);
-    ctx.fillText("device", 10, DEVICE.y + DEVICE.h / 2);
+    const labelLanes = () => {
+      ctx.fillStyle = muted;
+      ctx.fillText("host", 10, HOST.y + HOST.h / 2);
+      ctx.fillText("device", 10, DEVICE.y + DEVICE.h / 2);
+    };
+    labelLanes();
     if (engine.now === null || !engine.offsets.length) {
       ctx.fillText(engine.busy ? "the core was busy: no steps yet" : "waiting for data…",
                    LABEL_W + 8, height / 2 + 20);
@@ -523,6 +526,7 @@
       for (let row = 0; row < rows; row++) pixels.set(lane, row * columns);
       ctx.putImageData(image, 0, Math.round(y * ratio));
     }
+    labelLanes(); // the lanes' pixels span the canvas, the labels' columns too
     // The axis: ticks back from the right edge ("now": the latest answer), over the lanes.
     // Ticks at least ~72 px apart, at 1, 2 or 5 times a power of ten.
     const tick = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10].find((t) => t * f.scale >= 72) || 10;
