@@ -37,10 +37,6 @@ class Speculation:
         self.builder = builder
         self._step_costs: dict[tuple[str, int], StepCosts] = {}
 
-    @property
-    def config(self) -> SpeculativeConfig | None:
-        return self.builder.speculative
-
     def use(self, spec: SpeculativeConfig | None, depth: int) -> None:
         """Speculate as `spec` says (None: not at all) in the loop of `depth` steps in flight."""
         check_speculation(spec, self.scheduler.groups)

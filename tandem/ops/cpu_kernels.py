@@ -1,5 +1,6 @@
 """Build (once, cached on disk) and load the fused CPU kernels in `csrc/` (`cpu_kernels.cpp`, the
-quantized linear layers in `quantized_linear.cpp`, their shared headers `vectors.h` and `tasks.h`).
+quantized linear layers in `quantized_linear.cpp`, their shared headers `vectors.h`, `tasks.h`
+and `experts.h`).
 
 The build is a one-time cost of some tens of seconds on a small machine; the shared library is
 kept under the Tandem cache folder, named by a hash of the source, the compiler flags, the torch
@@ -31,7 +32,8 @@ logger = logging.getLogger("tandem")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized_linear.cpp")
-FILES = (*SOURCES, CSRC / "vectors.h", CSRC / "tasks.h")  # everything the build reads
+# everything the build reads
+FILES = (*SOURCES, CSRC / "vectors.h", CSRC / "tasks.h", CSRC / "experts.h")
 # The vector code (GCC's 64-byte vectors) compiles to AVX-512, or to pairs of AVX2 registers.
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
 

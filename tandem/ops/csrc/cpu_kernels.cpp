@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "experts.h"
 #include "tasks.h"
 #include "vectors.h"
 
@@ -1152,13 +1153,7 @@ at::Tensor gemm_experts(const at::Tensor& x, const at::Tensor& row_ends, const a
   TORCH_CHECK(panels.dim() == 4, "panels must be 4-D [experts, panels, in, width]");
   check_panels(panels, x.size(1), outs);
   const int64_t experts = panels.size(0);
-  TORCH_CHECK(row_ends.device().is_cpu() && row_ends.scalar_type() == at::kLong &&
-                  row_ends.dim() == 1 && row_ends.size(0) == experts,
-              "row_ends must be int64 [experts] on the CPU");
-  const int64_t* ends = row_ends.data_ptr<int64_t>();
-  TORCH_CHECK(std::is_sorted(ends, ends + experts) && (experts == 0 || ends[0] >= 0) &&
-                  (experts == 0 ? x.size(0) == 0 : ends[experts - 1] == x.size(0)),
-              "row_ends must rise from 0 to x's ", x.size(0), " rows");
+  const int64_t* ends = expert_row_ends(row_ends, experts, x.size(0));
   auto out = at::empty({x.size(0), outs}, x.options());
   const float* pp = panels.data_ptr<float>();
   const int64_t per_expert = panels.stride(0);

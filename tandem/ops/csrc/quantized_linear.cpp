@@ -38,6 +38,7 @@
 // with dx the block's activation step (max |x| / 127). Every row's sums run in the same order on
 // AVX2 and AVX-512 alike and whatever the batch.
 
+#include "experts.h"
 #include "tasks.h"
 #include "vectors.h"
 
@@ -1409,13 +1410,7 @@ at::Tensor quantized_experts(const at::Tensor& x, const at::Tensor& row_ends,
   const at::Tensor none;
   const Format f = check_weight(x, values[0], scales[0], present(offsets) ? offsets[0] : none);
   const int64_t experts = values.size(0);
-  TORCH_CHECK(row_ends.device().is_cpu() && row_ends.scalar_type() == at::kLong &&
-                  row_ends.dim() == 1 && row_ends.size(0) == experts,
-              "row_ends must be int64 [experts] on the CPU");
-  const int64_t* ends = row_ends.data_ptr<int64_t>();
-  TORCH_CHECK(std::is_sorted(ends, ends + experts) && (experts == 0 || ends[0] >= 0) &&
-                  (experts == 0 ? x.size(0) == 0 : ends[experts - 1] == x.size(0)),
-              "row_ends must rise from 0 to x's ", x.size(0), " rows");
+  const int64_t* ends = expert_row_ends(row_ends, experts, x.size(0));
   auto out = at::empty({x.size(0), values.size(1) * kGroupRows}, x.options());
   if (x.size(0) > 0) run_stack(f, x, values, scales, offsets, ends, experts, out);
   return out;
