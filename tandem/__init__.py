@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from tandem.config import EngineConfig
     from tandem.engine.engine import Engine
     from tandem.llm import LLM
+    from tandem.lora import LoRARequest
     from tandem.request import (
         CompletionOutput,
         RequestOutput,
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 # command line's parser, a server's front end) does not pay for the engine, torch and all.
 _PUBLIC = {
     "LLM": "tandem.llm",
+    "LoRARequest": "tandem.lora",
     "CompletionOutput": "tandem.request",
     "Engine": "tandem.engine.engine",
     "EngineConfig": "tandem.config",

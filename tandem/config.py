@@ -184,6 +184,11 @@ class EngineConfig:
     # (qwen3's where the chat template writes <think>, else none), "none", "deepseek_r1", "qwen3".
     reasoning_parser: str = "auto"
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (vLLM's names): slots for max_loras adapters at once (more are loaded into
+    # the least recently used free slot), each of rank up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
@@ -193,7 +198,9 @@ class EngineConfig:
                 "speculative_config method 'draft_model' runs in one process "
                 "(tensor_parallel_size 1); 'ngram' works with tensor parallelism"
             )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
+from tandem.lora import LoRARequest
 from tandem.request import CompletionOutput, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -31,12 +32,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in order. Every prompt is validated before any runs.
 
         Each output's `outputs` holds the prompt's n samples (SamplingParams.n) in index order;
         its own text, token_ids and finish_reason are those of sample 0. Without
         `sampling_params`, the model's defaults apply (`get_default_sampling_params`).
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); an adapter not loaded yet is loaded first.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -47,13 +51,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         engine = self.engine
         requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
             try:  # refuse the whole call before any work starts: nothing is half done
-                requests.append(engine.make_request(prompt, p))
+                requests.append(engine.make_request(prompt, p, lora_request=lora))
             except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+                raise type(exc)(f"prompt {i}: {exc}") from None  # LoraError stays one
         ids = [engine.submit(request) for request in requests]
         index = {request_id: i for i, request_id in enumerate(ids)}
         samples: list[dict[int, RequestOutput]] = [{} for _ in ids]

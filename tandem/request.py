@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.lora import LoRARequest
 from tandem.metrics import SpeculativeStats
 from tandem.reasoning import ReasoningTracker
 
@@ -274,6 +275,10 @@ class Request:
     # in window), by block of positions; DROPPED where a window has passed a block.
     block_ids: list[list[int]] = field(default_factory=list)
     slot: int | None = None  # row of the device token table
+    # With a LoRA adapter: its request, its loaded weights' key and, while running, its slot.
+    lora: LoRARequest | None = None
+    lora_key: str | None = None
+    lora_slot: int = -1
     last_step: int = -1  # id of the last launched step that involves this request
     num_preemptions: int = 0
     finish_reason: str | None = None

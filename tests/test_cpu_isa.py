@@ -64,6 +64,13 @@ AVX2_CHECKS += [
         "test_the_fused_forward_reads_int8_caches_as_the_portable_attention",
     )
 ]
+AVX2_CHECKS += [
+    f"tests/test_lora_kernel.py::{name}"
+    for name in (
+        "test_lora_add_is_the_reference",
+        "test_the_forwards_lora_is_the_merged_adapters_forward",
+    )
+]
 # Runs pytest after saying which code PyTorch dispatches to, so the settings are seen to hold.
 RUN_PYTEST = (
     "import sys, pytest, torch; print('ATen:', torch.backends.cpu.get_cpu_capability()); "

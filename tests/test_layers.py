@@ -10,7 +10,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "tandem"
 # Bottom first. Modules of one layer may import each other (without a cycle).
 LAYERS = [
-    ("plain state", ("tandem.config", "tandem.request", "tandem.metrics", "tandem.reasoning")),
+    (
+        "plain state",
+        ("tandem.config", "tandem.request", "tandem.metrics", "tandem.reasoning", "tandem.lora"),
+    ),
     ("kernels", ("tandem.ops",)),
     ("scheduling", ("tandem.scheduling",)),
     ("models and sampler", ("tandem.models", "tandem.sampler")),

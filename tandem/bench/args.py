@@ -12,6 +12,7 @@ from tandem.bench.agent import (
     AGENT_TASKS,
     PROMPT_MODES,
 )
+from tandem.bench.lora import LORA_PRESET, add_lora_args
 from tandem.bench.random_gguf import BLOCK_TYPES
 from tandem.bench.workloads import (
     BATCH_SIZES,
@@ -39,7 +40,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload",
                    choices=("random", "shared-prefix", BLOG_PRESET, CHAT_PRESET, COPY_PRESET,
-                            COPY_JSON_PRESET, JSON_PRESET, AGENT_PRESET, BATCHES_PRESET),
+                            COPY_JSON_PRESET, JSON_PRESET, AGENT_PRESET, BATCHES_PRESET,
+                            LORA_PRESET),
                    default="random",
                    help="random: unrelated prompts; shared-prefix: each prompt starts with one of "
                    "--num-prefixes system prompts, run with prefix caching off and on; "
@@ -118,6 +120,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-trace", metavar="DIR",
                    help="with --profile on CUDA: write each run's profiled window (kernels, "
                    "copies and memsets on every stream) to DIR as a gzipped Chrome trace")  # fmt: skip
+    add_lora_args(parser)
     b = parser.add_argument_group(f"{BATCHES_PRESET} workload")
     b.add_argument("--batch-sizes", default=BATCH_SIZES, metavar="B,B,...",
                    help=f"requests at once, one measurement each; default {BATCH_SIZES}")  # fmt: skip

@@ -44,6 +44,7 @@ from tandem.bench.kernel_profile import (
     KernelWindow,
     shares_per_step,
 )
+from tandem.bench.lora import LORA_PRESET, parse_counts, parse_targets, random_adapters, spread
 from tandem.bench.random_gguf import cached_random_gguf, config_folder
 from tandem.bench.ratios import paired_ratio
 from tandem.bench.roofline import Roofline, ceilings, decode_roofline
@@ -69,8 +70,9 @@ from tandem.bench.workloads import (
 from tandem.config import EngineConfig, SpeculativeConfig, usable_cores
 from tandem.engine.engine import Engine
 from tandem.engine.grammar import GrammarCompiler, tokenizer_info
+from tandem.lora import LoRARequest
 from tandem.metrics import plot_timeline, write_chrome_trace
-from tandem.models.catalog import DEFAULT_THINKING
+from tandem.models.catalog import DEFAULT_THINKING, cache_root
 from tandem.request import StructuredOutputsParams
 
 
@@ -307,10 +309,20 @@ def bench_columns(
     modes: list[str],
     speculative: SpeculativeConfig | None = None,
     thinking: tuple[int, int] | None = None,
+    adapters: list[LoRARequest] | None = None,
 ) -> list[Column]:
     """The runs of one repeat, in order, one column each. `speculative`: the engine's config;
     shared-prefix and json run under it, the other workloads compare it with speculation off.
-    `thinking` (start tag, budget): json's constrained requests think first."""
+    `thinking` (start tag, budget): json's constrained requests think first. `adapters`: the
+    lora workload's, spread over its requests in each count's runs."""
+    if args.workload == LORA_PRESET:  # sync and async of one count side by side
+        n = len(workload.prompts)
+        variants = [
+            Variant(f"{count} adapters, {{mode}}", replace(workload, loras=spread(adapters, count,
+                    n)), caching, f"lora{count}")
+            for count in parse_counts(args.lora_counts)
+        ]  # fmt: skip
+        return [Column(v.column(m), m, v) for v in variants for m in modes]
     if args.workload == "shared-prefix" and caching:  # caching off, then on, in each mode
         variants = [
             Variant(f"{{mode}}, cache {name}", workload, on, speculative=speculative)
@@ -525,6 +537,42 @@ def add_speculation_rows(
         table.add_row(f"{method} vs off (tokens/s)", *ratios)
 
 
+def add_lora_rows(
+    table: Table, columns: list[Column], results: dict[str, Run], runs: dict[str, list[Run]]
+) -> None:
+    """The lora workload: each count's output tokens/s over the base model's alone in the same
+    loop (paired by round: the median of the rounds' ratios), and the adapters its steps copied
+    into slots (every adapter has a slot of its own, so only a warm-up copies)."""
+    base = {c.mode: runs[c.name] for c in columns if c.variant.group == "lora0"}
+    cells = []
+    for c in columns:
+        if c.mode not in base:
+            cells.append("")
+            continue
+        mid, low, high = paired_ratio(
+            [r.summary.tokens_per_s for r in runs[c.name]],
+            [r.summary.tokens_per_s for r in base[c.mode]],
+        )
+        spread_text = f" ({low:.2f}-{high:.2f})" if len(base[c.mode]) > 1 else ""
+        cells.append(f"{mid:.3f}x{spread_text}")
+    table.add_row("output tokens/s vs 0 adapters", *cells)
+    table.add_row("adapters copied into slots", *(str(results[c.name].adapter_loads)
+                                                  for c in columns))  # fmt: skip
+
+
+def load_bench_adapters(args: argparse.Namespace, engine: Engine) -> list[LoRARequest]:
+    """The lora workload's random adapters, written once under the cache folder and loaded
+    before any run (as a server loads its --lora-modules)."""
+    count = max(parse_counts(args.lora_counts))
+    adapters = random_adapters(
+        cache_root() / "lora", engine.spec, engine.model_path.name, count, args.lora_rank,
+        parse_targets(args.lora_targets),
+    )  # fmt: skip
+    for adapter in adapters:
+        engine.adapters.add(adapter)
+    return adapters
+
+
 def speculation_line(config: EngineConfig) -> str:
     """What the speculating runs used, and the batch that bounds them."""
     spec = asdict(config.speculative_config)
@@ -577,6 +625,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     engine = Engine(config)
     try:
         workload = bench_workload(args, engine)
+        adapters = load_bench_adapters(args, engine) if args.workload == LORA_PRESET else None
         compile_line = grammar_compile_line(engine) if args.workload == JSON_PRESET else None
         thinking = thinking_of(args, engine)
     except ValueError:
@@ -584,7 +633,7 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise
     speculative = config.speculative_config
     columns = bench_columns(
-        args, config.enable_prefix_caching, workload, modes, speculative, thinking
+        args, config.enable_prefix_caching, workload, modes, speculative, thinking, adapters
     )
     console.print(describe_model(engine))
     if speculative is not None:
@@ -627,6 +676,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         if thinking is not None:
             kind += f", thinking {thinking[1]} tokens first"
         kind += ")"
+    elif args.workload == LORA_PRESET:
+        kind = (
+            f" ({LORA_PRESET}: over {args.lora_counts} adapters of rank {args.lora_rank} on "
+            f"{args.lora_targets})"
+        )
     table = Table(title=f"tandem bench: {len(workload.prompts)} requests{kind}, "
                   f"{engine.model_path.name}, {config.torch_device.type}{repeats}")  # fmt: skip
     table.add_column("metric")
@@ -678,6 +732,8 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         add_json_rows(table, columns, results)
     if speculative is not None:
         add_speculation_rows(table, columns, results, runs)
+    if args.workload == LORA_PRESET:
+        add_lora_rows(table, columns, results, runs)
 
     def ratio_row(label: str, pairs: dict[str, tuple[str, str]]) -> None:
         """`pairs`: column -> (numerator column, denominator column) of wall times."""

@@ -40,6 +40,7 @@ class Run:
     finish_reasons: list[str] = field(default_factory=list)  # per request: "stop" or "length"
     # Per request: when each of its tokens reached the caller (engine.step() returned it).
     token_times: list[list[float]] = field(default_factory=list)
+    adapter_loads: int = 0  # LoRA adapters copied into a slot by its steps
 
     def finished_by(self, reason: str) -> int:
         return self.finish_reasons.count(reason)
@@ -64,6 +65,8 @@ def run_workload(
     mark = engine.history.mark()
     engine.reset_prefix_cache()
     before = engine.stats().prefix_cache
+    slots = engine.scheduler.lora_slots
+    loads_before = slots.num_loads if slots is not None else 0
     params = [
         SamplingParams(
             max_tokens=n,
@@ -85,7 +88,9 @@ def run_workload(
     while next_i < len(params) or engine.has_unfinished():
         now = time.perf_counter() - start
         while next_i < len(params) and workload.arrival_times[next_i] <= now:
-            engine.add_request(workload.prompts[next_i], params[next_i], order[next_i])
+            engine.add_request(
+                workload.prompts[next_i], params[next_i], order[next_i], workload.lora(next_i)
+            )
             next_i += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, workload.arrival_times[next_i] - now))
@@ -120,6 +125,7 @@ def run_workload(
         kernels,
         [reasons[r] for r in order],
         [times[r] for r in order],
+        (slots.num_loads if slots is not None else 0) - loads_before,
     )
 
 

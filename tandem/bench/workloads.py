@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.agent import AGENT_OUTPUT_LEN, AGENT_PRESET
+from tandem.bench.lora import LORA_PRESET, lora_config
 from tandem.config import EngineConfig
 from tandem.engine.chat_template import chat_template_problem, render_chat_ids
+from tandem.lora import LoRARequest
 from tandem.request import StructuredOutputsParams
 
 # The experiment of transformers' blog on asynchronous batching (an 8B model on an H200, batch 32,
@@ -82,6 +84,9 @@ def resolve_workload(args: argparse.Namespace, config: EngineConfig, device: str
         sizes = {**DEFAULT_SIZES, "output_len": COPY_OUTPUT_LEN}
     elif args.workload == AGENT_PRESET:  # sizes of its own (args.py's agent flags)
         sizes = {**DEFAULT_SIZES, "output_len": AGENT_OUTPUT_LEN}
+    elif args.workload == LORA_PRESET:  # 32 requests, as a batch of one step each
+        sizes = {**DEFAULT_SIZES, "num_requests": 32}
+        config = lora_config(args, config)
     else:
         sizes = DEFAULT_SIZES
     for name, value in sizes.items():
@@ -121,6 +126,11 @@ class Workload:
     structured: list[StructuredOutputsParams | None] = field(default_factory=list)
     # Per request (empty: none): its thinking budget, a reasoning model's request.
     thinking: list[int | None] = field(default_factory=list)
+    # Per request (empty: none): the LoRA adapter it runs under (`lora.py`).
+    loras: list[LoRARequest | None] = field(default_factory=list)
+
+    def lora(self, i: int) -> LoRARequest | None:
+        return self.loras[i] if self.loras else None
 
     def constraint(self, i: int) -> StructuredOutputsParams | None:
         return self.structured[i] if self.structured else None
@@ -134,11 +144,12 @@ class Workload:
         return not self.ignore_eos or any(s is not None for s in self.structured)
 
     def warmup(self, n: int = 4, max_tokens: int = 4) -> Workload:
-        """The first `n` requests, `max_tokens` each, all at once (constraints kept)."""
-        k = min(n, len(self.prompts))
+        """The first `n` requests, `max_tokens` each, all at once (constraints and adapters
+        kept; more requests where that takes every adapter into a slot before the run)."""
+        k = min(max(n, len(set(self.loras) - {None}) + 1), len(self.prompts))
         return Workload(
             self.prompts[:k], [max_tokens] * k, [0.0] * k, True, self.structured[:k],
-            self.thinking[:k],
+            self.thinking[:k], self.loras[:k],
         )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from tandem.engine.grammar import (
 )
 from tandem.engine.inbox import Inbox
 from tandem.engine.intake import RequestIntake, context_limit, eos_token_ids
+from tandem.engine.lora import Adapters
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.speculation import Speculation, check_speculation
 from tandem.engine.stats import EngineStats, StepHistory, describe_kv_cache, kv_bytes_read
@@ -35,6 +36,7 @@ from tandem.execution.executor import WorkerFailure
 from tandem.execution.kv_cache import layer_groups
 from tandem.execution.setup import load_execution
 from tandem.execution.streams import StepHandle
+from tandem.lora import LoRARequest
 from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord
 from tandem.models.catalog import resolve_model
 from tandem.models.errors import ModelLoadError
@@ -130,6 +132,7 @@ class Engine:
         if config.tensor_parallel_size > 1:
             self.runner.on_exit = self.inbox.wakeup.set  # an idle loop learns of a dead rank now
         self._requests: dict[str, list[Request]] = {}  # request id -> its samples
+        self.adapters = Adapters(config, self.spec, self.scheduler, self._requests)
 
     # ------------------------------------------------------------------ API
     def add_request(
@@ -137,9 +140,10 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request (thread-safe). Bad input raises ValueError, nothing else."""
-        return self.submit(self.make_request(prompt, params, request_id))
+        return self.submit(self.make_request(prompt, params, request_id, lora_request=lora_request))
 
     def make_request(
         self,
@@ -147,13 +151,17 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         compile_grammar: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Tokenize and validate, without queuing: raises ValueError naming the problem.
 
         A structured output's grammar is compiled here, in the caller's thread (a bad one is
         refused now); with `compile_grammar=False` (input validated elsewhere: the server's front
-        end) it is compiled off the loop once the request is submitted."""
+        end) it is compiled off the loop once the request is submitted. A LoRA adapter not yet
+        loaded is loaded here too (LoraError, a ValueError, names a bad one)."""
         request = self.intake.make_request(prompt, params, request_id)
+        if lora_request is not None:
+            request.lora, request.lora_key = lora_request, self.adapters.add(lora_request).cache_key
         spec = request.params.structured_outputs
         if spec is not None and compile_grammar:
             request.compiled_grammar = self.grammars.compile(spec)
@@ -240,6 +248,8 @@ class Engine:
         if batch is not None:
             t1 = time.perf_counter()
             inputs = self.builder.build(batch)
+            if self.adapters.enabled:
+                inputs.lora_loads = self.adapters.step_loads()
             before = self._inflight[-1] if self._inflight else None
             if before and self.runner.skips_stopped_steps and inputs.sampler.grammar is None:
                 inputs.stop_check = stop_check(

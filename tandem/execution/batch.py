@@ -100,6 +100,10 @@ class StepInputs:
     group_slot_mapping: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     group_block_tables: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     stop_check: StopCheck | None = None  # skip this step if its requests all stopped (CPU)
+    # With LoRA: each token's adapter slot (-1: the base model), empty when none runs an
+    # adapter; the adapters (slot, weights) to copy into their slots before the forward.
+    lora_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lora_loads: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -210,6 +214,10 @@ class BatchBuilder:
             ],
             sampler=sampler,
         )
+        if any(it.request.lora_slot >= 0 for it in items):
+            step.lora_slots = np.repeat(
+                np.fromiter((it.request.lora_slot for it in items), np.int64, r), counts
+            )
         if len(tables) > 1:
             step.group_slot_mapping, step.group_block_tables = slot_mapping[1:], block_tables[1:]
         if spec is not None:

@@ -322,10 +322,13 @@ class ModelRunner:
             wanted = self._threads.threads(x.num_tokens - x.num_decodes, kv_positions)
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
+        for slot, adapter in x.lora_loads:  # in stream order: steps before read the old one
+            self.model.lora.write(slot, adapter)
         if x.stop_check is not None and x.stop_check.all_stopped(self._previous_output):
             self._previous_output = np.zeros(0, np.int64)  # this step made none
             return SKIPPED_STEP
-        if self.graphs is not None and (ids := self._replay(x)) is not None:
+        adapted = len(x.lora_slots) > 0  # a captured graph runs the base model only
+        if self.graphs is not None and not adapted and (ids := self._replay(x)) is not None:
             return self._to_host(ids)
         t = views if views is not None else to_device(x, self._upload)
         table = self.token_table
@@ -353,7 +356,8 @@ class ModelRunner:
         if len(x.group_block_tables):
             meta.by_layer = self._layer_metadata(meta, t)
         self.stream.wake_waiters()  # the previous step's results go to the host now
-        hidden = self.model(input_ids, t.positions, self.kv_caches, meta)
+        lora_slots = t.lora_slots if adapted else None
+        hidden = self.model(input_ids, t.positions, self.kv_caches, meta, lora_slots)
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
         sample = self.sampler.begin(

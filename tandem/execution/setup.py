@@ -75,6 +75,8 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
         int8_activations=config.int8_activations,
     )  # fmt: skip
     plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
+    if config.enable_lora:
+        model.enable_lora(config.max_loras, config.max_lora_rank, device)
     draft = _load_draft_model(config, spec)
     capacity = cache_capacity(model, config, device, draft)
     return LoadedExecution(config, capacity, model, None, plan, draft)

@@ -90,6 +90,8 @@ class _Worker:
             config.seed, config.weight_quantization, config.int8_activations,
         )  # fmt: skip
         plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
+        if config.enable_lora:
+            model.enable_lora(config.max_loras, config.max_lora_rank, device)
         self.outputs.send(("loaded", a.rank, cache_capacity(model, config, device)))
         num_blocks, table_rows, max_model_len = self.inputs.recv()
         runner = build_runner(model, config, device, num_blocks, table_rows, max_model_len)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tandem.models import moe
+from tandem.models.lora import AdapterSlots
 from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, heads_to_rows
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
@@ -113,7 +114,7 @@ class Attention(nn.Module):
         if not self.tp.enabled or o.bias is None:
             return self.tp.all_reduce(o(out))
         # Row-parallel: each rank holds part of the sum; the bias is added once, to the total.
-        return self.tp.all_reduce(linear(out, o.weight, None, o.packed, o.quantized)).add_(o.bias)
+        return self.tp.all_reduce(o.product(out, None)).add_(o.bias)
 
 
 class MLP(nn.Module):
@@ -172,6 +173,7 @@ def add_to_residual_and_norm(ops: ModuleType, x, residual, norm: RMSNorm):
     return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 VOCAB_ROWS_PER_READ = 4096  # rows of the embedding or the LM head read from a checkpoint at once
 
 
@@ -207,6 +209,13 @@ class LlamaModel(nn.Module):
         # The format each planned quantized layer is loaded in (`plan_quantized_weights`).
         self._quantized_layouts: dict[str, str] = {}
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
+        self.lora: AdapterSlots | None = None  # with LoRA: every adapter slot's weights
+        self._lora_weights: list[torch.Tensor] = []  # theirs, as the one-call forward reads them
+
+    def enable_lora(self, num_slots: int, max_rank: int, device: torch.device) -> None:
+        """Slots for `num_slots` adapters of rank up to `max_rank` (zero: no adapter)."""
+        self.lora = AdapterSlots(self, self.shard, num_slots, max_rank, device)
+        self._lora_weights = self.lora.flat()
 
     def _make_layer(self, index: int) -> nn.Module:
         return DecoderLayer(self.local_spec, self.tp, index, self.spec.layer_windows()[index])
@@ -282,7 +291,17 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,  # [T]: each token's adapter slot, -1: none
     ) -> torch.Tensor:
+        if lora_slots is None:
+            return self._forward(input_ids, positions, kv_caches, meta)
+        self.lora.active.tokens = lora_slots
+        try:
+            return self._forward(input_ids, positions, kv_caches, meta)
+        finally:
+            self.lora.active.tokens = None
+
+    def _forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         if self._fused_weights is not None:
             return self._fused_forward(input_ids, positions, kv_caches, meta)
         ctx = ForwardContext(positions, meta, self.rotary, self.ops)
@@ -323,13 +342,16 @@ class LlamaModel(nn.Module):
             for p in meta.prefills
         ]
         prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 5)
+        lora_slots = self.lora.active.tokens if self.lora is not None else None
+        lora = self._lora_weights if lora_slots is not None else []
         return torch.ops.tandem.llama_forward(
             input_ids, positions, self.embedding_table, self._fused_weights, kv_caches,
             self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
             meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,
             self.layers[0].attn.window or 0, self.tp.group_name, self.shard.vocab.start,
-            s.moe.top_k if s.moe else 0, bool(s.moe and s.moe.norm_topk_prob),
+            s.moe.top_k if s.moe else 0, bool(s.moe and s.moe.norm_topk_prob), lora,
+            lora_slots if lora_slots is not None else _NO_SLOTS,
         )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Build (once, cached on disk) and load the fused CPU kernels in `csrc/` (`cpu_kernels.cpp`, the
-quantized linear layers in `quantized_linear.cpp`, their shared headers `vectors.h`, `tasks.h`
-and `experts.h`).
+quantized linear layers in `quantized_linear.cpp`, the LoRA deltas in `lora.cpp`, their shared
+headers `vectors.h`, `tasks.h` and `experts.h`).
 
 The build is a one-time cost of some tens of seconds on a small machine; the shared library is
 kept under the Tandem cache folder, named by a hash of the source, the compiler flags, the torch
@@ -31,7 +31,7 @@ import torch
 logger = logging.getLogger("tandem")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized_linear.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized_linear.cpp", CSRC / "lora.cpp")
 # everything the build reads
 FILES = (*SOURCES, CSRC / "vectors.h", CSRC / "tasks.h", CSRC / "experts.h")
 # The vector code (GCC's 64-byte vectors) compiles to AVX-512, or to pairs of AVX2 registers.

@@ -27,6 +27,7 @@ from torch import nn
 from tandem.ops import cpu_kernels
 from tandem.ops.fp8 import Fp8Weight, dequantize_fp8, fp8_linear
 from tandem.ops.huge_pages import HUGE_PAGE, advise
+from tandem.ops.lora import LoraGroup
 from tandem.ops.quantized import (
     QuantizedWeight,
     copy_rows,
@@ -177,6 +178,8 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | Fp8Weight | None = None
         # A GEMM for inputs of few rows (`LlamaModel.use_few_rows_gemm`), and which it takes.
         self.few_rows_gemm: FewRowsGemm | None = None
+        # With LoRA: every adapter slot's weights for this layer (`models/lora.py`).
+        self.lora: LoraGroup | None = None
 
     def drop_dense_weight(self) -> None:
         """Keep no float weight (it is to be loaded quantized): an empty parameter in its place."""
@@ -244,16 +247,24 @@ class Linear(nn.Module):
         return [self.weight, packed, or_empty(None), or_empty(None), bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's product (+ `bias` when given: a row-parallel layer adds its own once,
+        after the all-reduce), with the step's LoRA deltas where an adapter runs."""
         few = self.few_rows_gemm
         if few is not None and few.handles(x, self.weight):
-            return few.run(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, self.packed, self.quantized)
+            out = few.run(x, self.weight, bias)
+        else:
+            out = linear(x, self.weight, bias, self.packed, self.quantized)
+        return out if self.lora is None else self.lora.add_(out, x)
 
     def silu_and_mul(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """SiLU(gate) * up of this gate/up projection of x: in its few-rows GEMM where that has
         a gated form (one launch, the product never stored), else `ops.silu_and_mul` after it."""
         few = self.few_rows_gemm
         fused = few is not None and few.gated is not None and self.bias is None
+        fused = fused and not (self.lora is not None and self.lora.in_use)
         if fused and few.handles(x, self.weight):
             return few.gated(x, self.weight)
         return ops.silu_and_mul(self(x))

@@ -73,6 +73,11 @@ def group_root(group: str) -> bytes:
     return hashlib.blake2b(b"tandem-group:" + group.encode(), digest_size=16).digest()
 
 
+def adapter_root(key: str) -> bytes:
+    """The chain root of a LoRA adapter's requests: its blocks are found by its requests only."""
+    return hashlib.blake2b(b"tandem-lora:" + key.encode(), digest_size=16).digest()
+
+
 @dataclass
 class BlockAccounting:
     """What `BlockPool.check` found: every block is in exactly one of these states."""

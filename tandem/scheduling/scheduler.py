@@ -26,9 +26,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.request import Request, RequestStatus
-from tandem.scheduling.block_pool import ROOT_HASH, BlockPool, FreeList, chain_hash, group_root
+from tandem.scheduling.block_pool import (
+    ROOT_HASH,
+    BlockPool,
+    FreeList,
+    adapter_root,
+    chain_hash,
+    group_root,
+)
 from tandem.scheduling.draft_policy import DraftPolicy, can_draft
 from tandem.scheduling.kv_groups import DROPPED, KVGroups, kv_groups
+from tandem.scheduling.lora_slots import LoraSlots
 from tandem.scheduling.suffix_proposer import Proposal, SuffixProposer
 
 
@@ -138,6 +146,7 @@ class Scheduler:
         # step retires), counted, and which step computes which.
         self._in_progress: Counter[bytes] = Counter()
         self._in_progress_by_step: dict[int, list[bytes]] = {}
+        self.lora_slots: LoraSlots | None = None  # with LoRA: which adapter each slot holds
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -193,6 +202,9 @@ class Scheduler:
             request = self.waiting[i]
             if request.num_inflight or self.slots.num_free == 0:
                 break  # a preempted request waits until its in-flight token is known
+            if request.lora_key is not None and not self.lora_slots.can_take(request.lora_key):
+                i += 1  # every slot holds another adapter that runs: passed over, not blocking
+                continue
             hits = self._cached_prefix(request)
             if hits is None:
                 i += 1
@@ -220,6 +232,8 @@ class Scheduler:
         window)."""
         request.status = RequestStatus.RUNNING
         request.slot = self.slots.allocate(1, request.key)[0]
+        if request.lora_key is not None:
+            request.lora_slot = self.lora_slots.take(request.lora_key)
         request.sampled_in_row = False
         self.running.append(request)
         num_hits = len(hits[0])
@@ -246,8 +260,8 @@ class Scheduler:
         With caching off, the samples of an n > 1 request still share their prompt, through a
         chain private to them.
         """
-        if self.enable_prefix_caching:
-            return ROOT_HASH
+        if self.enable_prefix_caching:  # an adapter's blocks hold its own K/V: a chain of its own
+            return ROOT_HASH if request.lora_key is None else adapter_root(request.lora_key)
         return group_root(request.request_id) if request.params.n > 1 else None
 
     def _hash_blocks(self, request: Request, num_blocks: int, root: bytes) -> None:
@@ -529,6 +543,9 @@ class Scheduler:
         request.block_ids = []
         request.num_registered_blocks = 0
         request.slot = None
+        if request.lora_slot >= 0:
+            self.lora_slots.give_back(request.lora_slot)
+            request.lora_slot = -1
         self._defer_free(pending)
 
     def _defer_free(self, pending: _PendingFree) -> None:

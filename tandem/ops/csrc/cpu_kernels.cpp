@@ -1183,6 +1183,23 @@ struct ForwardShape {
   double eps, scale;
 };
 
+// A layer's LoRA (tandem/ops/lora.py): per projection group, in this order, its a, b, ranks and
+// part_ends (the `lora` argument's 16 tensors of the layer), and the step's slot of each token.
+// No LoRA in this step: no tensors. A group whose a is empty (a mixture of experts' MLP) has none.
+enum LoraGroup { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown, kLoraGroups };
+constexpr int64_t kLoraPerLayer = 4 * kLoraGroups;
+
+struct LayerLora {
+  at::TensorList w;  // kLoraPerLayer tensors, or none
+  const at::Tensor* slots;
+
+  // out (group g's GEMM result) += the deltas of x (its input), in place.
+  void add(at::Tensor& out, const at::Tensor& x, LoraGroup g) const {
+    if (w.empty() || !present(w[4 * g])) return;
+    lora_add_(out, x, *slots, w[4 * g], w[4 * g + 1], w[4 * g + 2], w[4 * g + 3]);
+  }
+};
+
 // Positions [0, len) of the cache from block blocks[0] on, as float rows [len, kv_heads,
 // head_dim]: gathered, or an int8 cache's codes times their scales (kv_quant.dequantize's
 // arithmetic, so the portable path reads the same values).
@@ -1312,9 +1329,11 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
                            const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
-                           const at::Tensor& prefills, const ForwardShape& s, double norm_eps) {
+                           const at::Tensor& prefills, const ForwardShape& s, double norm_eps,
+                           const LayerLora& lora) {
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
   auto qkv = linear(h, w, kQkv);
+  lora.add(qkv, h, kLoraQkv);  // before the q/k norms and rotary
   auto q = qkv.narrow(1, 0, q_size).view({-1, s.heads, s.head_dim});
   auto k = qkv.narrow(1, q_size, kv_size).view({-1, s.kv_heads, s.head_dim});
   auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, s.kv_heads, s.head_dim});
@@ -1347,7 +1366,10 @@ at::Tensor attention_block(const at::Tensor& h, at::TensorList w, const at::Tens
                                v.narrow(0, seg[0], seg[1]), k_cache, v_cache,
                                block_tables.select(0, seg[3]), seg[1], seg[2], s));
   }
-  return linear(out.view({-1, q_size}), w, kO, /*with_bias=*/false);  // bias: by the caller
+  const auto attended = out.view({-1, q_size});
+  auto o = linear(attended, w, kO, /*with_bias=*/false);  // bias: by the caller
+  lora.add(o, attended, kLoraO);  // this rank's part of the sum, as the GEMM's
+  return o;
 }
 
 // Tensor parallelism: sum `x` over the ranks of process group `group` (registered by name by
@@ -1436,9 +1458,14 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
                          const at::Tensor& prefills, int64_t block_size, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t sliding_window, c10::string_view group_name,
-                         int64_t vocab_start, int64_t moe_top_k, bool moe_renormalize) {
+                         int64_t vocab_start, int64_t moe_top_k, bool moe_renormalize,
+                         at::TensorList lora, const at::Tensor& lora_slots) {
   TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
               "expected ", kWeightsPerLayer, " weights per layer");
+  const bool adapted = !lora.empty() && lora_slots.numel() > 0;
+  TORCH_CHECK(!adapted || (int64_t)lora.size() == kLoraPerLayer * (int64_t)kv_caches.size(),
+              "lora must be empty or ", kLoraPerLayer, " tensors per layer, got ", lora.size(),
+              " for ", kv_caches.size(), " layers");
   TORCH_CHECK(prefills.dim() == 2 && prefills.size(1) == 5 && prefills.scalar_type() == at::kLong,
               "prefills must be int64 rows of 5 (PrefillSegment's fields, attends_as_decodes)");
   const ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, sliding_window,
@@ -1447,6 +1474,8 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
   at::Tensor x = embed_tokens(embed, input_ids, vocab_start, group), residual, h;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     auto w = weights.slice(layer * kWeightsPerLayer, kWeightsPerLayer);
+    const LayerLora layer_lora{
+        adapted ? lora.slice(layer * kLoraPerLayer, kLoraPerLayer) : at::TensorList(), &lora_slots};
     if (layer == 0) {
       residual = x;
       h = rms_norm(x, w[kInputNorm], eps);
@@ -1454,12 +1483,19 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
       h = add_rms_norm(x, residual, w[kInputNorm], eps);
     }
     auto a = attention_block(h, w, kv_caches[layer], positions, cos, sin, slot_mapping,
-                             block_tables, context_lens, prefills, s, eps);
+                             block_tables, context_lens, prefills, s, eps, layer_lora);
     all_reduce_(a, group);  // O is row-parallel: its bias is added once, to the sum
     if (present(w[kO + 4])) a.add_(w[kO + 4]);
     h = add_rms_norm(a, residual, w[kPostNorm], eps);
-    x = present(w[kRouter]) ? sparse_mlp(h, w, moe_top_k, moe_renormalize)
-                            : linear(silu_and_mul(linear(h, w, kGateUp)), w, kDown);
+    if (present(w[kRouter])) {
+      x = sparse_mlp(h, w, moe_top_k, moe_renormalize);  // no LoRA on the experts
+    } else {
+      auto gate_up = linear(h, w, kGateUp);
+      layer_lora.add(gate_up, h, kLoraGateUp);
+      const auto act = silu_and_mul(gate_up);
+      x = linear(act, w, kDown);
+      layer_lora.add(x, act, kLoraDown);  // this rank's part of the sum, as the GEMM's
+    }
     all_reduce_(x, group);  // down is row-parallel (each expert's too)
   }
   return add_rms_norm(x, residual, final_norm, eps);
@@ -1717,7 +1753,10 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor block_tables, Tensor context_lens, int num_decodes, Tensor prefills, "
       "int block_size, int heads, int kv_heads, int head_dim, float eps, float scale, "
       "int sliding_window, str group_name, int vocab_start, int moe_top_k, "
-      "bool moe_renormalize) -> Tensor");
+      "bool moe_renormalize, Tensor[] lora, Tensor lora_slots) -> Tensor");
+  m.def(
+      "lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor a, Tensor b, Tensor ranks, "
+      "Tensor part_ends) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -1736,4 +1775,5 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_forward", &llama_forward);
+  m.impl("lora_add_", &tandem::lora_add_);
 }

@@ -40,6 +40,12 @@ at::Tensor quantized_experts(const at::Tensor& x, const at::Tensor& row_ends,
                              const at::Tensor& values, const at::Tensor& scales,
                              const at::Tensor& offsets);
 
+// out [T, out] += each token's LoRA delta: x [T, in] through its slot's a [slots, parts, in, R]
+// and b [slots, R, out], at the rank ranks[slot, part] of each part (columns up to part_ends);
+// slot -1 adds nothing (lora.cpp; tandem/ops/lora.py's lora_add_reference_ is the reference).
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& a,
+               const at::Tensor& b, const at::Tensor& ranks, const at::Tensor& part_ends);
+
 // Whether quantized weights with float activations multiply on AMX tiles here (the build has
 // them and the kernel granted the process their state).
 bool amx_tiles();
