@@ -205,8 +205,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.server.core.lora import parse_lora_module
     from tandem.server.serve import EngineFailure, serve
 
+    lora_modules = []
+    for text in args.lora_modules or []:
+        try:
+            lora_modules.append(parse_lora_module(text))
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {exc}") from None
     try:
         serve(
             engine_config(args),
@@ -222,6 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_timeout_s=args.engine_timeout,
             trace=args.trace,
             served_model_name=args.served_model_name,
+            lora_modules=lora_modules,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
     except EngineFailure as exc:  # the traceback is already in the log
         print(f"tandem serve: {exc}", file=sys.stderr)
@@ -304,6 +313,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trace", default=None, metavar="PATH",
                        help="on exit, write a Chrome/Perfetto trace of every engine step (host "
                        "phases, the core's socket work, the device) to PATH")  # fmt: skip
+    lora = serve.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="requests may name a LoRA adapter as their model")  # fmt: skip
+    lora.add_argument("--max-loras", type=int, default=1, metavar="N",
+                      help="adapters a step can run at once (device slots; more may be loaded: "
+                      "the least recently used slot is reused) (default: 1)")  # fmt: skip
+    lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                      help="the highest adapter rank accepted (default: 16)")  # fmt: skip
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help="adapters loaded at start: NAME=PATH (a PEFT folder), or JSON "
+                      "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a bad one "
+                      "stops the server starting")  # fmt: skip
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
+                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True or "
+                      "TANDEM_ALLOW_RUNTIME_LORA_UPDATING=1); for development")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

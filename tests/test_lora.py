@@ -201,22 +201,22 @@ def test_lora_off_refuses_adapters(tiny_llama, adapters):
 
 
 def test_other_families(tiny_checkpoints, tmp_path):
-    """Qwen2 (q/k/v biases, sharded checkpoint), Qwen3 (q/k norms), Gemma 3 (GeGLU, the
-    op-by-op forward) and a mixture of experts (attention only) under adapters."""
+    """Qwen2 (q/k/v biases, sharded checkpoint; rank 64), Qwen3 (q/k norms), Gemma 3 (GeGLU,
+    the op-by-op forward) and a mixture of experts (attention only) under adapters."""
     cases = {
-        "Qwen2ForCausalLM": ALL_PROJECTIONS,
-        "Qwen3ForCausalLM": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
-        "Gemma3ForCausalLM": ALL_PROJECTIONS,
-        "Qwen3MoeForCausalLM": ["q_proj", "v_proj", "o_proj"],
+        "Qwen2ForCausalLM": (ALL_PROJECTIONS, 64),
+        "Qwen3ForCausalLM": (["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], 8),
+        "Gemma3ForCausalLM": (ALL_PROJECTIONS, 8),
+        "Qwen3MoeForCausalLM": (["q_proj", "v_proj", "o_proj"], 8),
     }
     rng = random.Random(3)
-    for arch, targets in cases.items():
+    for arch, (targets, rank) in cases.items():
         base = tiny_checkpoints[arch]
-        folder = make_adapter(base, tmp_path / arch, rank=8, targets=targets, seed=5)
+        folder = make_adapter(base, tmp_path / arch, rank=rank, targets=targets, seed=5)
         lora = LoRARequest(arch, 1, str(folder))
         prompts = random_prompts(rng, 4, 1024, 2, 30)
         loras = [lora, None, lora, lora]
-        llm = make_llm(base, enable_lora=True, max_lora_rank=8)
+        llm = make_llm(base, enable_lora=True, max_lora_rank=rank)
         outputs = llm.generate(prompts, greedy(TOKENS), lora_request=loras)
         check_outputs(base, prompts, loras, outputs)
         assert_idle_and_balanced(llm.engine)

@@ -475,7 +475,8 @@ def test_kernels_compile_for_sm90() -> None:
     over FP8 weights' e4m3 codes and the gate/up GEMM ending in SiLU; all but the SiLU with
     programmatic dependent launch. Over fp8 KV caches, the kernels that touch the cache: the
     attention reading e4m3 codes (converted in registers, the dots still on tensor cores) and
-    the rotary and rotating decode writing them."""
+    the rotary and rotating decode writing them. LoRA's shrink and expand (ops/triton_lora.py)
+    in every case's dtype."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -486,7 +487,8 @@ def test_kernels_compile_for_sm90() -> None:
     records = [json.loads(line) for line in result.stdout.splitlines()]
     kernels = {(r["case"], r["kernel"]) for r in records}
     elementwise = {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
-                   "_quantize_rows_fp8_kernel"}  # fmt: skip
+                   "_quantize_rows_fp8_kernel", "_lora_shrink_kernel",
+                   "_lora_expand_kernel"}  # fmt: skip
     gemm = {(case, "_few_rows_gemm_kernel") for case in CASE_NAMES if case[:4] != "fp32"}
     assert gemm <= kernels
     # the GEMM over e4m3 codes (FP8 weights) at every bf16/fp16 case, on tensor cores

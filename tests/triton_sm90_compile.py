@@ -27,6 +27,7 @@ from triton.runtime.driver import driver  # noqa: E402
 from tandem.ops import triton_attention as ta  # noqa: E402
 from tandem.ops import triton_elementwise as te  # noqa: E402
 from tandem.ops import triton_gemm as tg  # noqa: E402
+from tandem.ops import triton_lora as tl  # noqa: E402
 from tandem.ops.attention_metadata import PrefillSegment  # noqa: E402
 from tandem.ops.fp8 import FP8_DTYPE, quantize_fp8  # noqa: E402
 from tandem.ops.kv_quant import row_width  # noqa: E402
@@ -64,11 +65,12 @@ class CompileOnlyDriver:
 
 def main(names: list[str]) -> None:
     driver.set_active(CompileOnlyDriver())
-    ta.pdl_options = te.pdl_options = tg.pdl_options = h200_launch
+    ta.pdl_options = te.pdl_options = tg.pdl_options = tl.pdl_options = h200_launch
     built = []
     kernels = (ta._decode_kernel, ta._prefill_kernel,
                te._rms_norm_kernel, te._rotary_kernel, te._silu_and_mul_kernel,
-               te._quantize_rows_fp8_kernel, tg._few_rows_gemm_kernel)  # fmt: skip
+               te._quantize_rows_fp8_kernel, tg._few_rows_gemm_kernel,
+               tl._lora_shrink_kernel, tl._lora_expand_kernel)  # fmt: skip
     for kernel in kernels:
 
         def compile_only(*args, grid, warmup, _run=kernel.run, **kwargs):
@@ -117,6 +119,12 @@ def main(names: list[str]) -> None:
             te.add_rms_norm(x, x.clone(), torch.ones(hidden, dtype=dtype), 1e-6)
             te.silu_and_mul(torch.zeros(r, 2 * 4 * hidden, dtype=dtype))
             te.quantize_rows_fp8(x)
+            slots, parts = 4, torch.tensor([hidden, hidden + 256, hidden + 512])  # a q/k/v group
+            tl.lora_add_triton_(
+                torch.zeros(r, hidden + 512, dtype=dtype), x, torch.zeros(r, dtype=torch.int64),
+                torch.zeros(slots, 3, hidden, 16), torch.zeros(slots, 16, hidden + 512),
+                torch.zeros(slots, 3, dtype=torch.int64), parts,
+            )  # fmt: skip
             if dtype in tg.DTYPES:  # a decode step's GEMM at its rows, with a bias
                 tg.few_rows_linear(
                     x, torch.zeros(512, hidden, dtype=dtype), torch.zeros(512, dtype=dtype)

@@ -356,8 +356,8 @@ class ModelRunner:
         if len(x.group_block_tables):
             meta.by_layer = self._layer_metadata(meta, t)
         self.stream.wake_waiters()  # the previous step's results go to the host now
-        lora_slots = t.lora_slots if adapted else None
-        hidden = self.model(input_ids, t.positions, self.kv_caches, meta, lora_slots)
+        lora = {"lora_slots": t.lora_slots} if adapted else {}  # base steps: the plain call
+        hidden = self.model(input_ids, t.positions, self.kv_caches, meta, **lora)
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
         sample = self.sampler.begin(

@@ -91,6 +91,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_running: int | None = None,
     response_store: ResponseStore | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The app in front of `client`'s engine cores: every API's routes.
 
@@ -101,6 +102,8 @@ def create_app(
     `Authorization: Bearer <api_key>` or `x-api-key`. Bodies over `max_request_bytes` get 413.
     `max_running`: this front end's share of the cores' running sequences (`GenerationService`).
     `response_store`: where stored Responses API answers are kept (default bounds otherwise).
+    `allow_runtime_lora_updating`: mount vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
+    (`core.lora.runtime_updating_allowed` reads the flag and the environment).
     """
     if protect_metrics and not api_key:
         raise ValueError("protect_metrics needs an api_key")
@@ -112,8 +115,21 @@ def create_app(
     else:
         logger.info("over-long prompts are refused after tokenizing: no exact bound (%s)", why_not)
     preparer = Preparer(
-        model, name, accepted_names, bound, service.intake.counter, max_seqs=service.capacity
+        model,
+        name,
+        accepted_names,
+        bound,
+        service.intake.counter,
+        max_seqs=service.capacity,
+        adapters=service.adapters,
     )
+    for adapter in service.adapters.list_known():
+        if adapter.name in accepted_names:
+            logger.warning("LoRA adapter %r has a name of the served model's, which it keeps: "
+                           "requests cannot reach the adapter", adapter.name)  # fmt: skip
+    if allow_runtime_lora_updating:
+        logger.warning("LoRA adapters may be loaded and unloaded at runtime "
+                       "(/v1/load_lora_adapter, /v1/unload_lora_adapter): for development only")  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -141,7 +157,7 @@ def create_app(
             prefixes=GUARDED_PREFIXES,
             protect_metrics=protect_metrics,
         )
-    app.include_router(openai_routes.routes(service, preparer))
+    app.include_router(openai_routes.routes(service, preparer, allow_runtime_lora_updating))
     app.include_router(anthropic_routes.routes(service, preparer, shapes))
     store = ResponseStore() if response_store is None else response_store
     app.include_router(responses_routes.routes(service, preparer, store))

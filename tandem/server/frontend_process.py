@@ -61,6 +61,7 @@ class FrontendOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     engine_timeout_s: float = 60.0
     supervised: bool = False  # a child of the supervisor (drains on DRAIN_SIGNAL)
+    allow_runtime_lora_updating: bool = False  # vLLM's load and unload endpoints mounted
     parent_pid: int = 0
 
 
@@ -168,6 +169,7 @@ def run_frontend(options: FrontendOptions, listener: socket.socket) -> str | Non
         protect_metrics=options.protect_metrics,
         max_request_bytes=options.max_request_bytes,
         max_running=options.max_running,
+        allow_runtime_lora_updating=options.allow_runtime_lora_updating,
     )
     service: GenerationService = app.state.service
     if options.index == 0:
@@ -187,6 +189,10 @@ def run_frontend(options: FrontendOptions, listener: socket.socket) -> str | Non
             else "off",
             options.max_request_bytes,
         )
+        if service.adapters.enabled:
+            held = [f"{a.name} ({a.path})" for a in service.adapters.list_known()]
+            logger.info("LoRA adapters, by the name a request's model gives: %s",
+                        ", ".join(held) or "none yet")  # fmt: skip
         host, port = listener.getsockname()[:2]
         host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         host = f"[{host}]" if ":" in host else host

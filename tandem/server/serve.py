@@ -33,6 +33,7 @@ from pathlib import Path
 from tandem.config import EngineConfig, usable_cores
 from tandem.models.catalog import checkpoint_path, resolve_model
 from tandem.server.core import wire
+from tandem.server.core.lora import LoraModule, runtime_updating_allowed
 from tandem.server.core.process import CoreOptions, spawn_core, stop_core
 
 logger = logging.getLogger("tandem.server")
@@ -58,6 +59,8 @@ def serve(
     engine_timeout_s: float = 60.0,
     trace: str | None = None,
     served_model_name: list[str] | None = None,
+    lora_modules: list[LoraModule] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> None:
     """Serve `config`'s model over the OpenAI-compatible API until SIGINT/SIGTERM.
 
@@ -65,8 +68,11 @@ def serve(
     defaults to 16 MiB. `engine_timeout_s`: a core with requests in flight that sends nothing for
     this long is taken as hung. `trace`: each core writes a Chrome trace of its steps there on
     exit (`PATH`, or `PATH.N.json` per replica). `served_model_name`: the names clients may use
-    for the model (the first is reported). Raises `EngineFailure` if a core or a front end
-    fails.
+    for the model (the first is reported). `lora_modules`: LoRA adapters every core loads
+    before serving (a bad one: `EngineFailure` naming it); they need `config.enable_lora`.
+    `allow_runtime_lora_updating` (or $VLLM_ALLOW_RUNTIME_LORA_UPDATING /
+    $TANDEM_ALLOW_RUNTIME_LORA_UPDATING set to 1 or true): vLLM's load and unload endpoints.
+    Raises `EngineFailure` if a core or a front end fails.
     """
     if api_server_count < 1 or data_parallel_size < 1:
         raise ValueError("api_server_count and data_parallel_size must be >= 1")
@@ -81,6 +87,7 @@ def serve(
     if config.model is not None:  # a wrong path fails here at once, before any process
         checkpoint_path(resolve_model(config.model))
     check_draft(config, checkpoint_path)
+    lora_modules = check_lora_modules(config, lora_modules or [])
     replicas = replica_options(config, data_parallel_size)
     listener = listening_socket(host, port)
     workdir = tempfile.mkdtemp(prefix="tandem-serve-")
@@ -89,6 +96,7 @@ def serve(
     try:
         for i, options in enumerate(replicas):
             options.address = f"ipc://{workdir}/core-{i}"
+            options.lora_modules = lora_modules
             if trace:
                 options.trace_path = trace if len(replicas) == 1 else f"{trace}.{i}.json"
             cores.append(spawn_core(options))
@@ -114,6 +122,7 @@ def serve(
             max_request_bytes=max_request_bytes or frontend_process.DEFAULT_MAX_REQUEST_BYTES,
             engine_timeout_s=engine_timeout_s,
             parent_pid=os.getpid(),
+            allow_runtime_lora_updating=runtime_updating_allowed(allow_runtime_lora_updating),
         )
         if api_server_count == 1:
             failure = frontend_process.run_frontend(options, listener)
@@ -146,6 +155,21 @@ def check_configs(config: EngineConfig) -> Path:
     )
     check_draft(config, read_config)
     return path
+
+
+def check_lora_modules(config: EngineConfig, modules: list[LoraModule]) -> list[LoraModule]:
+    """The start-up adapters, before any process starts: LoRA on, names unique, folders there
+    (each core reads and checks the files themselves: a bad one fails the start, named)."""
+    if modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [module.name for module in modules]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--lora-modules names {', '.join(map(repr, twice))} more than once")
+    for module in modules:
+        if not Path(module.path).is_dir():
+            raise ValueError(f"--lora-modules {module.name}: no folder {module.path!r}")
+    return list(modules)
 
 
 def check_draft(config: EngineConfig, check: Callable[[Path], object]) -> None:

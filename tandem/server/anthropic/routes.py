@@ -23,11 +23,11 @@ PREFIX = "/v1/messages"
 
 def prepare_message(preparer: Preparer, raw: bytes, bulk: bool) -> Prepared:
     body = preparer.parse(MessagesRequest, raw, bulk, ENDPOINT)
-    preparer.check_model(body.model)
+    adapter = preparer.check_model(body.model)
     job, ignored = body.job(body.sampling(), body.constraint())
     message_id = f"msg_{uuid.uuid4().hex}"
-    request, tools = preparer.chat(job, message_id)
-    encoder = MessagesEncoder(message_id, preparer.model_name, plan=tools)
+    request, tools = preparer.chat(job, message_id, adapter)
+    encoder = MessagesEncoder(message_id, preparer.served_name(adapter), plan=tools)
     return Prepared(message_id, [request], encoder, body.stream, "messages", ignored)
 
 

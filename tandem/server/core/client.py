@@ -55,6 +55,7 @@ class _Core:
     last_heard: float = 0.0
     pending: wire.Inbox = field(default_factory=wire.Inbox)
     timelines: deque[asyncio.Future] = field(default_factory=deque)  # queries awaiting answers
+    lora_queries: dict[int, asyncio.Future] = field(default_factory=dict)  # by query number
     owner: zmq.Socket | None = None  # the socket itself: a shadow does not keep it open
 
 
@@ -78,6 +79,7 @@ class CoreClient:
         self._samples_left: dict[str, int] = {}  # request id -> samples the core still runs
         self._flush_scheduled = False
         self._turn = 0
+        self._query = 0  # the latest LoRA query's number
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -129,6 +131,10 @@ class CoreClient:
         for task in self._tasks:
             task.cancel()
         for core in self._cores:
+            for future in core.lora_queries.values():
+                with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                    future.cancel()
+            core.lora_queries.clear()
             if core.pidfd is not None:
                 if self._aloop is not None and not self._aloop.is_closed():
                     self._aloop.remove_reader(core.pidfd)
@@ -161,8 +167,9 @@ class CoreClient:
         core.in_flight += request.params.n
         self._home[request.request_id] = core
         self._samples_left[request.request_id] = request.params.n
+        lora = request.lora.lora_name if request.lora is not None else None
         core.pending.adds.append(
-            wire.NewRequest(request.request_id, request.prompt_token_ids, request.params)
+            wire.NewRequest(request.request_id, request.prompt_token_ids, request.params, lora)
         )
         self._schedule_flush()
 
@@ -184,6 +191,27 @@ class CoreClient:
             futures.append(future)
         await asyncio.wait(futures, timeout=timeout_s)
         return [f.result() if f.done() and not f.cancelled() else None for f in futures]
+
+    async def ask_lora(
+        self,
+        make: Callable[[int], wire.LoraLoad | wire.LoraUnload | wire.LoraList],
+        cores: list[int] | None = None,
+    ) -> list[wire.LoraAnswer]:
+        """Send `make(query)` to each core (every one by default) and wait for every answer (a
+        load's comes once the core's loader thread is done). Raises CoreUnavailable if a core
+        fails first."""
+        assert self._aloop is not None, "start() first"
+        if self.failed is not None:
+            raise CoreUnavailable(self.failed)
+        futures = []
+        for i in range(len(self._cores)) if cores is None else cores:
+            core = self._cores[i]
+            self._query += 1
+            future = self._aloop.create_future()
+            core.lora_queries[self._query] = future
+            core.sock.send(wire.encode(make(self._query)))
+            futures.append(future)
+        return list(await asyncio.gather(*futures))
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled and self._aloop is not None:
@@ -213,6 +241,10 @@ class CoreClient:
                 elif isinstance(message, wire.Timeline):
                     future = core.timelines.popleft()  # answers come in the order asked
                     if not future.done():  # else cancelled: its reader went away
+                        future.set_result(message)
+                elif isinstance(message, wire.LoraAnswer):
+                    future = core.lora_queries.pop(message.query, None)
+                    if future is not None and not future.done():
                         future.set_result(message)
                 elif isinstance(message, wire.CoreFailed):
                     self._fail(f"engine core {core.index} failed: {message.message}")
@@ -255,6 +287,12 @@ class CoreClient:
             return
         logger.error("%s", message)
         self.failed = message
+        for core in self._cores:  # nobody waits for an answer that will not come
+            for future in core.lora_queries.values():
+                if not future.done():
+                    future.set_exception(CoreUnavailable(message))
+                    future.exception()  # retrieved: a caller gone meanwhile leaves no warning
+            core.lora_queries.clear()
         if self.on_failure is not None:
             self.on_failure(message)
 

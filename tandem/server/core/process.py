@@ -2,7 +2,8 @@
 
 Nothing else runs here: no HTTP, no JSON, no tokenizing or detokenizing, so between two steps
 this process does only the engine's own host work and the socket's, and no other thread competes
-for the GIL with the device thread and the loop. Front ends (API-server processes) connect
+for the GIL with the device thread and the loop (but for a LoRA adapter's files being read while
+a runtime load lasts, on a thread of their own: `lora.py`). Front ends (API-server processes) connect
 DEALER sockets, say `Hello`, get `Ready`, then send `Inbox`es; after every step each front end
 with requests in it gets one `StepOutputs` with all of their new tokens and the engine's stats.
 
@@ -31,9 +32,11 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.lora import LoraError
 from tandem.metrics import write_chrome_trace
 from tandem.request import RequestOutput
 from tandem.server.core import wire
+from tandem.server.core.lora import LOAD_POLL_MS, CoreAdapters, LoraModule, unknown_adapter
 
 if TYPE_CHECKING:  # the engine's module imports it: `tandem serve` imports this one first
     from tandem.models.generation_defaults import GenerationDefaults
@@ -56,6 +59,7 @@ class CoreOptions:
     cpu_set: list[int] | None = None  # the CPU cores this replica computes on; None: all
     parent_pid: int = 0
     trace_path: str | None = None  # write a Chrome trace of every step here on exit
+    lora_modules: list[LoraModule] = dataclasses.field(default_factory=list)  # loaded at start
 
 
 def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiprocessing.Process:
@@ -109,13 +113,24 @@ def run_core(options: CoreOptions) -> None:
     sock.setsockopt(zmq.LINGER, 1000)  # a last CoreFailed still reaches the front ends
     sock.bind(options.address)
     code = 0
+    engine = None
     try:
         from tandem.engine.engine import Engine  # after the signals: loading takes seconds
 
         engine = Engine(dataclasses.replace(options.config, detokenize=False))
+        adapters = CoreAdapters(engine)
+        for module in options.lora_modules:
+            adapters.load_now(module)
     except Exception as exc:
-        logger.exception("engine core %d failed to start", options.engine_index)
-        message = f"the engine failed to start: {type(exc).__name__}: {exc}"
+        if isinstance(exc, LoraError):  # a bad adapter of --lora-modules: it names itself
+            logger.error("engine core %d: --lora-modules: %s", options.engine_index, exc)
+            message = f"--lora-modules: {exc}"
+        else:
+            logger.exception("engine core %d failed to start", options.engine_index)
+            message = f"the engine failed to start: {type(exc).__name__}: {exc}"
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.close(retire=False)
         if options.address.startswith("ipc://"):
             with contextlib.suppress(OSError), open(wire.failure_note(options.address), "w") as f:
                 f.write(message)
@@ -127,7 +142,9 @@ def run_core(options: CoreOptions) -> None:
     # the device thread's next step: they live as long as the process, so they are frozen.
     gc.collect()
     gc.freeze()
-    loop = CoreLoop(engine, sock, options.engine_index, keep_history=bool(options.trace_path))
+    loop = CoreLoop(
+        engine, sock, options.engine_index, keep_history=bool(options.trace_path), adapters=adapters
+    )
     try:
         loop.run()
     except SystemExit:
@@ -135,6 +152,7 @@ def run_core(options: CoreOptions) -> None:
     except BaseException:
         code = 1  # already logged and reported
     finally:
+        adapters.close()
         engine.close(retire=False)
         if options.trace_path:
             steps = engine.history.steps()
@@ -157,9 +175,17 @@ def _fail_hellos(sock: zmq.Socket, message: str) -> None:
 
 
 class CoreLoop:
-    def __init__(self, engine, sock: zmq.Socket, engine_index: int, keep_history: bool = False):
+    def __init__(
+        self,
+        engine,
+        sock: zmq.Socket,
+        engine_index: int,
+        keep_history: bool = False,
+        adapters: CoreAdapters | None = None,
+    ):
         """`keep_history`: keep every step record (for a trace), not only the gauge's window."""
         self.engine = engine
+        self.adapters = adapters or CoreAdapters(engine)
         self.sock = sock
         self.engine_index = engine_index
         self._frontends: list[bytes] = []  # identities that said hello
@@ -178,11 +204,15 @@ class CoreLoop:
         try:
             while True:
                 busy = engine.has_unfinished()
-                if self.sock.poll(0 if busy else IDLE_POLL_MS):
+                idle_ms = LOAD_POLL_MS if self.adapters.loading else IDLE_POLL_MS
+                if self.sock.poll(0 if busy else idle_ms):
                     t0 = time.perf_counter()
                     if self._receive():
                         return
                     self._stamp("receive", t0)
+                if self.adapters.loading:  # a LoRA load's thread is done: its answer goes out
+                    for identity, answer in self.adapters.finished():
+                        self.sock.send_multipart([identity, wire.encode(answer)])
                 if engine.has_unfinished():
                     outputs = engine.step()
                     t0 = time.perf_counter()
@@ -223,6 +253,10 @@ class CoreLoop:
                 self.sock.send_multipart([identity, wire.encode(self._outputs([]))])
             elif isinstance(message, wire.TimelineQuery):
                 self.sock.send_multipart([identity, wire.encode(self._timeline(message.after))])
+            elif isinstance(message, (wire.LoraLoad, wire.LoraUnload, wire.LoraList)):
+                answer = self.adapters.handle(identity, message)  # None: a load under way
+                if answer is not None:
+                    self.sock.send_multipart([identity, wire.encode(answer)])
             elif isinstance(message, wire.Shutdown):
                 return True
         return False
@@ -230,21 +264,37 @@ class CoreLoop:
     def _add(self, identity: bytes, adds: list[wire.NewRequest]) -> None:
         for new in adds:
             try:  # validated by the front end already; checked again against the engine's state
-                # A grammar compiles off this loop, once the request is submitted.
+                lora = None
+                if new.lora_name is not None:  # by name: unloaded since the front end looked?
+                    lora = self.adapters.resolve(new.lora_name)
+                    if lora is None:
+                        self._refuse(identity, new, unknown_adapter(new.lora_name), 404)
+                        continue
+                # A grammar compiles off this loop, once the request is submitted. The adapter
+                # is loaded already: make_request only looks it up.
                 request = self.engine.make_request(
-                    new.prompt_token_ids, new.params, new.request_id, compile_grammar=False
+                    new.prompt_token_ids,
+                    new.params,
+                    new.request_id,
+                    compile_grammar=False,
+                    lora_request=lora,
                 )
                 self.engine.submit(request)
             except ValueError as exc:
-                refusal = [
-                    wire.TokenDelta(new.request_id, i, [], 0, True, None, str(exc))
-                    for i in range(new.params.n)
-                ]
-                self.sock.send_multipart([identity, wire.encode(self._outputs(refusal))])
+                self._refuse(identity, new, str(exc))
                 continue
             self._owner[new.request_id] = identity
             self._unfinished[new.request_id] = new.params.n
         self._stats_stale = True
+
+    def _refuse(
+        self, identity: bytes, new: wire.NewRequest, error: str, status: int | None = None
+    ) -> None:
+        refusal = [
+            wire.TokenDelta(new.request_id, i, [], 0, True, None, error, error_status=status)
+            for i in range(new.params.n)
+        ]
+        self.sock.send_multipart([identity, wire.encode(self._outputs(refusal))])
 
     def _ready(self) -> wire.Ready:
         engine = self.engine
@@ -262,6 +312,8 @@ class CoreLoop:
             reasoning_parser=engine.reasoning.parser.name if engine.reasoning else None,
             sampling_defaults=server_defaults(engine.generation_defaults),
             sampling_defaults_note=engine.generation_defaults.describe(),
+            enable_lora=self.adapters.enabled,
+            adapters=self.adapters.cards(),
         )
 
     # ------------------------------------------------------------ outputs

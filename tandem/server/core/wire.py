@@ -19,6 +19,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_name: str | None = None  # the LoRA adapter it runs under, by name (None: the base model)
 
 
 class Abort(msgspec.Struct, array_like=True):
@@ -48,7 +49,42 @@ class TimelineQuery(msgspec.Struct, tag=True):
     after: int = -1
 
 
-FrontendMessage = Hello | Inbox | Shutdown | TimelineQuery
+class LoraCard(msgspec.Struct, array_like=True):
+    """A LoRA adapter a core holds: its name (a request's `model`), its PEFT folder, the core's
+    own number for it, and the base model /v1/models names as its parent (None: the served one)."""
+
+    name: str
+    path: str
+    int_id: int
+    base_model_name: str | None = None
+
+
+class LoraLoad(msgspec.Struct, tag=True):
+    """Load an adapter (vLLM's /v1/load_lora_adapter): read on a thread of the core, answered
+    with a `LoraAnswer` once done, the loop stepping meanwhile. `query` pairs the answer."""
+
+    query: int
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+class LoraUnload(msgspec.Struct, tag=True):
+    """Unload an adapter by name, or by the core's number for it: requests may no longer name
+    it (those under way keep it to their end)."""
+
+    query: int
+    name: str | None = None
+    int_id: int | None = None
+
+
+class LoraList(msgspec.Struct, tag=True):
+    """Which adapters the core holds (a front end meeting a model name it does not know)."""
+
+    query: int
+
+
+FrontendMessage = Hello | Inbox | Shutdown | TimelineQuery | LoraLoad | LoraUnload | LoraList
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -68,6 +104,9 @@ class Ready(msgspec.Struct, tag=True):
     # The model's sampling defaults for what a request leaves unset, and where they come from.
     sampling_defaults: dict[str, float | int]
     sampling_defaults_note: str
+    # LoRA: whether requests may name adapters, and those loaded at start (--lora-modules).
+    enable_lora: bool = False
+    adapters: list[LoraCard] = []
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -111,6 +150,9 @@ class TokenDelta(msgspec.Struct, array_like=True):
     # On the finished delta of a sample that verified drafts: its draft tokens, accepted ones
     # and verifying steps.
     speculative: tuple[int, int, int] | None = None
+    # The HTTP status an `error` stands for where it is not 500: 404 for a LoRA adapter the core
+    # does not hold (unloaded through another front end).
+    error_status: int | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -145,7 +187,18 @@ class CoreFailed(msgspec.Struct, tag=True):
     message: str
 
 
-CoreMessage = Ready | StepOutputs | Timeline | CoreFailed
+class LoraAnswer(msgspec.Struct, tag=True):
+    """A core's answer to a `LoraLoad`, `LoraUnload` or `LoraList`: the adapters it holds now,
+    and the error, if the operation failed, with its HTTP status (400: a bad adapter, 404: no
+    such adapter)."""
+
+    query: int
+    adapters: list[LoraCard]
+    error: str | None = None
+    status: int = 200
+
+
+CoreMessage = Ready | StepOutputs | Timeline | CoreFailed | LoraAnswer
 
 encode = msgspec.msgpack.Encoder().encode
 frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)

@@ -51,7 +51,7 @@ async def respond(
     if collected is None:  # the client left; nobody reads this
         raise APIError(CLIENT_GONE, "client disconnected")
     if stream.error is not None:
-        raise APIError(stream.error_status, stream.error, code="aborted")
+        raise APIError(stream.error_status, stream.error, code=stream.error_code)
     texts, logprobs, thinking = collected
     return JSONResponse(encoder.whole(stream, texts, logprobs, thinking), headers=headers)
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol, TypeVar
 from tandem.request import Request, TokenLogprobs
 from tandem.server.core import wire
 from tandem.server.core.client import CoreClient
+from tandem.server.frontend.adapters import Adapters
 from tandem.server.frontend.errors import APIError, bad_request, unavailable
 from tandem.server.frontend.intake import IntakeLanes
 from tandem.server.frontend.metrics import ServerMetrics
@@ -145,6 +146,7 @@ class RequestStream:
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the server, not the client, ended it early
     error_status: int = 500  # the HTTP status that `error` stands for
+    error_code: str = "aborted"  # and its code in the error body
     client_gone: bool = False
     first_token_time: float | None = None
     last_token_time: dict[int, float] = field(default_factory=dict)  # per choice
@@ -206,6 +208,8 @@ class GenerationService:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._failed: asyncio.Future[None] | None = None  # done once the engine has failed
         self.metrics = ServerMetrics(client)
+        enable_lora = bool(client.readies) and client.readies[0].enable_lora
+        self.adapters = Adapters(client, enable_lora, client.engine_timeout_s)
 
     # ----------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -213,6 +217,7 @@ class GenerationService:
         self._aloop = asyncio.get_running_loop()
         self._failed = self._aloop.create_future()
         self.intake.start()
+        self.adapters.start()
         self.client.on_outputs = self._deliver
         self.client.on_failure = self._engine_failed
         self.client.start()
@@ -256,6 +261,7 @@ class GenerationService:
         """Stop reading the cores and the intake workers (after `shutdown`). With `wait`, also
         wait for preparations still running (off the event loop only)."""
         self.accepting = False
+        self.adapters.close()
         self.client.close()
         self.intake.close(wait)
 
@@ -380,6 +386,9 @@ class GenerationService:
                 stream.stop_strings[choice] = text.matched_stop
                 if not delta.finished:
                     self.client.abort(delta.request_id, delta.index)  # free its blocks now
+            if delta.error_status == 404 and stream.error is None:  # its adapter has gone
+                stream.error_status, stream.error_code = 404, "model_not_found"
+                self.adapters.forget()  # the cores are asked again next time
             logprobs = delta.logprobs
             if delta.speculative is not None:
                 stream.speculative[choice] = delta.speculative

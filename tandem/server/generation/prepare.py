@@ -6,9 +6,10 @@ proves too long is refused before it is tokenized. Every failure is an `APIError
 parameter, 404 for an unknown model), raised in the worker and re-raised by the handler, which
 answers in the API's own error shape.
 
-Each API parses its body (`parse`), checks the model it names (`check_model`) and translates it
-into a `PromptJob` or a `ChatJob`; from there every API takes the same path (`completion`,
-`chat`). A completion job may hold a list of prompts: each becomes its own engine request (ids
+Each API parses its body (`parse`), checks the model it names (`check_model`: the served model
+under any of its names, or a LoRA adapter the cores hold) and translates it into a `PromptJob` or
+a `ChatJob`; from there every API takes the same path (`completion`, `chat`, given the adapter).
+A completion job may hold a list of prompts: each becomes its own engine request (ids
 `<id>-<i>`), each is checked against the bound before any is tokenized, and an error names the
 prompt (`prompt 2: ...`).
 
@@ -36,7 +37,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from tandem.engine.chat_template import chat_template_problem
+from tandem.lora import LoRARequest
 from tandem.request import Request, SamplingParams
+from tandem.server.core.wire import LoraCard
+from tandem.server.frontend.adapters import Adapters
 from tandem.server.frontend.errors import APIError, bad_request, validation_error
 from tandem.server.frontend.json_count import JSONCounter
 from tandem.server.frontend.served_model import ServedModel
@@ -101,8 +105,11 @@ class Preparer:
         bound: PromptBound | None,
         counter: JSONCounter | None = None,
         max_seqs: int | None = None,
+        adapters: Adapters | None = None,
     ):
+        """`adapters`: the LoRA adapters a request's model may name (None: none)."""
         self.model = model
+        self.adapters = adapters
         self.counter = counter
         self.model_name = model_name
         self.accepted_names = set(accepted_names)
@@ -144,18 +151,45 @@ class Preparer:
         report_ignored(endpoint, body)
         return body
 
-    def check_model(self, name: str, param: str = "model") -> None:
-        if name not in self.accepted_names:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param=param,
-                code="model_not_found",
-            )
+    def check_model(self, name: str, param: str = "model") -> LoraCard | None:
+        """The LoRA adapter `name` names (None: the served model); 404 if neither. In an intake
+        worker: a name this front end has not heard of is asked of the cores, off the loop."""
+        if name in self.accepted_names:
+            return None
+        card = self.adapters.resolve(name) if self.adapters is not None else None
+        if card is None:
+            raise self._unknown_model(name, param)
+        return card
+
+    async def check_model_async(self, name: str, param: str = "model") -> LoraCard | None:
+        """`check_model`, on the event loop."""
+        if name in self.accepted_names:
+            return None
+        card = await self.adapters.aresolve(name) if self.adapters is not None else None
+        if card is None:
+            raise self._unknown_model(name, param)
+        return card
+
+    def served_name(self, adapter: LoraCard | None) -> str:
+        """The model an answer names: the adapter's name, or the served model's."""
+        return adapter.name if adapter is not None else self.model_name
+
+    def _unknown_model(self, name: str, param: str) -> APIError:
+        lora = self.adapters is not None and self.adapters.enabled
+        also = " and the LoRA adapters GET /v1/models lists" if lora else ""
+        return APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.model_name!r}{also}",
+            param=param,
+            code="model_not_found",
+        )
 
     # -------------------------------------------------------------- jobs
-    def completion(self, job: PromptJob, request_id: str) -> list[Request]:
-        """One engine request per prompt (ids `<request_id>-<i>` when there are several)."""
+    def completion(
+        self, job: PromptJob, request_id: str, adapter: LoraCard | None = None
+    ) -> list[Request]:
+        """One engine request per prompt (ids `<request_id>-<i>` when there are several), under
+        the LoRA `adapter` if one is given."""
         params = self.sampling_params(job)
         prompts = job.prompts
         self._check_seqs(len(prompts), params.n, job.param("prompt"))
@@ -174,16 +208,18 @@ class Preparer:
                 token_ids = self.model.intake.tokenize(prompt)
             except ValueError as exc:
                 raise bad_request(at + str(exc), param=job.param("prompt")) from None
-            request = self._make(job, token_ids, params, engine_id, at)
+            request = self._make(job, token_ids, params, engine_id, at, adapter)
             # A raw prompt's text is the model's own, tags and all (as vLLM's completions):
             # only a conversation is read for thinking. (The core still bounds the thinking.)
             request.reasoning = None
             requests.append(request)
         return requests
 
-    def chat(self, job: ChatJob, request_id: str) -> tuple[Request, ToolPlan | None]:
-        """The engine request of a conversation, and the plan its output is read by for tool
-        calls (None: plain text)."""
+    def chat(
+        self, job: ChatJob, request_id: str, adapter: LoraCard | None = None
+    ) -> tuple[Request, ToolPlan | None]:
+        """The engine request of a conversation (under the LoRA `adapter` if one is given), and
+        the plan its output is read by for tool calls (None: plain text)."""
         plan = self.tool_plan(job)
         constraint = job.constraint
         if plan is not None:
@@ -191,7 +227,7 @@ class Preparer:
         params = self.sampling_params(dataclasses.replace(job, constraint=constraint))
         self._check_seqs(1, params.n, job.param("prompt"))
         token_ids = self.chat_tokens(job, plan)
-        request = self._make(job, token_ids, params, request_id)
+        request = self._make(job, token_ids, params, request_id, adapter=adapter)
         return request, (plan if plan is not None and plan.parses else None)
 
     def tool_plan(self, job: ChatJob) -> ToolPlan | None:
@@ -283,6 +319,7 @@ class Preparer:
         params: SamplingParams,
         request_id: str,
         where: str = "",
+        adapter: LoraCard | None = None,
     ) -> Request:
         room = self.model.max_model_len - len(token_ids)
         if room < 1:
@@ -292,7 +329,10 @@ class Preparer:
                 params, max_tokens=room, min_tokens=min(params.min_tokens, room)
             )
         try:
-            return self.model.make_request(token_ids, params, request_id)
+            request = self.model.make_request(token_ids, params, request_id)
+            if adapter is not None:  # the core looks it up again by name
+                request.lora = LoRARequest(adapter.name, adapter.int_id, adapter.path)
+            return request
         except ValueError as exc:  # the engine's validation: the prompt, its length, logit_bias
             message = str(exc)
             constraint = job.constraint

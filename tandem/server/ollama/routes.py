@@ -1,7 +1,8 @@
 """Ollama's API: POST /api/chat and /api/generate (streamed as newline-delimited JSON unless
 `stream` is false), GET /api/tags, /api/ps and /api/version, POST /api/show; errors as
-Ollama's `{"error": ...}`. The served model is listed under its name; `NAME:latest`, as
-Ollama's clients write it, names it too."""
+Ollama's `{"error": ...}`. The served model is listed under its name, and its LoRA adapters
+under theirs (a request's `model` picks one); `NAME:latest`, as Ollama's clients write it, names
+it too."""
 
 from __future__ import annotations
 
@@ -49,23 +50,23 @@ def _loads_only(raw: bytes) -> bool:
 
 def prepare_chat(preparer: Preparer, raw: bytes, bulk: bool) -> Prepared:
     body = preparer.parse(ChatRequest, raw, bulk, ChatRequest.endpoint)
-    preparer.check_model(model_name(body.model))
+    adapter = preparer.check_model(model_name(body.model))
     request_id = f"ollama-{uuid.uuid4().hex}"
-    request, tools = preparer.chat(body.job(), request_id)
+    request, tools = preparer.chat(body.job(), request_id, adapter)
     encoder = ChatEncoder(body.model, plan=tools)
     return Prepared(request_id, [request], encoder, body.stream, "messages")
 
 
 def prepare_generate(preparer: Preparer, raw: bytes, bulk: bool) -> Prepared:
     body = preparer.parse(GenerateRequest, raw, bulk, GenerateRequest.endpoint)
-    preparer.check_model(model_name(body.model))
+    adapter = preparer.check_model(model_name(body.model))
     request_id = f"ollama-{uuid.uuid4().hex}"
     job = body.job()
     if isinstance(job, ChatJob):
-        request, tools = preparer.chat(job, request_id)
+        request, tools = preparer.chat(job, request_id, adapter)
         encoder = ChatEncoder(body.model, plan=tools, generate=True)
         return Prepared(request_id, [request], encoder, body.stream, "prompt")
-    requests = preparer.completion(job, request_id)
+    requests = preparer.completion(job, request_id, adapter)
     return Prepared(request_id, requests, RawGenerateEncoder(body.model), body.stream, "prompt")
 
 
@@ -103,14 +104,19 @@ def routes(service: GenerationService, preparer: Preparer, shapes: ErrorShapes) 
         raw = await request.body()  # kept by the request: `respond` reads it again
         if len(raw) < 4096 and _loads_only(raw):
             name = json.loads(raw)["model"]
-            preparer.check_model(model_name(name))
+            await preparer.check_model_async(model_name(name))
             return JSONResponse({"model": name, "created_at": now(),
                                  "response": "", "done": True, "done_reason": "load"})  # fmt: skip
         return await respond(service, request, partial(prepare_generate, preparer))
 
     @router.get(PREFIX + "/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [card]}
+        adapters = [
+            {**card, "name": a.name, "model": a.name,
+             "details": {**details, "parent_model": preparer.model_name}}
+            for a in await service.adapters.list()
+        ]  # fmt: skip
+        return {"models": [card, *adapters]}
 
     @router.get(PREFIX + "/ps")
     async def ps() -> dict[str, Any]:
@@ -125,7 +131,7 @@ def routes(service: GenerationService, preparer: Preparer, shapes: ErrorShapes) 
     @router.post(PREFIX + "/show")
     async def show(request: Request) -> dict[str, Any]:
         body = preparer.parse(ShowRequest, await request.body(), False, PREFIX + "/show")
-        preparer.check_model(model_name(body.model_name))
+        await preparer.check_model_async(model_name(body.model_name))
         template = getattr(model.tokenizer, "chat_template", None) or ""
         capabilities = ["completion"] + (["tools"] if "tools" in template else [])
         return {

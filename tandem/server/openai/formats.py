@@ -108,6 +108,7 @@ class CompletionFormat(_Encoder):
     include_usage: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's extra)
     # Per choice: where its next token's text starts (a stream spans many chunks).
     _text_offsets: dict[int, int] = field(default_factory=dict)
 
@@ -134,10 +135,11 @@ class CompletionFormat(_Encoder):
         for entry in entries:
             token, sampled = next(iter(entry.items()))
             text = sampled.decoded_token or ""
-            out["tokens"].append(_token_label(token, sampled))
+            label = _token_id_label if self.tokens_as_ids else _token_label
+            out["tokens"].append(label(token, sampled))
             out["token_logprobs"].append(_logprob(sampled.logprob))
             out["top_logprobs"].append(
-                {_token_label(t, lp): _logprob(lp.logprob) for t, lp in entry.items()}
+                {label(t, lp): _logprob(lp.logprob) for t, lp in entry.items()}
             )
             offsets.append(offset)
             offset += len(text)
@@ -337,6 +339,10 @@ def _parsed_delta(parsed: Parsed) -> dict[str, Any]:
 def _token_label(token: int, lp: Logprob) -> str:
     """The token's text; a model without a tokenizer has none, so its id (vLLM's label)."""
     return f"token_id:{token}" if lp.decoded_token is None else lp.decoded_token
+
+
+def _token_id_label(token: int, lp: Logprob) -> str:
+    return f"token_id:{token}"
 
 
 def _chat_token(lp: Logprob) -> dict[str, Any]:

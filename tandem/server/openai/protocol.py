@@ -199,6 +199,8 @@ class CompletionRequest(_GenerationRequest):
     best_of: Annotated[int | None, only(1, None)] = None
     logprobs: Logprobs = None  # the sampled token's and this many alternatives' (OpenAI: <= 5)
     suffix: Annotated[str | None, only(None, "")] = None
+    # vLLM's extra: logprobs name each token "token_id:<id>", not by its text.
+    return_tokens_as_token_ids: bool = False
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -351,3 +353,29 @@ class DetokenizeRequest(Body):
         except ValueError as exc:
             raise bad_request(str(exc), param="tokens") from None
         return model.tokenizer.decode(ids)
+
+
+class LoadLoRAAdapterRequest(Body):
+    """vLLM's POST /v1/load_lora_adapter: a PEFT folder, under the name requests will use."""
+
+    lora_name: str
+    lora_path: str
+
+    @model_validator(mode="after")
+    def _both_given(self) -> LoadLoRAAdapterRequest:
+        if not self.lora_name or not self.lora_path:
+            raise ValueError("both lora_name and lora_path must be non-empty")
+        return self
+
+
+class UnloadLoRAAdapterRequest(Body):
+    """vLLM's POST /v1/unload_lora_adapter: by name (or by the core's `lora_int_id`)."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+    @model_validator(mode="after")
+    def _one_given(self) -> UnloadLoRAAdapterRequest:
+        if not self.lora_name and self.lora_int_id is None:
+            raise ValueError("give lora_name (or lora_int_id)")
+        return self

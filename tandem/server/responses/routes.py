@@ -29,7 +29,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 def prepare_response(preparer: Preparer, store: ResponseStore, raw: bytes, bulk: bool) -> Prepared:
     body = preparer.parse(ResponsesRequest, raw, bulk, ENDPOINT)
-    preparer.check_model(body.model)
+    adapter = preparer.check_model(body.model)
     history = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
@@ -38,8 +38,9 @@ def prepare_response(preparer: Preparer, store: ResponseStore, raw: bytes, bulk:
         history = previous.conversation
     job, ignored = body.job(history)
     response_id = f"resp_{uuid.uuid4().hex}"
-    request, tools = preparer.chat(job, response_id)
-    encoder = ResponsesEncoder(response_id, preparer.model_name, body, history, store, plan=tools)
+    request, tools = preparer.chat(job, response_id, adapter)
+    name = preparer.served_name(adapter)
+    encoder = ResponsesEncoder(response_id, name, body, history, store, plan=tools)
     return Prepared(response_id, [request], encoder, body.stream, "input", ignored)
 
 
