@@ -52,6 +52,12 @@ _ENGINE_GAUGES = (
      "Speculative decoding: tokens a request gains per step that verifies drafts (its accepted "
      "drafts plus one of its own), since start; 0 before any.",
      "spec_mean_accepted_length"),
+    # vLLM's names for the figures routers and llm-d's scorers read (vllm-router's load-aware
+    # policies, llm-d's queue and KV-cache scorers).
+    ("vllm:num_requests_running", "Requests running (vLLM's name).", "num_running"),
+    ("vllm:num_requests_waiting", "Requests queued (vLLM's name).", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 meaning every block in use (vLLM's name).",
+     "kv_cache_usage"),
 )  # fmt: skip
 _ENGINE_COUNTERS = (
     ("tandem_preemptions", "Requests preempted (their KV dropped, recomputed later).",
@@ -157,5 +163,10 @@ class _EngineFigures:
                 family = kind(name, doc, labels=["engine", "method"] if by_method else ["engine"])
                 for engine, s in stats:
                     labels = [engine, s.spec_method] if by_method else [engine]
-                    family.add_metric(labels, getattr(s, field))
+                    value = (
+                        s.kv_blocks_used / max(1, s.kv_blocks_total)
+                        if field == "kv_cache_usage"
+                        else getattr(s, field)
+                    )
+                    family.add_metric(labels, value)
                 yield family
