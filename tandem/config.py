@@ -171,6 +171,9 @@ class EngineConfig:
     cpu_threads: int | None = None  # CPU: torch's intra-op threads (per rank); None: default
     enforce_eager: bool = False  # True: portable PyTorch ops only (no fused kernels, no packing)
     tensor_parallel_size: int = 1  # ranks the model is split over, one spawned process each
+    # "mp": the engine spawns its ranks on this machine; "external_launcher" (vLLM's name): a
+    # launcher such as torchrun started every rank, each a whole engine (`execution/launcher.py`).
+    distributed_executor_backend: str = "mp"
     # False: outputs carry token ids only, and stop strings are not looked for (the server's
     # front end detokenizes and ends a request on a stop string itself, off the engine's loop).
     detokenize: bool = True
@@ -211,6 +214,16 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or 'external_launcher', "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "external_launcher" and spec and spec.adaptive:
+            raise ValueError(  # each rank would time its own steps, and schedule its own drafts
+                "speculative_config under distributed_executor_backend='external_launcher' "
+                'needs "adaptive": false: every rank must draft alike'
+            )
         if self.reasoning_parser not in PARSER_CHOICES:
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(PARSER_CHOICES)}, "

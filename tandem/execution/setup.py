@@ -14,11 +14,12 @@ from tandem.execution import fast_path
 from tandem.execution.cpu_threads import apply_cpu_threads
 from tandem.execution.executor import MultiprocExecutor
 from tandem.execution.fast_path import ExecutionPlan
+from tandem.execution.launcher import agree_on_blocks, join_launcher_group
 from tandem.execution.runner import ModelRunner, build_runner, cache_capacity
 from tandem.models.catalog import resolve_model
 from tandem.models.llama import LlamaModel
 from tandem.models.loader import build_model, read_config
-from tandem.models.parallel import check_shardable
+from tandem.models.parallel import SINGLE, check_shardable
 from tandem.models.spec import LlamaSpec
 from tandem.ops import cpu_kernels
 
@@ -63,14 +64,19 @@ class LoadedExecution:
 
 def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config) -> LoadedExecution:
     device, dtype = config.torch_device, config.torch_dtype
-    if config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches
+    spmd = config.distributed_executor_backend == "external_launcher"
+    tp = SINGLE
+    if spmd:  # a launcher started every rank: this one is a whole engine over its shard
+        check_shardable(spec, config.tensor_parallel_size)
+        tp, config = join_launcher_group(config)
+    elif config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches
         check_shardable(spec, config.tensor_parallel_size)
         executor = MultiprocExecutor(config, str(path))
         return LoadedExecution(config, executor.num_kv_blocks, None, executor, None)
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     model = build_model(
-        path, spec, hf_config, dtype, device, config.max_model_len,
+        path, spec, hf_config, dtype, device, config.max_model_len, tp,
         load_format=config.load_format, seed=config.seed, quantization=config.weight_quantization,
         int8_activations=config.int8_activations,
     )  # fmt: skip
@@ -79,6 +85,8 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
         model.enable_lora(config.max_loras, config.max_lora_rank, device)
     draft = _load_draft_model(config, spec)
     capacity = cache_capacity(model, config, device, draft)
+    if spmd:
+        capacity = agree_on_blocks(capacity, device)
     return LoadedExecution(config, capacity, model, None, plan, draft)
 
 
