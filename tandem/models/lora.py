@@ -224,7 +224,9 @@ class AdapterSlots:
 
     @torch.no_grad()
     def write(self, slot: int, adapter: AdapterWeights) -> None:
-        """Copy this rank's slice of `adapter` into `slot`, replacing what it held."""
+        """Copy this rank's slice of `adapter` into `slot`, replacing what it held. Only the
+        ranks are cleared first: the kernels read a part's A and B up to its rank alone, so
+        what the previous adapter left beyond them is never read."""
         shard, spec = self.shard, self.shard.spec
         rows = {
             "q_proj": heads_to_rows(shard.q_heads, spec.head_dim),
@@ -239,8 +241,6 @@ class AdapterSlots:
         }
         for groups in self.groups:
             for g in groups.values():
-                g.a[slot].zero_()
-                g.b[slot].zero_()
                 g.ranks[slot].zero_()
         for (layer, module), (a, b) in adapter.modules.items():
             name, part = MODULES[module]
