@@ -53,15 +53,10 @@ class AdapterWeights:
     per (layer, module name), A [rank, in] and B [out, rank] with the scaling folded in."""
 
     request: LoRARequest
-    rank: int  # the largest of its modules' ranks
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # The prefix cache's key: unique to this load (an unloaded name loaded again, from another
     # folder, must not find the old adapter's blocks).
     cache_key: str = field(default_factory=lambda: f"lora-{next(_load_serial)}")
-
-    @property
-    def targets(self) -> list[str]:
-        return sorted({name for _, name in self.modules})
 
 
 def module_shapes(spec: LlamaSpec) -> dict[str, tuple[int, int]]:
@@ -110,7 +105,7 @@ def read_adapter(request: LoRARequest, spec: LlamaSpec, max_rank: int) -> Adapte
         raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} unreadable: {exc}") from None
     if not tensors:
         raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    modules, top = {}, 0
+    modules = {}
     for (layer, module), pair in sorted(tensors.items()):
         where = f"LoRA adapter {name!r}: layers.{layer}.{module}"
         if set(pair) != {"A", "B"}:
@@ -131,8 +126,7 @@ def read_adapter(request: LoRARequest, spec: LlamaSpec, max_rank: int) -> Adapte
             raise LoraError(f"{where}: rank {rank} is above max_lora_rank {max_rank}")
         scaling = _scaling(config, f"model.layers.{layer}.{_owner(module)}.{module}", rank)
         modules[(layer, module)] = (a.contiguous(), (b * scaling).contiguous())
-        top = max(top, rank)
-    return AdapterWeights(request, top, modules)
+    return AdapterWeights(request, modules)
 
 
 def _owner(module: str) -> str:
@@ -179,7 +173,7 @@ class AdapterSlots:
     def __init__(
         self, model: nn.Module, shard: Shard, num_slots: int, max_rank: int, device: torch.device
     ):
-        self.shard, self.num_slots, self.max_rank = shard, num_slots, max_rank
+        self.shard = shard
         self.active = ActiveSlots()
         local = shard.local_spec
         q, kv = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
