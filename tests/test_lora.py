@@ -194,6 +194,30 @@ def test_adapters_load_list_and_unload(tiny_llama, adapters):
     assert_idle_and_balanced(engine)
 
 
+def test_an_adapter_loaded_meanwhile_by_another_thread(tiny_llama, adapters, monkeypatch):
+    """Two threads read one adapter at once: the second to finish keeps the first's copy (and
+    takes the lock once more, not twice)."""
+    import threading
+
+    import tandem.engine.lora as engine_lora
+
+    llm = make_llm(tiny_llama, enable_lora=True)
+    engine, a = llm.engine, adapters["all8"]
+    first = engine_lora.read_adapter(a, engine.spec, 16)
+    read = engine_lora.read_adapter
+
+    def read_while_another_loads(request, spec, max_rank):
+        engine.adapters._by_name[request.lora_name] = first  # the other thread's, done first
+        return read(request, spec, max_rank)
+
+    monkeypatch.setattr(engine_lora, "read_adapter", read_while_another_loads)
+    got = []
+    loader = threading.Thread(target=lambda: got.append(engine.adapters.add(a)), daemon=True)
+    loader.start()
+    loader.join(10)
+    assert got == [first]
+
+
 def test_lora_off_refuses_adapters(tiny_llama, adapters):
     llm = make_llm(tiny_llama)
     with pytest.raises(LoraError, match="enable_lora=True"):

@@ -12,6 +12,7 @@ from tandem.lora import LoraError, LoraNotFound, LoRARequest
 from tandem.models.lora import AdapterWeights, read_adapter
 from tandem.models.spec import LlamaSpec
 from tandem.request import Request
+from tandem.scheduling.lora_slots import LoraSlots
 from tandem.scheduling.scheduler import Scheduler
 
 
@@ -37,8 +38,6 @@ class Adapters:
         self._by_key: dict[str, AdapterWeights] = {}  # removed ones too, while requests use them
         self._removed: set[str] = set()  # keys of removed adapters the loop has to let go
         if self.enabled:
-            from tandem.scheduling.lora_slots import LoraSlots
-
             scheduler.lora_slots = LoraSlots(config.max_loras)
 
     def add(self, request: LoRARequest) -> AdapterWeights:
@@ -49,23 +48,32 @@ class Adapters:
                 "enable_lora=True, or tandem serve --enable-lora)"
             )
         with self._lock:
-            held = self._by_name.get(request.lora_name)
-            if held is not None:
-                if held.request == request:
-                    return held
-                raise LoraError(f"a LoRA adapter named {request.lora_name!r} is loaded already, "
-                                f"from {held.request.lora_path}")  # fmt: skip
-            for other in self._by_name.values():
-                if other.request.lora_int_id == request.lora_int_id:
-                    raise LoraError(f"LoRA adapter {request.lora_name!r}: lora_int_id "
-                                    f"{request.lora_int_id} is {other.request.lora_name!r}'s")  # fmt: skip
+            held = self._held(request)
+        if held is not None:
+            return held
         weights = read_adapter(request, self._spec, self.max_rank)  # outside the lock: disk
         with self._lock:
-            if request.lora_name in self._by_name:  # loaded meanwhile by another thread
-                return self.add(request)
+            held = self._held(request)  # another thread may have loaded it meanwhile
+            if held is not None:
+                return held
             self._by_name[request.lora_name] = weights
             self._by_key[weights.cache_key] = weights
         return weights
+
+    def _held(self, request: LoRARequest) -> AdapterWeights | None:
+        """Under the lock: the adapter if this very one is loaded; LoraError if its name or
+        number is another's."""
+        held = self._by_name.get(request.lora_name)
+        if held is not None:
+            if held.request == request:
+                return held
+            raise LoraError(f"a LoRA adapter named {request.lora_name!r} is loaded already, "
+                            f"from {held.request.lora_path}")  # fmt: skip
+        for other in self._by_name.values():
+            if other.request.lora_int_id == request.lora_int_id:
+                raise LoraError(f"LoRA adapter {request.lora_name!r}: lora_int_id "
+                                f"{request.lora_int_id} is {other.request.lora_name!r}'s")  # fmt: skip
+        return None
 
     def remove(self, name: str) -> None:
         """Unload: requests may no longer name it; those queued or running keep it to their end."""
