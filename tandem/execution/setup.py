@@ -66,11 +66,11 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
     device, dtype = config.torch_device, config.torch_dtype
     spmd = config.distributed_executor_backend == "external_launcher"
     tp = SINGLE
-    if spmd:  # a launcher started every rank: this one is a whole engine over its shard
+    if config.tensor_parallel_size > 1:
         check_shardable(spec, config.tensor_parallel_size)
+    if spmd:  # a launcher started every rank: this one is a whole engine over its shard
         tp, config = join_launcher_group(config)
     elif config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches
-        check_shardable(spec, config.tensor_parallel_size)
         executor = MultiprocExecutor(config, str(path))
         return LoadedExecution(config, executor.num_kv_blocks, None, executor, None)
     if device.type == "cpu" and config.cpu_threads is not None:

@@ -24,12 +24,12 @@ class LoraSlots:
         """The adapter's slot, pinned for one more running request (a load queued if needed)."""
         slot = self._slot_of.get(key)
         if slot is None:
-            slot = self._victim()
-            if slot is None:
+            victim = self._victim()
+            if victim is None:
                 raise RuntimeError("no LoRA slot is free (check can_take first)")
-            for other, held in list(self._slot_of.items()):
-                if held == slot:
-                    del self._slot_of[other]
+            slot, evicted = victim
+            if evicted is not None:
+                del self._slot_of[evicted]
             self._slot_of[key] = slot
             self._loads.append((slot, key))
             self.num_loads += 1
@@ -60,13 +60,14 @@ class LoraSlots:
     def resident(self) -> dict[str, int]:
         return dict(self._slot_of)
 
-    def _victim(self) -> int | None:
-        """A slot no adapter holds, else the least recently used one no request holds."""
+    def _victim(self) -> tuple[int, str | None] | None:
+        """A slot no adapter holds, else the least recently used one no request holds, with
+        the adapter it evicts."""
         held = set(self._slot_of.values())
         for slot in range(self.num_slots):
             if slot not in held:
-                return slot
-        for slot in self._slot_of.values():
+                return slot, None
+        for key, slot in self._slot_of.items():
             if slot not in self._users:
-                return slot
+                return slot, key
         return None
