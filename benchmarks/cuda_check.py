@@ -415,16 +415,18 @@ def verification_steps(engine) -> tuple[int, int]:
 
 def served_split(output_len: int, tmp: Path) -> dict[str, float]:
     """`tandem serve` on the 8B-shaped dummy model, async and sync, under 32 streams of token-id
-    prompts (`serve_load.py --token-prompts`): output tokens/s, and from each engine core's step
+    prompts (`tandem bench serve --token-prompts`): output tokens/s, and from each engine core's step
     trace the device's idle per 1 s window with 16+ requests running, and how many steps the
     core launched only after the device had finished the one before (host work on the device's
     critical path)."""
     import asyncio
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import serve_compare
-    import serve_load
     import serve_timeline
+
+    from tandem.bench import launch
+    from tandem.bench.serve import LoadConfig, random_prompts, run_load
+    from tandem.bench.serve_client import Sampling
 
     rates = {}
     for mode in ("async", "sync"):
@@ -435,44 +437,43 @@ def served_split(output_len: int, tmp: Path) -> dict[str, float]:
                    "--port", "{port}", "--trace", str(trace)]  # fmt: skip
         if mode == "sync":
             command.append("--no-async")
-        server = serve_compare.Server(f"tandem-{mode}", f"Tandem {mode}", command)
+        server = launch.Server(f"tandem-{mode}", f"Tandem {mode}", command)
         began = time.perf_counter()
         try:
-            asyncio.run(serve_compare.start(server, 300.0, tmp))
+            asyncio.run(launch.start(server, 300.0, tmp))
             record("serve", f"{mode} server start", f"{time.perf_counter() - began:.1f} s")
 
             def load(requests: int, url: str = server.url) -> dict:
-                return asyncio.run(serve_load.run(serve_load.parse_args([
-                    "--url", url, "--num-requests", str(requests), "--concurrency", "32",
-                    "--max-tokens", str(output_len), "--prompt-words", "32", "--token-prompts",
-                ])))  # fmt: skip
+                prompts = random_prompts(0, requests, 32, token_ids=True)
+                config = LoadConfig(max_concurrency=32, sampling=Sampling(max_tokens=output_len))
+                return asyncio.run(run_load(url, prompts, config)).summary()
 
             load(8)  # warm-up
             summary = load(128)
         finally:
-            serve_compare.stop(server)  # SIGTERM first: the core writes its trace on the way out
+            launch.stop(server)  # SIGTERM first: the core writes its trace on the way out
         steps = serve_timeline.read_trace(str(trace))
         idle = serve_timeline.windows(steps, 1.0, 16)
         late = sum(1 for _, wait, launched_late in serve_timeline.gaps(steps)
                    if launched_late and wait > 0)  # fmt: skip
         figures = {
-            "name": f"serve {mode}", "requests": summary["requests"],
-            "errors": summary["errors"], "output_len": output_len,
-            "tokens_per_s": summary["output_tokens_per_s"], "wall_s": summary["wall_s"],
+            "name": f"serve {mode}", "requests": summary["completed"] + summary["failed"],
+            "errors": summary["failed"], "output_len": output_len,
+            "tokens_per_s": summary["output_throughput"], "wall_s": summary["duration"],
             "steps": len(steps), "steps_launched_late": late, "idle_windows": len(idle),
             "step_idle_pct_median": 100 * statistics.median(idle) if idle else None,
             "step_idle_pct_max": 100 * max(idle) if idle else None,
         }  # fmt: skip
         RESULTS["runs"].append(figures)
-        rates[mode] = summary["output_tokens_per_s"]
+        rates[mode] = summary["output_throughput"]
         median = "n/a" if not idle else f"{figures['step_idle_pct_median']:.2f}%"
         worst = "n/a" if not idle else f"{figures['step_idle_pct_max']:.2f}%"
         record("serve", f"{mode}, 128 requests x {output_len} tokens, 32 streams",
-               f"{summary['output_tokens_per_s']:.0f} tok/s, {summary['errors']} errors; device "
+               f"{summary['output_throughput']:.0f} tok/s, {summary['failed']} errors; device "
                f"idle per 1 s window (16+ running, {len(idle)} windows) median {median}, max "
                f"{worst}; {late} of {len(steps)} steps launched after the device had "
                "finished the one before")  # fmt: skip
-        assert summary["errors"] == 0
+        assert summary["failed"] == 0
     record("serve", "async vs sync through the server", f"{rates['async'] / rates['sync']:.2f}x")
     return rates
 
@@ -680,7 +681,7 @@ def hf_async_batching(output_len: int) -> float | None:
     cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
     dropped = sorted(set(wanted) - set(accepted))
     gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None)
-    # One persistent manager (as benchmarks/compare.py): the warm-up call builds it and
+    # One persistent manager (as `tandem bench compare`): the warm-up call builds it and
     # captures its graphs, so the timed call measures generation only.
     keep = {"persistent_manager": True}
     if "persistent_manager" not in inspect.signature(model.generate_batch).parameters:

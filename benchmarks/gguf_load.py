@@ -10,7 +10,7 @@ that costs beside the alternatives, on the same weights:
   fp32 and packed into the GEMM's panels;
 * ``hf-gguf``: transformers' ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)``;
 * ``tandem-safetensors``: ``load_model`` of the fp32 safetensors folder made from the same GGUF
-  (``benchmarks/real_model.py``): no dequantization, the floor for a load.
+  (``python -m tandem.bench.real_model``): no dequantization, the floor for a load.
 
 Each load runs in a fresh subprocess, so no import, file cache of the parser or torch state
 carries over from one to the next (the OS page cache does: every file is read once, warm, before

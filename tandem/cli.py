@@ -204,6 +204,73 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, engine_config(args))
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from tandem.bench.latency import run_latency_bench
+
+    return run_latency_bench(args, engine_config(args))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tandem.bench.serve_bench import run_serve_bench
+
+    return run_serve_bench(args)
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from tandem.bench.compare import run_compare
+
+    return run_compare(args)
+
+
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    """`tandem bench [throughput | latency | serve | compare]`: vLLM's subcommand names; bare
+    `tandem bench` is `throughput`."""
+    from tandem.bench.args import add_bench_args
+    from tandem.bench.compare_args import add_compare_args
+    from tandem.bench.latency_args import add_latency_args
+    from tandem.bench.serve_args import add_serve_bench_args
+
+    about = ("Runs the same workload with the synchronous and the asynchronous loop in one "
+             "process and prints device idle time, throughput and latency side by side. With "
+             "--speculative-config, each loop runs with speculation off and on (n-gram drafts, "
+             "and the draft model when the config names one).")  # fmt: skip
+    bench = sub.add_parser("bench", help="measure: throughput (the default), latency, a "
+                           "server under load, or Tandem beside its peers",
+                           description=about + " Subcommands: throughput (this, by name), "
+                           "latency, serve, compare.")  # fmt: skip
+    add_bench_args(bench)
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    kinds = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+    throughput = kinds.add_parser("throughput", help="one workload, sync then async (the "
+                                  "default)", description=about)  # fmt: skip
+    add_bench_args(throughput)
+    add_engine_args(throughput)
+    throughput.set_defaults(func=cmd_bench)
+    latency = kinds.add_parser("latency", help="one batch at a time: end-to-end latency, TTFT "
+                               "and ITL, sync and async",
+                               description="Sends one batch of --batch-size requests, waits for "
+                               "them to finish, and repeats: percentiles of the end-to-end "
+                               "latency, time to first token and inter-token latency, for each "
+                               "loop.")  # fmt: skip
+    add_latency_args(latency)
+    add_engine_args(latency)
+    latency.set_defaults(func=cmd_bench_latency)
+    serve = kinds.add_parser("serve", help="load against a running OpenAI-compatible server",
+                             description="Load against a running server over HTTP: arrivals, "
+                             "concurrency, any of its APIs; TTFT, ITL and end-to-end "
+                             "percentiles, goodput.")  # fmt: skip
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+    compare = kinds.add_parser("compare", help="the same workload through Tandem and the "
+                               "installed peers",
+                               description="The same seeded workload through Tandem and each "
+                               "peer engine installed (transformers, vLLM's CPU build, "
+                               "llama.cpp), offline or served; one table.")  # fmt: skip
+    add_compare_args(compare)
+    compare.set_defaults(func=cmd_bench_compare)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.server.core.lora import parse_lora_module
     from tandem.server.serve import EngineFailure, serve
@@ -269,17 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    bench = sub.add_parser("bench", help="run one workload sync then async and compare",
-                           description="Runs the same workload with the synchronous and the "
-                           "asynchronous loop in one process and prints device idle time, "
-                           "throughput and latency side by side. With --speculative-config, "
-                           "each loop runs with speculation off and on (n-gram drafts, and the "
-                           "draft model when the config names one).")  # fmt: skip
-    from tandem.bench.args import add_bench_args
-
-    add_bench_args(bench)
-    add_engine_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    add_bench_parsers(sub)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve the model over an OpenAI-compatible HTTP API.")  # fmt: skip

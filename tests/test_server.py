@@ -369,34 +369,94 @@ def test_64_concurrent_streams(live: LiveServer, model: str, offline: LLM) -> No
     assert_idle(live)
 
 
-def test_the_benchmarks_load_client_counts_what_was_served(live: LiveServer, model: str) -> None:
-    """benchmarks/serve_load.py, the client the serving figures come from: every streamed
-    request counted with its tokens and a first token; a refused request counted as an error
-    with its status, not as served tokens. (Gaps between chunks are not asserted: a tiny model
-    can finish a request before the front end streams its second chunk, which then carries the
-    rest.) The same greedy load through each API serves the same tokens (EOS left on: only
-    OpenAI's endpoints take vLLM's ignore_eos)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import serve_load
+def test_the_load_client_counts_what_was_served(live: LiveServer, model: str) -> None:
+    """`tandem bench serve`'s client (tandem.bench.serve.run_load), the one the serving figures
+    come from: every streamed request counted with its tokens and a first token; a refused
+    request counted as an error with its status, not as served tokens. (Gaps between chunks are
+    not asserted: a tiny model can finish a request before the front end streams its second
+    chunk, which then carries the rest.) The same greedy load through each API serves the same
+    tokens (EOS left on: only OpenAI's endpoints take vLLM's ignore_eos)."""
+    from tandem.bench.serve import LoadConfig, random_prompts, run_load
+    from tandem.bench.serve_client import APIS, Sampling
 
-    flags = ["--url", live.url, "--num-requests", "6", "--concurrency", "3", "--max-tokens", "5"]
+    prompts = random_prompts(0, 6, 32)
     served = {}
-    for api in ("completions", "chat", "messages", "responses", "ollama"):
-        for eos in ([], ["--no-ignore-eos"]):
-            args = serve_load.parse_args([*flags, "--api", api, *eos])
-            summary = asyncio.run(serve_load.run(args))
-            assert summary["model"] == model
-            assert (summary["completed"], summary["errors"]) == (6, 0), (api, summary)
-            assert summary["ttft_p50_ms"] > 0
-            if api in ("completions", "chat") and not eos:
-                assert summary["output_tokens"] == 30
-            served[api] = summary["output_tokens"]
+    for api in APIS:
+        for ignore_eos in (True, False):
+            config = LoadConfig(api, Sampling(5, 0.0, ignore_eos), max_concurrency=3)
+            run = asyncio.run(run_load(live.url, prompts, config))
+            summary = run.summary()
+            assert run.model == model
+            assert (summary["completed"], summary["failed"]) == (6, 0), (api, summary)
+            assert summary["median_ttft_ms"] > 0
+            if api in ("completions", "chat") and ignore_eos:
+                assert summary["total_output_tokens"] == 30
+            served[api] = summary["total_output_tokens"]
     assert served["messages"] == served["responses"] == served["ollama"] == served["chat"]
-    flags[flags.index("--max-tokens") + 1] = "100000"  # beyond the context: refused
-    summary = asyncio.run(serve_load.run(serve_load.parse_args(flags)))
-    assert (summary["completed"], summary["output_tokens"]) == (0, 0)
+    config = LoadConfig(sampling=Sampling(max_tokens=100000), max_concurrency=3)  # past the context
+    summary = asyncio.run(run_load(live.url, prompts, config)).summary()
+    assert (summary["completed"], summary["total_output_tokens"]) == (0, 0)
     assert summary["error_kinds"] == {"HTTP 400": 6}
     assert_idle(live)
+
+
+def test_tandem_bench_serve_reports_what_was_served(live: LiveServer, tmp_path: Path) -> None:
+    """The installed command, `tandem bench serve`, against the server: its saved result counts
+    every request and every token the server's /metrics counted, has the percentiles asked for,
+    and goodput: every request meets a loose objective, none a tight one."""
+    from tandem.cli import main
+
+    flags = ["bench", "serve", "--base-url", live.url, "--max-concurrency", "4",
+             "--random-output-len", "6", "--request-rate", "400", "--burstiness", "0.5",
+             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99.9",
+             "--save-result", "--save-detailed", "--result-dir", str(tmp_path)]  # fmt: skip
+    before = metric_samples(live.url)
+    loose = [*flags, "--num-prompts", "8", "--goodput", "e2el:600000", "itl:600000",
+             "--result-filename", "loose.json", "--plot", str(tmp_path / "load.png")]  # fmt: skip
+    assert main(loose) == 0
+    after = metric_samples(live.url)
+    counted = {k: after[f"tandem_{k}_total", ()] - before[f"tandem_{k}_total", ()]
+               for k in ("generation_tokens", "prompt_tokens")}  # fmt: skip
+    result = json.loads((tmp_path / "loose.json").read_text())
+    assert (result["num_prompts"], result["completed"], result["failed"]) == (8, 8, 0)
+    assert result["total_output_tokens"] == 48 == counted["generation_tokens"]
+    assert result["total_input_tokens"] == counted["prompt_tokens"]
+    assert result["output_lens"] == [6] * 8
+    for metric in ("ttft", "tpot", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p99.9"):
+            assert result[f"{stat}_{metric}_ms"] > 0, (stat, metric)
+    assert result["p99.9_e2el_ms"] >= result["p50_e2el_ms"] >= result["p50_ttft_ms"]
+    assert result["good_requests"] == 8
+    assert result["request_goodput"] == result["request_throughput"]
+    assert (tmp_path / "load.png").stat().st_size > 0
+    tight = [*flags, "--num-prompts", "4", "--goodput", "ttft:0.001", "--result-filename", "t.json"]
+    assert main(tight) == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert (result["completed"], result["good_requests"], result["request_goodput"]) == (4, 0, 0)
+    assert_idle(live)
+
+
+def test_tandem_bench_serve_replays_agent_sessions(tiny_llama: Path, capsys) -> None:
+    """`--dataset-name agent`: each session's turns through chat completions, every answer
+    exactly its length, the later turns' prompts partly served from the prefix cache. (A
+    server of its own: the shortest session outgrows the shared one's 256-token context.)"""
+    from tandem.cli import main
+
+    live = start_server(tiny_llama, {"max_model_len": 512})
+    try:
+        flags = ["bench", "serve", "--base-url", live.url, "--dataset-name", "agent",
+                 "--sessions", "2", "--turns", "2", "--head-len", "16", "--tool-result-len", "8",
+                 "--random-output-len", "4", "--json"]  # fmt: skip
+        assert main(flags) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert (result["api"], result["completed"], result["failed"]) == ("chat", 4, 0)
+        assert result["total_output_tokens"] == 16
+        assert result["short_turns"] == 0
+        assert result["first_ttft_p50_ms"] > 0 and result["later_ttft_p50_ms"] > 0
+        assert 0 < result["cached_share"] < 1
+        assert_idle(live)
+    finally:
+        live.stop()
 
 
 def _abort_count(url: str) -> float:

@@ -140,7 +140,7 @@ class TokenConversations(Conversations):
 class AgentTexts:
     """The sessions' texts, sized in a tokenizer's tokens: the head (a system message of tool
     definitions), each session's task, each turn's tool result (a user message). The same seed
-    gives the same texts; `benchmarks/serve_compare.py` sends them to servers as messages."""
+    gives the same texts; `tandem bench compare --served` sends them to servers as messages."""
 
     def __init__(
         self, tokenizer: Any, head_len: int, tool_result_len: int, seed: int, task: str = "explain"

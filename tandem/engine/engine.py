@@ -19,9 +19,7 @@ from tandem.engine.grammar import (
     GrammarCompiler,
     PendingGrammars,
     StepBitmasks,
-    advance_grammar,
     constrained_items,
-    is_answer,
     prepare_reasoning,
 )
 from tandem.engine.inbox import Inbox
@@ -30,7 +28,7 @@ from tandem.engine.lora import Adapters
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.speculation import Speculation, check_speculation
 from tandem.engine.stats import EngineStats, StepHistory, describe_kv_cache, kv_bytes_read
-from tandem.engine.stop_check import check_skipped, stop_check
+from tandem.engine.stop_check import retire_skipped, stop_check
 from tandem.execution.batch import SKIPPED_STEP, BatchBuilder
 from tandem.execution.executor import WorkerFailure
 from tandem.execution.kv_cache import layer_groups
@@ -93,8 +91,7 @@ class Engine:
             logger.info(
                 "KV cache holds %d tokens: max_model_len lowered from %d", fits, max_model_len
             )
-            max_model_len = fits
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = min(fits, max_model_len)
 
         self.scheduler = Scheduler(
             num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
@@ -348,10 +345,7 @@ class Engine:
         t1 = time.perf_counter()
         if isinstance(result, str) and result == SKIPPED_STEP:
             # Every request in it ended a step earlier: nothing ran, nothing to read.
-            check_skipped(inflight.batch)
-            self.scheduler.retire_step(inflight.batch)
-            for item in inflight.batch.sampled:
-                self.scheduler.settle(item, 0)
+            retire_skipped(inflight.batch, self.scheduler)
             record.skipped = True
             record.spans["wait"] = (t0, t1)
             record.device = inflight.handle.device_span
@@ -370,15 +364,8 @@ class Engine:
                 continue  # the speculative tokens of a request that finished a step earlier
             if item.num_drafts:
                 self.speculation.count(record, item, len(tokens))
-            reason, new = None, []
-            for token, lp in zip(tokens, logprobs, strict=True):
-                reason = self.outputs.append_token(request, token, t1, lp)
-                if reason is None and request.compiled_grammar is not None and is_answer(request):
-                    reason = advance_grammar(request, token)
-                new.append(token)
-                if reason is not None:
-                    record.discarded += len(tokens) - len(new)  # after the stop: never streamed
-                    break
+            reason, new = self.outputs.append_tokens(request, tokens, logprobs, t1)
+            record.discarded += len(tokens) - len(new)  # after its end: never streamed
             if reason is None:
                 outputs.append(self.outputs.running_output(request, new))
             else:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, TokenTexts
+from tandem.engine.grammar import advance_grammar, is_answer
 from tandem.execution.batch import kept_runs
 from tandem.request import Request, RequestOutput, TokenLogprobs
 from tandem.sampler.inputs import LogprobRows
@@ -88,6 +89,22 @@ class OutputProcessor:
                 if p + 1 == len(done):
                     done.append(entries[j])
                 j += 1
+
+    def append_tokens(
+        self, request: Request, tokens: list[int], logprobs: list, now: float
+    ) -> tuple[str | None, list[int]]:
+        """Append a step's tokens up to the first that ends the request (a stop, its length, the
+        end of its grammar): the finish reason (None: it runs on) and the tokens kept. Those
+        after the end are never streamed."""
+        reason, kept = None, []
+        for token, lp in zip(tokens, logprobs, strict=True):
+            reason = self.append_token(request, token, now, lp)
+            if reason is None and request.compiled_grammar is not None and is_answer(request):
+                reason = advance_grammar(request, token)
+            kept.append(token)
+            if reason is not None:
+                break
+        return reason, kept
 
     def append_token(
         self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None

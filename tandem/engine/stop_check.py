@@ -6,7 +6,7 @@ host too, so a skipped step never held a token the host needs."""
 from __future__ import annotations
 
 from tandem.execution.batch import StopCheck
-from tandem.scheduling.scheduler import ScheduledBatch
+from tandem.scheduling.scheduler import ScheduledBatch, Scheduler
 
 # A step of more requests than this is not checked before it runs: they rarely all stop at once.
 STOP_CHECK_MAX_REQUESTS = 8
@@ -40,9 +40,12 @@ def stop_check(
     )
 
 
-def check_skipped(batch: ScheduledBatch) -> None:
-    """A step the device skipped must hold no request the host still runs: its tokens would be
-    lost, so the check and the host disagreeing stops the engine here."""
+def retire_skipped(batch: ScheduledBatch, scheduler: Scheduler) -> None:
+    """Retire a step the device skipped, which must hold no request the host still runs: its
+    tokens would be lost, so the check and the host disagreeing stops the engine here."""
     running = [it.request.request_id for it in batch.sampled if not it.request.finished]
     if running:
         raise RuntimeError(f"step {batch.step_id} was skipped with {running} running")
+    scheduler.retire_step(batch)
+    for item in batch.sampled:
+        scheduler.settle(item, 0)

@@ -1,14 +1,15 @@
-"""Drive vLLM's CPU build for benchmarks/compare.py, inside vLLM's own virtual environment.
+"""Drive vLLM's CPU build for `tandem bench compare`, inside vLLM's own virtual environment.
 
 vLLM pins its own torch and transformers, so it cannot share a process (or an environment) with
-Tandem. ``benchmarks/setup_vllm_cpu.sh`` installs it into ``.venv-vllm-cpu/``; compare.py starts
-this script with that environment's python. It uses nothing but vLLM and the standard library.
+Tandem. ``benchmarks/setup_vllm_cpu.sh`` installs it into ``.venv-vllm-cpu/``; the comparison
+(peers_vllm.py) runs this file by its path with that environment's python. So it imports nothing
+from tandem (that python does not have it): nothing but vLLM and the standard library.
 
 Two ways to run it:
 
 * one-shot: ``python vllm_runner.py JOB.json --out RESULT.json``: start the engine, then for each
   workload in the job one warm-up call and ``repeats`` timed calls; write every result;
-* served (what compare.py uses, so that repeats interleave with the other engines): ``python
+* served (what the comparison uses, so that repeats interleave with the other engines): ``python
   vllm_runner.py JOB.json --serve``: start the engine, print ``{"op": "ready", ...}``, then answer
   one JSON line per command read from stdin (``warm``, ``run``, ``stream``, ``quit``).
 
@@ -39,6 +40,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# Run by its path, this file's folder (tandem/bench: serve.py, cli.py, a `data` folder...) would
+# come first on sys.path and shadow any top-level module of the same name that vLLM imports.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 REEXEC_FLAG = "TANDEM_VLLM_RUNNER_ENV"
 

@@ -1,34 +1,34 @@
-"""The serving benchmark's requests, run offline: what the server's throughput is measured against.
+"""The served comparison's requests, run offline: what the server's throughput is measured against.
 
-`serve_compare.py` sends `--num-requests` prompts with at most `--concurrency` in flight; the
-offline engine with `max_num_seqs = concurrency` runs the same prompts (the same words, the same
-chat template, greedy, exactly --max-tokens tokens each) in the same way: as one finishes, the
-next is admitted. Output tokens per second over the whole `generate`, median of --repeats, in
-one process per loop (sync, async) so each gets a fresh engine.
+`tandem bench compare --served` sends `--num-requests` prompts with at most `--concurrency` in
+flight; the offline engine with `max_num_seqs = concurrency` runs the same prompts (the same
+words, the same chat template, greedy, exactly --max-tokens tokens each) in the same way: as one
+finishes, the next is admitted. Output tokens per second over the whole `generate`, median of
+--repeats, in one process per loop (sync, async) so each gets a fresh engine. The comparison's
+`tandem-offline` row runs one loop of one cell (`--one async`) in a fresh process.
 
-    python benchmarks/offline_same_load.py --model ~/.cache/tandem/models/smollm2-135m-instruct
+    python -m tandem.bench.offline_same_load --model ~/.cache/tandem/models/smollm2-135m-instruct
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_model  # noqa: E402
-import serve_load  # noqa: E402
+from tandem.bench.real_model import DEFAULT_OUTPUT
+from tandem.bench.serve import random_prompts
 
 
-def prompts(seed: str, num_requests: int, prompt_words: int, chat: bool, tokenizer) -> list:
-    """serve_compare's prompts for this seed; chat ones as the server's template renders them."""
-    rng = random.Random(seed)
-    words = [serve_load.make_prompt(rng, prompt_words) for _ in range(num_requests)]
+def prompts(seed: str, num_requests: int, prompt_words: int, chat: bool, tokenizer: Any) -> list:
+    """The served comparison's prompts for this seed; chat ones as the server's template
+    renders them."""
+    words = random_prompts(seed, num_requests, prompt_words)
     if not chat:
         return words
     return [
@@ -65,14 +65,14 @@ def run_once(args: argparse.Namespace, async_scheduling: bool) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=real_model.DEFAULT_OUTPUT)
+    p.add_argument("--model", type=Path, default=DEFAULT_OUTPUT)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=0, help="default: 4 x concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--chat", action="store_true")
-    p.add_argument("--seed", default="0-chat-32-0", help="serve_compare's seed of a cell")
+    p.add_argument("--seed", default="0-chat-32-0", help="the served comparison's seed of a cell")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--one", choices=("sync", "async"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -84,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):  # interleaved, each run in a fresh process
         for loop in results:
             out = subprocess.run(
-                [sys.executable, __file__, *(argv or sys.argv[1:]), "--one", loop],
+                [
+                    sys.executable,
+                    "-m",
+                    "tandem.bench.offline_same_load",
+                    *(argv or sys.argv[1:]),
+                    "--one",
+                    loop,
+                ],
                 capture_output=True,
                 text=True,
                 check=True,

