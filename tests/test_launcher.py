@@ -79,12 +79,12 @@ def test_the_launchers_settings_are_checked(monkeypatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
-        join_launcher_group(config)
+        join_launcher_group(config, Path("model"))
     env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="started 4 ranks .* tensor_parallel_size is 2"):
-        join_launcher_group(config)
+        join_launcher_group(config, Path("model"))
     with pytest.raises(ValueError, match="distributed_executor_backend must be"):
         EngineConfig(distributed_executor_backend="ray")
     with pytest.raises(ValueError, match='needs "adaptive": false'):

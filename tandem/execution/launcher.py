@@ -14,20 +14,24 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig, usable_cores
+from tandem.execution.rendezvous import meet, rendezvous_timeout_s, settings_of
 from tandem.models.parallel import TensorParallel
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-RENDEZVOUS_TIMEOUT_S = 120.0  # a rank that never comes: the others give up after this
 
 
-def join_launcher_group(config: EngineConfig) -> tuple[TensorParallel, EngineConfig]:
-    """This process's rank in the launcher's group (joined once), and the config every rank
-    runs with; ValueError names what the launcher did not set or what does not match."""
+def join_launcher_group(
+    config: EngineConfig, model_path: Path
+) -> tuple[TensorParallel, EngineConfig]:
+    """This process's rank in the launcher's group (joined once, `rendezvous.meet`: every rank
+    within a timeout, with the same settings), and the config every rank runs with; ValueError
+    names what the launcher did not set or what does not match."""
     missing = [name for name in LAUNCHER_ENV if name not in os.environ]
     if missing:
         raise ValueError(
@@ -44,13 +48,10 @@ def join_launcher_group(config: EngineConfig) -> tuple[TensorParallel, EngineCon
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            init_method="env://",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
-        )
+        backend = "nccl" if cuda else "gloo"
+        store = meet(rank, world, backend, settings_of(config, model_path))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=rendezvous_timeout_s()))  # fmt: skip
     if not cuda and config.cpu_threads is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         config = replace(config, cpu_threads=max(1, usable_cores() // local))

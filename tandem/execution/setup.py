@@ -69,7 +69,7 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
     if config.tensor_parallel_size > 1:
         check_shardable(spec, config.tensor_parallel_size)
     if spmd:  # a launcher started every rank: this one is a whole engine over its shard
-        tp, config = join_launcher_group(config)
+        tp, config = join_launcher_group(config, path)
     elif config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches
         executor = MultiprocExecutor(config, str(path))
         return LoadedExecution(config, executor.num_kv_blocks, None, executor, None)
