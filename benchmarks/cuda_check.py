@@ -72,6 +72,9 @@ RESULTS: dict = {"runs": [], "checks": []}  # --json: the figures, beside the ta
 FP8_PROMPTS, FP8_PROMPT_LEN, FP8_GREEDY_TOKENS = 8, 128, 32
 DEVICE = "cuda"  # --cpu-dry-run: "cpu", tiny shapes, to catch a broken script before a GPU run
 BLOG_MODEL = MODEL_8B  # --cpu-dry-run: a config-only copy of the tiny checkpoint
+# --cpu-dry-run: one compute thread for the CPU engines (tiny shapes gain nothing from more), in
+# place of the start-up timing of thread counts (a CPU engine's own: the GPU's engines never run it)
+CPU_THREADS: int | None = None
 
 
 def sync_checked() -> str:
@@ -193,7 +196,7 @@ def check_equivalence(path: Path) -> None:
         for async_scheduling in (False, True):
             llm = LLM(str(path), device=DEVICE, dtype="float32", async_scheduling=async_scheduling,
                       max_num_batched_tokens=64, block_size=8, num_kv_blocks=120,
-                      enforce_eager=not graphs)  # fmt: skip
+                      enforce_eager=not graphs, cpu_threads=CPU_THREADS)  # fmt: skip
             with no_hidden_sync():  # after start-up: capturing graphs syncs by design
                 outs = llm.generate(prompts, params)
             equal = sum(o.token_ids == r for o, r in zip(outs, refs, strict=True))
@@ -214,7 +217,9 @@ def check_bf16(path: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(8, 120))] for _ in range(16)]
-    llm = LLM(str(path), device=DEVICE, dtype="bfloat16", num_kv_blocks=256)
+    llm = LLM(
+        str(path), device=DEVICE, dtype="bfloat16", num_kv_blocks=256, cpu_threads=CPU_THREADS
+    )
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
     outs = llm.generate(prompts, params)
     llm.close()
@@ -260,7 +265,8 @@ def check_features(path: Path) -> None:
         )
         for i in range(len(prompts))
     ]  # fmt: skip
-    options = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=120)
+    options = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=120,
+                   cpu_threads=CPU_THREADS)  # fmt: skip
     # The portable ops are the reference (and the GPU machine need not build the CPU kernels).
     cpu = LLM(str(path), device="cpu", enforce_eager=True, **options).generate(prompts, params)
     runs = {}
@@ -298,7 +304,8 @@ def check_speculative(path: Path) -> None:
     prompts = [span * 3 for span in spans]  # text the answer may repeat: drafts found
     params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
-    options = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=200)
+    options = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=200,
+                   cpu_threads=CPU_THREADS)  # fmt: skip
     methods = {
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 4},
@@ -338,6 +345,7 @@ def speculative_speed(output_len: int) -> dict[str, float]:
         model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
         max_model_len=max_model_len, max_num_seqs=4, num_kv_blocks=4 * (max_model_len // 16 + 2),
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        cpu_threads=CPU_THREADS,
     ))  # fmt: skip
     record("speculative", "8B dummy engine", engine.execution.describe())
     shape = SimpleNamespace(num_requests=4, prompt_len=512, len_spread=0.0, workload_seed=5)
@@ -437,6 +445,8 @@ def served_split(output_len: int, tmp: Path) -> dict[str, float]:
                    "--port", "{port}", "--trace", str(trace)]  # fmt: skip
         if mode == "sync":
             command.append("--no-async")
+        if CPU_THREADS:
+            command += ["--cpu-threads", str(CPU_THREADS)]
         server = launch.Server(f"tandem-{mode}", f"Tandem {mode}", command)
         began = time.perf_counter()
         try:
@@ -531,7 +541,7 @@ def blog_experiment(
             engine = Engine(EngineConfig(
                 model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
                 enforce_eager=not graphs, max_model_len=max_model_len, max_num_seqs=32,
-                num_kv_blocks=32 * (max_model_len // 16 + 2),
+                num_kv_blocks=32 * (max_model_len // 16 + 2), cpu_threads=CPU_THREADS,
             ))  # fmt: skip
         label = f"graphs {'on' if graphs else 'off'}{gemm_suffix(gemm)}"
         record("blog", f"engine start ({label})", f"{time.perf_counter() - start:.1f} s; "
@@ -592,7 +602,7 @@ def fp8_experiment(output_len: int, gemms: tuple[str, ...] = ("default",)) -> di
             engine = Engine(EngineConfig(
                 model=str(BLOG_MODEL), load_format="dummy", device=DEVICE, dtype="bfloat16",
                 quantization=quantization, max_model_len=max_model_len, max_num_seqs=32,
-                num_kv_blocks=32 * (max_model_len // 16 + 2),
+                num_kv_blocks=32 * (max_model_len // 16 + 2), cpu_threads=CPU_THREADS,
             ))  # fmt: skip
         record("fp8", f"engine ({weights})", engine.execution.describe())
         rng, vocab = random.Random(3), engine.spec.vocab_size
@@ -748,9 +758,10 @@ def main() -> int:
                         "tiny model's config with dummy weights, no profiler): checks the "
                         "script itself before a GPU run")  # fmt: skip
     args = parser.parse_args()
-    global DEVICE, BLOG_MODEL
+    global DEVICE, BLOG_MODEL, CPU_THREADS
     if args.cpu_dry_run:
         DEVICE = "cpu"
+        CPU_THREADS = 1
         args.blog_output_len = min(args.blog_output_len, 24)
         args.hf_output_len = min(args.hf_output_len, 16)
         args.fp8_output_len = min(args.fp8_output_len, 8)

@@ -11,11 +11,16 @@ from tandem.cli import build_parser, main
 from tandem.metrics import chrome_trace, plot_timeline
 
 from conftest import random_prompts
-from helpers import greedy, make_llm
+from helpers import TEST_KV_CACHE_GIB, greedy, make_llm
+
+# The commands' engines compute on one thread, not timing the counts at start-up, with a tiny
+# model's cache (TEST_KV_CACHE_GIB), not the 1 GiB default.
+ONE_THREAD = ["--cpu-threads", "1", "--kv-cache-memory-gib", str(TEST_KV_CACHE_GIB)]
 
 
 def test_generate_prints_text_and_json(tiny_llama, capsys, monkeypatch):
-    args = ["generate", "Hello there", "The café", "--model", str(tiny_llama), "--max-tokens", "5"]
+    args = ["generate", "Hello there", "The café", "--model", str(tiny_llama), "--max-tokens", "5",
+            *ONE_THREAD]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Hello there") and out[1].startswith("The café")
@@ -30,7 +35,8 @@ def test_generate_prints_text_and_json(tiny_llama, capsys, monkeypatch):
 
 def test_generate_n_samples_without_prefix_caching(tiny_llama, capsys):
     args = ["generate", "Hello there", "--model", str(tiny_llama), "--max-tokens", "6", "-n", "3",
-            "--temperature", "1", "--sampling-seed", "4", "--ignore-eos", "--json"]  # fmt: skip
+            "--temperature", "1", "--sampling-seed", "4", "--ignore-eos", "--json",
+            *ONE_THREAD]  # fmt: skip
     results = []
     for extra in ([], ["--no-prefix-caching"]):
         assert main([*args, *extra]) == 0
@@ -45,10 +51,11 @@ def test_generate_reads_prompts_from_a_file_and_stdin(tiny_llama, tmp_path, caps
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n\ntwo\n")
-    assert main(["generate", "--file", str(prompts), "--model", str(tiny_llama), "--json"]) == 0
+    args = ["--model", str(tiny_llama), "--json", *ONE_THREAD]
+    assert main(["generate", "--file", str(prompts), *args]) == 0
     assert [json.loads(x)["prompt"] for x in capsys.readouterr().out.splitlines()] == ["one", "two"]
     monkeypatch.setattr("sys.stdin", io.StringIO("three\n"))
-    assert main(["generate", "--model", str(tiny_llama), "--json", "--max-tokens", "2"]) == 0
+    assert main(["generate", *args, "--max-tokens", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["prompt"] == "three"
 
 
@@ -74,7 +81,7 @@ def test_help_reads_well(capsys):
 def test_bench_compares_both_loops_and_writes_trace_and_plot(tiny_llama, tmp_path, capsys):
     trace, plot = tmp_path / "trace.json", tmp_path / "timeline.png"
     args = ["bench", "--model", str(tiny_llama), "--num-requests", "6", "--prompt-len", "12",
-            "--output-len", "8", "--trace", str(trace), "--plot", str(plot)]  # fmt: skip
+            "--output-len", "8", "--trace", str(trace), "--plot", str(plot), *ONE_THREAD]  # fmt: skip
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "device idle %" in table and "speedup" in table
@@ -92,7 +99,7 @@ def test_bench_shared_prefix_compares_caching_off_and_on(tiny_llama, capsys, mon
     monkeypatch.setenv("COLUMNS", "200")  # one table row per line
     args = ["bench", "--model", str(tiny_llama), "--workload", "shared-prefix",
             "--num-requests", "8", "--num-prefixes", "2", "--prefix-len", "64",
-            "--prompt-len", "8", "--output-len", "4", "--block-size", "8"]  # fmt: skip
+            "--prompt-len", "8", "--output-len", "4", "--block-size", "8", *ONE_THREAD]  # fmt: skip
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     row = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in lines if "│" in line}
@@ -113,7 +120,7 @@ def test_bench_with_poisson_arrivals(tiny_llama, capsys):
     args = ["bench", "--model", str(tiny_llama), "--num-requests", "5", "--prompt-len", "8",
             "--output-len", "4", "--arrivals", "poisson", "--rate", "200", "--modes", "async,sync",
             "--repeats", "2",
-            "--temperature", "0.8"]  # fmt: skip
+            "--temperature", "0.8", *ONE_THREAD]  # fmt: skip
     assert main(args) == 0
     assert "async" in capsys.readouterr().out
 
@@ -152,7 +159,7 @@ def test_default_model_is_built_once_and_served(tmp_path, monkeypatch):
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not rebuilt
-    llm = LLM(dtype="float32", device="cpu")
+    llm = LLM(dtype="float32", device="cpu", cpu_threads=1, kv_cache_memory_gib=TEST_KV_CACHE_GIB)
     assert llm.engine.model_path == path
     out = llm.generate("Once upon a time", greedy(6))[0]
     assert len(out.token_ids) == 6 and out.text

@@ -9,10 +9,12 @@ build is compiled (not run) on any machine.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import sysconfig
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,6 +80,35 @@ RUN_PYTEST = (
 )
 
 
+AVX2_TEST = "test_the_avx2_build_passes_the_kernel_and_greedy_checks"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def avx2_checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """AVX2_CHECKS run under AVX2_ENV in a pytest of their own, started as the module starts so
+    that they run beside its other tests (the AVX2 test, last, waits for them): the process and
+    the files its stdout and stderr go to; None where that test is not selected."""
+    if not any(item.name == AVX2_TEST for item in request.session.items):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("avx2")
+    env = {**os.environ, **AVX2_ENV}
+    with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
+        process = subprocess.Popen(
+            [
+                sys.executable, "-c", RUN_PYTEST, "-q", "-p", "no:cacheprovider",
+                f"--basetemp={folder / 'tmp'}", *AVX2_CHECKS,
+            ],
+            cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+        )  # fmt: skip
+    try:
+        yield process, folder / "stdout", folder / "stderr"
+    finally:
+        if process.poll() is None:  # the test failed or timed out before it was done
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize(
     "setting,cpu,flag",
     [
@@ -107,31 +138,6 @@ def test_a_wrong_isa_setting_is_refused(monkeypatch) -> None:
         cpu_kernels.cflags()
 
 
-def test_the_avx2_build_passes_the_kernel_and_greedy_checks(monkeypatch, tmp_path) -> None:
-    """On an AVX-512 machine this builds and runs the AVX2 code, and MKL's and ATen's AVX2 code,
-    against the references and transformers (its own build: some tens of seconds, cached after
-    that); on an AVX2 machine it is the native build, already built, rerun with the settings.
-    Either way the library that ran has no AVX-512 (zmm) instruction."""
-    env = {**os.environ, **AVX2_ENV}
-    result = subprocess.run(
-        [
-            sys.executable, "-c", RUN_PYTEST, "-q", "-p", "no:cacheprovider",
-            f"--basetemp={tmp_path / 'avx2'}", *AVX2_CHECKS,
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "ATen: AVX2" in result.stdout
-    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
-    name = cpu_kernels.build_name()
-    library = cpu_kernels.cache_root() / "kernels" / name / f"{name}.so"
-    code = subprocess.run(
-        ["objdump", "-d", "--no-show-raw-insn", str(library)],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    assert "ymm" in code and "zmm" not in code
-
-
 # A float32 GEMM of seeded operands through the build the environment picks, saved to argv[1].
 SEEDED_GEMM = (
     "import sys, torch; from tandem.ops import cpu_kernels; from tandem.ops.linear import linear, "
@@ -145,31 +151,48 @@ def test_the_avx2_and_native_builds_multiply_to_the_same_bits(tmp_path) -> None:
     """The float32 GEMM sums every output in input order in one lane, whatever the vector
     width: on an AVX-512 machine the AVX2 build gives the native build's bits (on an AVX2
     machine the two are one build)."""
-    outputs = {}
-    for isa in ("avx2", "native"):
-        path = tmp_path / f"{isa}.pt"
+    runs = {}
+    for isa in ("avx2", "native"):  # side by side
         env = {**os.environ, "TANDEM_CPU_ISA": isa}
-        subprocess.run([sys.executable, "-c", SEEDED_GEMM, str(path)], cwd=ROOT, env=env,
-                       check=True, timeout=600)  # fmt: skip
-        outputs[isa] = torch.load(path)
+        runs[isa] = subprocess.Popen([sys.executable, "-c", SEEDED_GEMM, str(tmp_path / f"{isa}.pt")],
+                                     cwd=ROOT, env=env)  # fmt: skip
+    outputs = {}
+    for isa, run in runs.items():
+        assert run.wait(timeout=600) == 0, isa
+        outputs[isa] = torch.load(tmp_path / f"{isa}.pt")
     assert torch.equal(outputs["avx2"], outputs["native"])
 
 
-def compile_to_assembly(source: Path, march: str, tmp_path: Path) -> str:
-    """`source` compiled with the build's flags for `march`, as assembly text."""
+def compile_to_assembly(source: Path, march: str) -> str:
+    """`source` compiled with the build's flags for `march`, as assembly text: compiled once,
+    then kept under the Tandem cache folder by a hash of everything the compile reads (every
+    source and header, the command line, the compiler's version and torch's)."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
-    assembly = tmp_path / f"{source.stem}-{march}.s"
+    compiler = os.environ.get("CXX", "c++")
+    command = [
+        compiler, "-std=c++20", "-fPIC", "-O3", f"-march={march}", "-fopenmp", "-Wno-psabi",
+        "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S", str(source),
+    ]  # fmt: skip
+    key = hashlib.sha256()
+    for file in cpu_kernels.FILES:
+        key.update(file.name.encode() + b"\0" + file.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
+    for part in (*command, version.stdout, torch.__version__):
+        key.update(part.encode() + b"\0")
+    assembly = (
+        cpu_kernels.cache_root() / "assembly" / f"{source.stem}-{march}-{key.hexdigest()[:16]}.s"
+    )
+    if assembly.is_file():
+        return assembly.read_text()
+    assembly.parent.mkdir(parents=True, exist_ok=True)
+    staging = assembly.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     result = subprocess.run(
-        [
-            os.environ.get("CXX", "c++"), "-std=c++20", "-fPIC", "-O3", f"-march={march}",
-            "-fopenmp", "-Wno-psabi", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-S",
-            str(source), "-o", str(assembly),
-        ],
-        capture_output=True, text=True, timeout=600,
+        [*command, "-o", str(staging)], capture_output=True, text=True, timeout=600
     )  # fmt: skip
     assert result.returncode == 0, source.name + ": " + result.stderr[-4000:]
+    os.replace(staging, assembly)
     return assembly.read_text()
 
 
@@ -181,13 +204,12 @@ ASSEMBLIES = [(source, "sapphirerapids") for source in cpu_kernels.SOURCES] + [
 
 
 @pytest.fixture(scope="module")
-def assemblies(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Future]:
+def assemblies() -> dict[tuple[str, str], Future]:
     """ASSEMBLIES compiled side by side (each takes some tens of seconds: one after another they
-    would leave a core idle), by (source name, march)."""
-    folder = tmp_path_factory.mktemp("assembly")
+    would leave a core idle), or read from the cache, by (source name, march)."""
     with ThreadPoolExecutor(max_workers=len(ASSEMBLIES)) as pool:
         yield {
-            (source.name, march): pool.submit(compile_to_assembly, source, march, folder)
+            (source.name, march): pool.submit(compile_to_assembly, source, march)
             for source, march in ASSEMBLIES
         }
 
@@ -212,3 +234,23 @@ def test_the_avx512_build_without_vnni_compiles(assemblies) -> None:
     code = assemblies["quantized_linear.cpp", "skylake-avx512"].result()
     assert "zmm" in code and "vpmaddubsw" in code and "vpdpbusd" not in code
     assert "tdpbsud" not in code and "tdpbssd" not in code
+
+
+def test_the_avx2_build_passes_the_kernel_and_greedy_checks(monkeypatch, avx2_checks) -> None:
+    """On an AVX-512 machine this builds and runs the AVX2 code, and MKL's and ATen's AVX2 code,
+    against the references and transformers (its own build: some tens of seconds, cached after
+    that); on an AVX2 machine it is the native build, already built, rerun with the settings.
+    Either way the library that ran has no AVX-512 (zmm) instruction."""
+    process, stdout, stderr = avx2_checks
+    returncode = process.wait(timeout=600)
+    out, err = stdout.read_text(), stderr.read_text()
+    assert returncode == 0, out[-6000:] + err[-2000:]
+    assert "ATen: AVX2" in out
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
+    name = cpu_kernels.build_name()
+    library = cpu_kernels.cache_root() / "kernels" / name / f"{name}.so"
+    code = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(library)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "ymm" in code and "zmm" not in code

@@ -32,6 +32,7 @@ from tandem.models.loader import (
 )
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import checkpoint_shapes
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import random_prompts
 from helpers import greedy, make_llm, run_both_loops

@@ -20,6 +20,7 @@ from tandem.execution import fast_path
 from tandem.models.default_model import build_checkpoint
 from tandem.models.errors import ModelLoadError
 from tandem.models.loader import load_model, read_config
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import (
     FAST_PATH_LOGITS_ATOL,

@@ -18,6 +18,7 @@ from spmd_ranks import GREEDY, PROMPTS, SEEDED
 
 from tandem.config import EngineConfig
 from tandem.execution.launcher import join_launcher_group
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import hf_greedy_reference_allowing_near_ties
 from helpers import make_llm

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from tandem import LoRARequest
 from tandem.lora import LoraError, LoraNotFound
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import hf_greedy_reference_allowing_near_ties, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm

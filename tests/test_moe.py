@@ -26,6 +26,7 @@ from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.models.spec import checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.quantized import dequantize, quantize_int8
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import (
     _load_hf_model,
@@ -405,8 +406,38 @@ print(before, kib("VmHWM:"), llm.engine.execution.weight_formats)
 """
 
 
+def random_moe_gguf(shape: dict) -> Path:
+    """`write_random_gguf`'s Q8_0 file of Qwen3-30B-A3B's config with `shape` (0.77 GB, seconds
+    to write), kept in Tandem's cache under a hash of everything it is made from: the writer's
+    source, gguf's and numpy's versions, the config, the shape and the tokenizer's file."""
+    import hashlib
+    import inspect
+    import os
+    from importlib.metadata import version
+
+    from tandem.bench import random_gguf
+    from tandem.models.catalog import PACKAGED_MODELS, cache_root
+
+    folder = MODELS_DIR / "qwen3-30b-a3b"
+    tokenizer = PACKAGED_MODELS[random_gguf.TOKENIZER_MODEL].path()
+    stat = tokenizer.stat() if tokenizer is not None else None
+    key = json.dumps([
+        inspect.getsource(random_gguf), version("gguf"), version("numpy"),
+        (folder / "config.json").read_text(), shape, str(tokenizer),
+        stat and (stat.st_size, stat.st_mtime_ns),
+    ], sort_keys=True)  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = cache_root() / "test-models" / f"qwen3-moe-q8_0-{digest}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        random_gguf.write_random_gguf(folder, partial, "Q8_0", shape)
+        os.replace(partial, path)  # never a half-written file under the final name
+    return path
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
-def test_a_moe_gguf_loads_in_about_its_own_size(tmp_path):
+def test_a_moe_gguf_loads_in_about_its_own_size():
     """A Qwen3-MoE GGUF with Q8_0 experts (hidden 1024, 8 layers, 64 experts of 384, top-8:
     0.77 GB, whose experts would take 2.4 GB in float32) loads and generates with a peak within
     1.5x the file's size: the experts stay in their blocks, each tensor's pages of the file are
@@ -415,12 +446,10 @@ def test_a_moe_gguf_loads_in_about_its_own_size(tmp_path):
     import subprocess
     import sys
 
-    from tandem.bench.random_gguf import write_random_gguf
-
     shape = {"hidden_size": 1024, "num_hidden_layers": 8, "num_experts": 64,
              "moe_intermediate_size": 384, "num_experts_per_tok": 8, "num_attention_heads": 8,
              "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096}  # fmt: skip
-    path = write_random_gguf(MODELS_DIR / "qwen3-30b-a3b", tmp_path / "moe.gguf", "Q8_0", shape)
+    path = random_moe_gguf(shape)
     run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path)], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM
+from tandem.config import usable_cores
 from tandem.models.gguf_blocks import LAYOUTS as GGUF_LAYOUTS
 from tandem.models.gguf_blocks import NATIVE_TYPES, common_layout, split_blocks
 from tandem.models.loader import load_model
@@ -30,6 +31,7 @@ from tandem.ops.quantized import (
     quantized_linear,
     unpack,
 )
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import follow_near_ties
 from gguf_files import quantize, tiny_hf_folder, write_gguf
@@ -418,7 +420,8 @@ def test_int8_generates_exactly_the_int8_weights(untied_folder, tmp_path):
         if tensor.dim() == 2 and "embed_tokens" not in name:
             state[name] = dequantize(quantize_int8(tensor)).contiguous()
     save_file(state, rounded / "model.safetensors")
-    options = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128}
+    options = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128,
+               "cpu_threads": usable_cores()}  # fmt: skip
     reference = LLM(str(rounded), **options)
     expected = [o.token_ids for o in reference.generate(PROMPTS, greedy(16))]
     reference.close()
@@ -436,7 +439,8 @@ def test_int8_generates_exactly_the_int8_weights(untied_folder, tmp_path):
 
 def test_int8_quantizes_tied_logits_and_keeps_the_lookup(tmp_path):
     folder = tiny_hf_folder(tmp_path / "tied", "LlamaForCausalLM", tie_word_embeddings=True)
-    llm = LLM(str(folder), quantization="int8", device="cpu", num_kv_blocks=64, max_model_len=64)
+    llm = LLM(str(folder), quantization="int8", device="cpu", num_kv_blocks=64, max_model_len=64,
+              cpu_threads=usable_cores())  # fmt: skip
     model = llm.engine.runner.model
     assert model.tied_logits.quantized.source == "int8"
     assert model.embed.weight.numel() > 0
@@ -539,7 +543,8 @@ def test_int8_activations_generate_the_rounded_activations_model(tmp_path, tenso
 def test_int8_activations_run_int8_weights_and_are_refused_without_quantized_layers(
     untied_folder,
 ):
-    options = {"device": "cpu", "num_kv_blocks": 64, "max_model_len": 64}
+    options = {"device": "cpu", "num_kv_blocks": 64, "max_model_len": 64,
+               "cpu_threads": usable_cores()}  # fmt: skip
     llm = LLM(str(untied_folder), quantization="int8", int8_activations=True, **options)
     assert "int8 with int8 activations" in llm.engine.execution.describe()
     assert len(llm.generate(PROMPTS, greedy(4))[0].token_ids) == 4

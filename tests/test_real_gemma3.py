@@ -5,7 +5,8 @@ The file carries no chat template and names only <eos> as its end: Tandem gives 
 template and <end_of_turn> as a stop id. Its tensors are F32, Q5_0, Q8_0, Q4_K and Q6_K; the fast
 path keeps every linear layer in its blocks (Q5_0 as Q8_0), the eager path dequantizes all.
 `.ci/run` sets TANDEM_REQUIRE_REAL_MODEL, so in CI these tests fail rather than skip without the
-package. Loading the model in transformers dominates this file's time (about a minute).
+package. transformers' loading of the file (about a minute) is kept on disk after the first run
+(tests/shared_real_models.py).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_real_models import transformers_gguf
 
 from tandem import LLM, SamplingParams
 from tandem.models.catalog import resolve_model
 
-from helpers import REAL_TEXT, packaged_model, transformers_gguf
+from helpers import REAL_TEXT, packaged_model
 
 SHORT_NAME = "gemma3-270m"
 QUESTIONS = [

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_real_models import transformers_gguf
 
 from tandem import LLM, SamplingParams
 from tandem.models.catalog import resolve_model
 from tandem.models.loader import read_config
 
-from helpers import REAL_TEXT, packaged_model, transformers_gguf
+from helpers import REAL_TEXT, packaged_model
 
 SHORT_NAME = "smollm2-135m-instruct"
 QUESTIONS = [

@@ -35,6 +35,7 @@ from tandem.reasoning import (
 from tandem.request import StructuredOutputsParams
 from tandem.sampler.inputs import ReasoningFlags, ReasoningRows
 from tandem.sampler.reasoning import ThinkingState
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from helpers import assert_idle_and_balanced, make_llm, run_both_loops
 

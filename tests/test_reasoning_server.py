@@ -21,7 +21,7 @@ from tandem import SamplingParams
 
 from helpers import make_llm
 
-OPTIONS = {"max_model_len": 512}
+OPTIONS = {"max_model_len": 512, "cpu_threads": 1}  # the server's compute threads offline too
 DEFAULT_BUDGET = 3  # the server's, for requests that set none
 SCHEMA = {
     "type": "object",

@@ -39,11 +39,15 @@ from tandem.server.core.process import CoreOptions, spawn_core, stop_core
 from tandem.server.frontend.served_model import ServedModel, load_tokenizer
 from tandem.server.frontend.service import GenerationService
 
+# One compute thread, fixed: the offline engine and the server's core then add up every dot
+# product in the same order, and no engine times the thread counts at start-up (tested on its
+# own, and by the `tandem serve` processes of test_server_processes.py).
 ENGINE_OPTIONS = {
     "dtype": "float32",
     "device": "cpu",
     "num_kv_blocks": 256,
     "max_model_len": 256,
+    "cpu_threads": 1,
 }
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time, in a land far away"]
 
@@ -882,7 +886,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_llama: Path) -> None:
     code = (
         "from tandem.server.serve import serve; from tandem import EngineConfig; "
         f"serve(EngineConfig(model={str(tiny_llama)!r}, dtype='float32', device='cpu', "
-        f"num_kv_blocks=64, max_model_len=512), port={port}, grace_period=20)"
+        f"num_kv_blocks=64, max_model_len=512, cpu_threads=1), port={port}, grace_period=20)"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(

@@ -50,6 +50,7 @@ from tandem.server.frontend.token_bound import PromptBound, prompt_bound
 from tandem.server.generation import prepare
 
 KEY = "tandem-test-key"
+UNSET = object()
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -190,6 +191,28 @@ def test_prompt_bound_refuses_what_it_cannot_prove(tiny_tokenizer: PreTrainedTok
     assert prompt_bound(variant(lambda d: added_token(d)))[0] is not None
 
 
+# --------------------------------------------------- the start-up heap frozen
+# Before the module's shared server starts: a freeze is the process's, whichever server made it.
+def test_startup_heap_is_frozen_while_serving(tiny_llama: Path) -> None:
+    """A full garbage collection holds the GIL for as long as it walks the tracked objects (0.3 s
+    over this test process's 600k): while the server runs it walks only what came after start-up,
+    and once the server has stopped the start-up objects can be collected again."""
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    live = start_server(tiny_llama)
+    try:
+        body = completion_body(live, "a request while frozen")
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
+        tracked = {id(o) for o in gc.get_objects()}  # generations 0-2: what a collection walks
+        assert id(live.model) not in tracked and id(live.model.tokenizer) not in tracked
+        assert len(tracked) < tracked_before / 10, (len(tracked), tracked_before)
+        assert gc.get_freeze_count() >= tracked_before
+    finally:
+        live.stop()
+    assert gc.get_freeze_count() == 0
+    assert any(o is live.model for o in gc.get_objects())
+
+
 # ----------------------------------------------------------------- harness
 def app_of(live: LiveServer):
     return live.server.config.app
@@ -213,11 +236,37 @@ def small_latencies(live: LiveServer, n: int) -> list[float]:
         return [timed_post(client, url, completion_body(live, f"small {i}")) for i in range(n)]
 
 
-@pytest.fixture
-def guarded(tiny_llama: Path) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module")
+def guarded_server(tiny_llama: Path) -> Iterator[LiveServer]:
     live = start_server(tiny_llama, {"max_model_len": 256}, max_request_bytes=32 << 20)
     yield live
     live.stop()
+
+
+@pytest.fixture
+def guarded(guarded_server: LiveServer) -> Iterator[LiveServer]:
+    """The module's server with room for 10 MB bodies; what a test changes in its front end
+    (the tokenizer's entry point, the prompt bound, the intake lanes' limits) is put back
+    afterwards."""
+    live = guarded_server
+    intake = live.service.intake
+    preparer = app_of(live).state.preparer
+    saved = [
+        (obj, name, vars(obj).get(name, UNSET))
+        for obj, names in (
+            (live.model.intake, ["tokenize"]),
+            (preparer, ["bound"]),
+            (intake, ["max_bulk", "bulk_threshold"]),
+        )
+        for name in names
+    ]
+    yield live
+    for obj, name, value in saved:
+        if value is UNSET:
+            vars(obj).pop(name, None)
+        else:
+            setattr(obj, name, value)
+    assert_idle(live)
 
 
 # -------------------------------------------------- no head-of-line blocking
@@ -327,26 +376,6 @@ def test_many_tiny_json_values_do_not_stall_the_server(guarded: LiveServer) -> N
     assert max(during) <= 10 * baseline, (baseline, during)
     assert refused.status_code == 400
     assert "holds 450003 JSON values" in refused.json()["error"]["message"]
-
-
-def test_startup_heap_is_frozen_while_serving(tiny_llama: Path) -> None:
-    """A full garbage collection holds the GIL for as long as it walks the tracked objects (0.3 s
-    over this test process's 600k): while the server runs it walks only what came after start-up,
-    and once the server has stopped the start-up objects can be collected again."""
-    gc.collect()
-    tracked_before = len(gc.get_objects())
-    live = start_server(tiny_llama)
-    try:
-        body = completion_body(live, "a request while frozen")
-        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
-        tracked = {id(o) for o in gc.get_objects()}  # generations 0-2: what a collection walks
-        assert id(live.model) not in tracked and id(live.model.tokenizer) not in tracked
-        assert len(tracked) < tracked_before / 10, (len(tracked), tracked_before)
-        assert gc.get_freeze_count() >= tracked_before
-    finally:
-        live.stop()
-    assert gc.get_freeze_count() == 0
-    assert any(o is live.model for o in gc.get_objects())
 
 
 def test_json_counter_process() -> None:
@@ -603,7 +632,7 @@ from tandem.server.serve import serve
 port, model = int(sys.argv[1]), sys.argv[2]
 try:
     serve(EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=128,
-                       max_model_len=1024, max_num_seqs=2), port=port, max_waiting=4)
+                       max_model_len=1024, max_num_seqs=2, cpu_threads=1), port=port, max_waiting=4)
 finally:
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     print("THREADS LEFT:", left, flush=True)

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -37,9 +34,10 @@ import openai
 import pytest
 import uvicorn
 from test_server import ENGINE_OPTIONS, assert_idle, wait_until
-from test_server_processes import clean_up, connection_owner, serving, spawn
+from test_server_processes import ONE_THREAD, Served, clean_up, connection_owner, healthy, spawn
 
 from tandem import EngineConfig, LoRARequest
+from tandem.cli import main
 from tandem.server.app import create_app
 from tandem.server.core import wire
 from tandem.server.core.client import CoreClient, CoreEndpoint
@@ -485,22 +483,47 @@ def test_runtime_endpoints_are_absent_without_the_flag(plain: FrontEnd, loaded) 
 
 
 # ---------------------------------------------------------- tandem serve
+@pytest.fixture(scope="module", autouse=True)
+def spawned(
+    tiny_llama: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Served]]:
+    """The `tandem serve` processes of this module's last two tests, spawned as its first test
+    runs, so that their starts (processes importing) overlap with the tests in process:
+    "flags", with two front ends and two data-parallel cores, runtime updates allowed by vLLM's
+    environment variable, and the start-up adapters all8 and qv4 (in vLLM's two spellings);
+    "bad adapter", whose start-up adapter's rank is over --max-lora-rank."""
+    logs = tmp_path_factory.mktemp("lora-serve")
+    modules = [
+        f"all8={adapters['all8']}",
+        json.dumps({"name": "qv4", "path": str(adapters["qv4"]), "base_model_name": "base"}),
+    ]
+    commands = {
+        "flags": ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+                  *modules, "--served-model-name", "base", "--api-server-count", "2",
+                  "--data-parallel-size", "2", "--cpu-threads", "1"],
+        "bad adapter": ["--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                        f"big={adapters['rank16']}", *ONE_THREAD],
+    }  # fmt: skip
+    servers: dict[str, Served] = {}
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+            servers["flags"] = spawn(tiny_llama, logs / "flags.log", *commands["flags"])
+        servers["bad adapter"] = spawn(tiny_llama, logs / "bad.log", *commands["bad adapter"])
+        yield servers
+    finally:
+        for server in servers.values():
+            clean_up(server)
+
+
 def test_serve_flags_two_front_ends_two_cores(
-    tiny_llama: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch
+    tiny_llama: Path, adapters: dict[str, Path], spawned: dict[str, Served]
 ) -> None:
     """`tandem serve --enable-lora --lora-modules` (both spellings) with two front ends and two
     data-parallel cores, runtime updates allowed by vLLM's environment variable: the start-up
     adapters are listed (with the parent JSON named) and answer as peft; one loaded through a
     front end is usable through the other, on both cores; unloaded, it is a 404 on both."""
-    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-    modules = [
-        f"all8={adapters['all8']}",
-        json.dumps({"name": "qv4", "path": str(adapters["qv4"]), "base_model_name": "base"}),
-    ]
-    flags = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
-             *modules, "--served-model-name", "base", "--api-server-count", "2",
-             "--data-parallel-size", "2", "--cpu-threads", "1"]  # fmt: skip
-    with serving(tiny_llama, tmp_path / "serve.log", *flags) as server:
+    with healthy(spawned["flags"]) as server:
         cards = httpx.get(f"{server.url}/v1/models").json()["data"]
         assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
             ("base", None, cards[0]["root"]),
@@ -560,12 +583,12 @@ def test_serve_flags_two_front_ends_two_cores(
 
 
 def test_a_bad_start_up_adapter_stops_the_server(
-    tiny_llama: Path, adapters: dict[str, Path], tmp_path: Path
+    tiny_llama: Path, adapters: dict[str, Path], spawned: dict[str, Served], capsys
 ) -> None:
-    server = spawn(
-        tiny_llama, tmp_path / "serve.log", "--enable-lora", "--max-lora-rank", "8",
-        "--lora-modules", f"big={adapters['rank16']}",
-    )  # fmt: skip
+    """A start-up adapter the core cannot load stops the server (status 1, naming it); one
+    given without --enable-lora is refused before anything starts (the command line's usage
+    error, status 2)."""
+    server = spawned["bad adapter"]
     try:
         assert server.proc.wait(240) == 1
         output = server.output()
@@ -573,9 +596,7 @@ def test_a_bad_start_up_adapter_stops_the_server(
         assert "rank 16 is above max_lora_rank 8" in output
     finally:
         clean_up(server)
-    r = subprocess.run(
-        [sys.executable, "-m", "tandem", "serve", "--model", str(tiny_llama), "--lora-modules",
-         f"a={adapters['all8']}", "--port", "0"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    assert r.returncode == 2 and "--lora-modules needs --enable-lora" in r.stderr, r.stderr
+    status = main(["serve", "--model", str(tiny_llama), "--lora-modules", f"a={adapters['all8']}",
+                   "--port", "0"])  # fmt: skip
+    stderr = capsys.readouterr().err
+    assert status == 2 and "--lora-modules needs --enable-lora" in stderr, stderr

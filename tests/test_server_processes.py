@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -60,6 +61,9 @@ OFFLINE_OPTIONS = {
     "cpu_threads": 1,
 }
 ENGINES = ("0", "1")
+# Where the thread count does not matter to a test: no core times the counts at start-up (the
+# cores of test_front_end_killed_mid_stream still do).
+ONE_THREAD = ("--cpu-threads", "1")
 
 
 # ----------------------------------------------------------------- harness
@@ -172,7 +176,14 @@ def clean_up(server: Served) -> None:
 @contextlib.contextmanager
 def serving(model: Path, log_path: Path, *flags: str) -> Iterator[Served]:
     """A healthy server for the block; whatever is left of its group is killed afterwards."""
-    server = spawn(model, log_path, *flags)
+    with healthy(spawn(model, log_path, *flags)) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def healthy(server: Served) -> Iterator[Served]:
+    """`server` (spawned already), once healthy, for the block; whatever is left of its group
+    is killed afterwards."""
     try:
         wait_healthy(server)
         yield server
@@ -494,13 +505,50 @@ def slower_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-def test_core_killed_mid_stream(slower_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def started_together(
+    tiny_llama: Path, slower_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Served]]:
+    """The servers that the fault tests end and the starts that are refused, by test, all
+    spawned when the first of those tests runs: a start is mostly one process importing at a
+    time, so theirs overlap, and each test waits for its own. (The broken checkpoints:
+    `test_unreadable_config_is_refused_and_the_cores_stopped`'s and
+    `test_core_that_fails_to_start_says_why`'s.)"""
+    root = tmp_path_factory.mktemp("started-together")
+    unreadable = root / "unknown-type"
+    unreadable.mkdir()
+    (unreadable / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    no_weights = root / "no-weights"
+    no_weights.mkdir()
+    for source in tiny_llama.iterdir():
+        if source.suffix != ".safetensors":
+            shutil.copy(source, no_weights / source.name)
+    two = ("--api-server-count", "2")
+    commands = {
+        "core killed": (slower_llama, "--max-num-seqs", "2", *ONE_THREAD),
+        "core hung": (tiny_llama, "--engine-timeout", "2", *ONE_THREAD),
+        "front end killed": (tiny_llama, *two, "--grace-period", "60"),
+        "missing model": ("/nonexistent", *two),
+        "unreadable config": (unreadable, *two),
+        "no weights": (no_weights, *two),
+    }
+    servers: dict[str, Served] = {}
+    try:
+        for name, (model, *flags) in commands.items():
+            servers[name] = spawn(model, root / f"{name.replace(' ', '-')}.log", *flags)
+        yield servers
+    finally:
+        for server in servers.values():
+            clean_up(server)
+
+
+def test_core_killed_mid_stream(started_together: dict[str, Served]) -> None:
     """SIGKILL the core while a stream and a whole-answer request run and a third request waits
     (--max-num-seqs 2): at once, not after the 60 s engine timeout, the stream ends with an
     error event then [DONE], the running request gets 500 and the waiting one 503 (it can be
     retried as it is); /health says 503 while the front end is still up; the server exits 1
     and leaves no process behind."""
-    with serving(slower_llama, tmp_path / "serve.log", "--max-num-seqs", "2") as server:
+    with healthy(started_together["core killed"]) as server:
         [core] = server.cores
         assert core in children(server.pgid) and "multiprocessing.spawn" in cmdline(core)
         url = f"{server.url}/v1/completions"
@@ -535,13 +583,13 @@ def test_core_killed_mid_stream(slower_llama: Path, tmp_path: Path) -> None:
         assert "tandem serve: the engine failed: engine core 0" in server.output()
 
 
-def test_core_hung_mid_stream(tiny_llama: Path, tmp_path: Path) -> None:
+def test_core_hung_mid_stream(started_together: dict[str, Served]) -> None:
     """SIGSTOP the core mid-stream with --engine-timeout 2: within ~5 s the stream ends with an
     error naming the timeout, then [DONE]; the server kills the stopped core, exits 1 and
     leaves no process behind."""
     core = None
     try:
-        with serving(tiny_llama, tmp_path / "serve.log", "--engine-timeout", "2") as server:
+        with healthy(started_together["core hung"]) as server:
             [core] = server.cores
             with (
                 httpx.Client(timeout=30) as client,
@@ -571,13 +619,11 @@ def test_core_hung_mid_stream(tiny_llama: Path, tmp_path: Path) -> None:
                 os.kill(core, signal.SIGKILL)
 
 
-def test_front_end_killed_mid_stream(tiny_llama: Path, tmp_path: Path) -> None:
+def test_front_end_killed_mid_stream(started_together: dict[str, Served]) -> None:
     """With two front ends, SIGKILL the one not serving an open stream: the supervisor stops
     the other at once (the stream is aborted: an error event, then [DONE]), exits 1 and leaves
     no process behind."""
-    with serving(
-        tiny_llama, tmp_path / "serve.log", "--api-server-count", "2", "--grace-period", "60"
-    ) as server:
+    with healthy(started_together["front end killed"]) as server:
         with (
             httpx.Client(timeout=30) as client,
             client.stream(
@@ -656,10 +702,9 @@ def test_sigkill_of_the_server_takes_its_core_along(sync_server: Served) -> None
     assert not alive(core)
 
 
-def refused(model: str, tmp_path: Path, status: int) -> tuple[str, str]:
+def refused(server: Served, status: int) -> tuple[str, str]:
     """`tandem serve --model MODEL --api-server-count 2` that does not start: it exits with
     `status`, leaving no process; its final `tandem serve:` line and its whole output."""
-    server = spawn(model, tmp_path / "serve.log", "--api-server-count", "2")
     try:
         assert server.proc.wait(STARTUP_S) == status
         nothing_left(server)
@@ -670,34 +715,32 @@ def refused(model: str, tmp_path: Path, status: int) -> tuple[str, str]:
     return summary, out
 
 
-def test_missing_model_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+def test_missing_model_is_refused_before_any_process_starts(
+    started_together: dict[str, Served],
+) -> None:
     """`tandem serve --model /nonexistent`: refused by the main process in about a second, with
     the usage error status (2) and the reason, before any core or front end is spawned."""
-    summary, out = refused("/nonexistent", tmp_path, 2)
+    summary, out = refused(started_together["missing model"], 2)
     assert "model folder '/nonexistent' does not exist" in summary, out
     assert "engine core" not in out  # nothing was started
 
 
-def test_unreadable_config_is_refused_and_the_cores_stopped(tmp_path: Path) -> None:
-    """A config.json that transformers cannot read: the main process reads it in full while the
-    cores load, so it refuses it then (usage error status 2, the reason) and stops them."""
-    broken = tmp_path / "unknown-type"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
-    summary, out = refused(str(broken), tmp_path, 2)
+def test_unreadable_config_is_refused_and_the_cores_stopped(
+    started_together: dict[str, Served],
+) -> None:
+    """A config.json that transformers cannot read (`{"model_type": "no_such_architecture"}`):
+    the main process reads it in full while the cores load, so it refuses it then (usage error
+    status 2, the reason) and stops them."""
+    summary, out = refused(started_together["unreadable config"], 2)
     assert "cannot read" in summary and "no_such_architecture" in summary, out
 
 
-def test_core_that_fails_to_start_says_why(tiny_llama: Path, tmp_path: Path) -> None:
-    """A checkpoint whose config reads but whose weights are missing: the core fails while
-    loading, every front end and the supervisor exit (status 1), the final `tandem serve:` line
-    gives the core's reason (not only "a front end exited"), and no process is left."""
-    broken = tmp_path / "no-weights"
-    broken.mkdir()
-    for source in tiny_llama.iterdir():
-        if source.suffix != ".safetensors":
-            shutil.copy(source, broken / source.name)
-    summary, out = refused(str(broken), tmp_path, 1)
+def test_core_that_fails_to_start_says_why(started_together: dict[str, Served]) -> None:
+    """A checkpoint whose config reads but whose weights are missing (tiny_llama's files but
+    its safetensors): the core fails while loading, every front end and the supervisor exit
+    (status 1), the final `tandem serve:` line gives the core's reason (not only "a front end
+    exited"), and no process is left."""
+    summary, out = refused(started_together["no weights"], 1)
     assert "failed to start" in summary and "safetensors" in summary, out
 
 
@@ -725,16 +768,24 @@ IMPORTS = {
 }
 
 
-@pytest.mark.parametrize("statement", list(IMPORTS))
-def test_each_process_imports_only_what_it_needs(statement: str) -> None:
+def test_each_process_imports_only_what_it_needs() -> None:
     """A server's start is its processes' imports one after another: `tandem serve` spawns the
     engine cores after importing little (no model code, no HTTP stack), then imports the front
-    end while they load; the cores import no HTTP stack."""
-    needed, unwanted = IMPORTS[statement]
-    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    end while they load; the cores import no HTTP stack.
+
+    One interpreter runs the statements in the order listed: what a statement adds to the
+    modules loaded so far must hold what it needs, and nothing it must not import is loaded by
+    then (by it or a statement before it)."""
+    code = "import json, sys\nfor statement in sys.argv[1:]:\n"
+    code += "    exec(statement)\n    print(json.dumps(sorted(sys.modules)), flush=True)\n"
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    modules = set(done.stdout.split())
-    assert set(needed) <= modules, statement
-    assert not set(unwanted) & modules, (statement, set(unwanted) & modules)
+        [sys.executable, "-c", code, *IMPORTS], capture_output=True, text=True, timeout=120,
+        check=True,
+    )  # fmt: skip
+    loaded: set[str] = set()
+    for statement, line in zip(IMPORTS, done.stdout.splitlines(), strict=True):
+        needed, unwanted = IMPORTS[statement]
+        modules = set(json.loads(line))
+        assert set(needed) <= modules - loaded, statement
+        assert not set(unwanted) & modules, (statement, set(unwanted) & modules)
+        loaded = modules

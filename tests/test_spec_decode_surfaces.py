@@ -6,12 +6,13 @@ processes)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from test_server import LiveServer, metric_samples, server_fixtures, wait_until
-from test_server_processes import every, serving
+from test_server_processes import ONE_THREAD, Served, clean_up, every, spawn, wait_healthy
 
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser, engine_config, main
@@ -25,6 +26,7 @@ COUNTERS = (
 )
 GAUGES = ("tandem_spec_decode_acceptance_rate", "tandem_spec_decode_mean_accepted_length")
 SUFFIX = '{"method":"suffix","num_speculative_tokens":6}'
+CONFIGS = [NGRAM3, SUFFIX]
 REPEATING = list(range(100, 108)) * 6  # 8 token ids, 6 times: the n-gram lookup's easy case
 
 live, offline, model = server_fixtures("module")
@@ -68,7 +70,7 @@ def test_serve_refuses_a_missing_draft_model_before_starting(capsys) -> None:
 
 def test_llm_takes_speculative_config(tiny_llama: Path) -> None:
     """Needs the engine's speculative decoding: greedy tokens as without it."""
-    options = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64}
+    options = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "cpu_threads": 1}
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(str(tiny_llama), **options)
     expected = plain.generate([REPEATING], params, use_tqdm=False)[0].token_ids
@@ -103,32 +105,49 @@ def test_a_server_without_speculation_reports_zeros(live: LiveServer, model: str
     assert _spec_figures(live.url) == dict.fromkeys(COUNTERS + GAUGES, 0.0)
 
 
-@pytest.mark.parametrize("config", [NGRAM3, SUFFIX])
-def test_speculating_server_counts_drafts(config: str, tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def speculating(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """`tandem serve --speculative-config CONFIG`, one server per config, started together (the
+    starts overlap); each test waits for its own."""
+    logs = tmp_path_factory.mktemp("speculating")
+    servers: dict[str, Served] = {}
+    try:
+        for i, config in enumerate(CONFIGS):
+            flags = ("--speculative-config", config, *ONE_THREAD)
+            servers[config] = spawn(tiny_llama, logs / f"serve-{i}.log", *flags)
+        yield servers
+    finally:
+        for server in servers.values():
+            clean_up(server)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_speculating_server_counts_drafts(config: str, speculating: dict) -> None:
     """`tandem serve --speculative-config`: the flag reaches the core, and a prompt that repeats
     itself gets drafts, counted under the method's label and in the response's usage. Needs
     the engine's speculative decoding."""
     method = SpeculativeConfig.of(config).method
-    with serving(tiny_llama, tmp_path / "serve.log", "--speculative-config", config) as server:
-        assert _spec_figures(server.url, method) == dict.fromkeys(COUNTERS + GAUGES, 0.0)
-        with server.client() as client:
-            out = client.completions.create(
-                model=server.model, prompt=REPEATING, max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-        assert out.usage.completion_tokens == 24
-        drafted_tokens = COUNTERS[1]
-        counted = every(0.2, lambda: _spec_figures(server.url, method)[drafted_tokens] > 0)
-        wait_until(counted, 10, "drafts counted")
-        figures = _spec_figures(server.url, method)
-        drafts, drafted, accepted = (figures[name] for name in COUNTERS)
-        assert drafted > 0 and 0 <= accepted <= drafted
-        assert 0 < drafts <= drafted
-        assert figures["tandem_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
-        mean_length = figures["tandem_spec_decode_mean_accepted_length"]
-        assert mean_length == pytest.approx(1 + accepted / drafts)
-        # The one request's own figures, as the engine counted them.
-        own = out.usage.model_extra["speculative_decoding"]
-        assert (own["draft_tokens"], own["accepted_tokens"]) == (drafted, accepted)
-        assert own["verifications"] == drafts
-        assert own["mean_accepted_length"] == pytest.approx(mean_length, abs=1e-3)
+    server = speculating[config]
+    wait_healthy(server)
+    assert _spec_figures(server.url, method) == dict.fromkeys(COUNTERS + GAUGES, 0.0)
+    with server.client() as client:
+        out = client.completions.create(
+            model=server.model, prompt=REPEATING, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    assert out.usage.completion_tokens == 24
+    drafted_tokens = COUNTERS[1]
+    counted = every(0.2, lambda: _spec_figures(server.url, method)[drafted_tokens] > 0)
+    wait_until(counted, 10, "drafts counted")
+    figures = _spec_figures(server.url, method)
+    drafts, drafted, accepted = (figures[name] for name in COUNTERS)
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert 0 < drafts <= drafted
+    assert figures["tandem_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+    mean_length = figures["tandem_spec_decode_mean_accepted_length"]
+    assert mean_length == pytest.approx(1 + accepted / drafts)
+    # The one request's own figures, as the engine counted them.
+    own = out.usage.model_extra["speculative_decoding"]
+    assert (own["draft_tokens"], own["accepted_tokens"]) == (drafted, accepted)
+    assert own["verifications"] == drafts
+    assert own["mean_accepted_length"] == pytest.approx(mean_length, abs=1e-3)

@@ -20,6 +20,7 @@ from tandem.config import SpeculativeConfig
 from tandem.request import StructuredOutputsParams
 from tandem.sampler.inputs import SamplingFlags, SamplingRows
 from tandem.sampler.sampling import sample
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import hf_greedy_reference
 from helpers import assert_idle_and_balanced, greedy, make_llm, run_both_loops

@@ -17,6 +17,7 @@ import torch
 from tandem import SamplingParams
 from tandem.request import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 from tandem.sampler.grammar import apply_token_bitmask, token_allowed
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import random_prompts
 from helpers import assert_idle_and_balanced, make_llm, run_both_loops

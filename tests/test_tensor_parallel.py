@@ -39,6 +39,7 @@ from tandem.execution.executor import WorkerFailure
 from tandem.models.default_model import build_checkpoint
 from tandem.models.loader import SUPPORTED_ARCHITECTURES, build_model, read_config
 from tandem.models.parallel import SINGLE, Shard, TensorParallel, check_shardable
+from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
 from conftest import hf_greedy_reference_allowing_near_ties, random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
@@ -304,11 +305,13 @@ def test_worker_that_raises_at_start_is_named(tiny_llama, tmp_path):
 
 
 def _children() -> set[int]:
-    """Live (non-zombie) spawned children of this process (not multiprocessing's resource
-    tracker, which the first spawn starts for good)."""
+    """Live (non-zombie) ranks of this process: its spawned children (not multiprocessing's
+    resource tracker, which the first spawn starts for good) and its fork server's children."""
     me = os.getpid()
     children = processes(lambda f: int(f[1]) == me and f[0] != "Z")
-    return {pid for pid in children if b"spawn_main" in _cmdline(pid)}
+    servers = {str(pid) for pid in children if b"multiprocessing.forkserver" in _cmdline(pid)}
+    forked = processes(lambda f: f[1] in servers and f[0] != "Z")
+    return {pid for pid in children if b"spawn_main" in _cmdline(pid)} | set(forked)
 
 
 # --------------------------------------------------------------------- server

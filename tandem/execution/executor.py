@@ -35,6 +35,17 @@ from tandem.execution.worker import STOP, WorkerArgs, run_worker
 
 logger = logging.getLogger("tandem")
 
+# How ranks start: "spawn", each a fresh interpreter with no state from this one. A process that
+# starts many engines (a test suite) may set "forkserver": each rank is then forked from a server
+# process that has imported the worker once (with the environment that process started with).
+START_METHOD = "spawn"
+# The engine and a config class of transformers', which brings in what every architecture's
+# config imports: as for a server's forked cores (`spawn_core`), whose fork server is the same.
+FORKSERVER_PRELOAD = [
+    "tandem.engine.engine",
+    "tandem.server.core.process",
+    "transformers.models.llama.configuration_llama",
+]
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to gather the others (to name the cause)
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective whose peer hangs (alive, silent) raises after this
 
@@ -76,7 +87,10 @@ class MultiprocExecutor:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.world_size = world
         init_method = _rendezvous()
-        ctx = mp.get_context("spawn")  # a forked CUDA or OpenMP runtime is unsafe in the child
+        # A forked CUDA or OpenMP runtime is unsafe in the child: never plain "fork".
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._procs: list[mp.process.BaseProcess] = []
         self._inputs: list[Connection] = []
         self._outputs: list[Connection] = []

@@ -68,7 +68,15 @@ def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiproces
     imported the engine once (the environment is the one that process started with)."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["tandem.engine.engine", "tandem.server.core.process"])
+        # A configuration class too: transformers imports them (and what they all share, most
+        # of a second's imports) at a checkpoint's first config read, else in every core.
+        context.set_forkserver_preload(
+            [
+                "tandem.engine.engine",
+                "tandem.server.core.process",
+                "transformers.models.llama.configuration_llama",
+            ]
+        )
     process = context.Process(
         target=run_core, args=(options,), name=f"tandem-core-{options.engine_index}"
     )
