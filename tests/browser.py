@@ -13,15 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from tandem.bench.serve_rounds import CHROMIUM_FLAGS
 
 
 def chromium_path() -> str:
@@ -42,7 +34,7 @@ def chromium() -> Iterator:
 
     executable = chromium_path()
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
         try:
             yield browser
         finally:
