@@ -142,10 +142,15 @@ def load_report(args: argparse.Namespace, rows: list[dict]) -> None:
                 f"\n{row['label']} {row['mode']} x{row['streams']}: {row['errors']} errors, "
                 f"{row['short_requests']} requests without exactly {args.output_len} tokens"
             )
+    write_outputs(args, header, rows, draw)
+
+
+def write_outputs(args: argparse.Namespace, header: str, rows: list[dict], draw_rows) -> None:
+    """--json: the header and rows; --plot: the picture `draw_rows` makes of them."""
     if args.json:
         args.json.write_text(json.dumps({"header": header, "rows": finite(rows)}, indent=2))
     if args.plot is not None:
-        draw(rows, args.plot, header)
+        draw_rows(rows, args.plot, header)
         print(f"\nplot: {args.plot}", file=sys.stderr)
 
 
@@ -170,8 +175,4 @@ def agent_report(args: argparse.Namespace, rows: list[dict]) -> None:
                 f"{row['label']}: {row['failed_turns']} turns failed, {row['short_turns']} "
                 f"without exactly {shape.output_len} tokens"
             )
-    if args.json:
-        args.json.write_text(json.dumps({"header": header, "rows": finite(rows)}, indent=2))
-    if args.plot is not None:
-        serve_agent.draw(rows, args.plot, header)
-        print(f"\nplot: {args.plot}", file=sys.stderr)
+    write_outputs(args, header, rows, serve_agent.draw)
