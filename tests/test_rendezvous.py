@@ -85,6 +85,14 @@ def test_ranks_with_other_settings_stop_alike_with_the_difference(launcher_env) 
         assert "dtype" not in text and "tandem:" not in text  # only what differs
 
 
+def test_an_address_that_does_not_resolve_is_named(launcher_env, monkeypatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    with pytest.raises(
+        RendezvousError, match="MASTER_ADDR 'no-such-host.invalid' cannot be reached"
+    ):
+        meet(1, 2, "gloo", {})
+
+
 def test_a_wrong_timeout_setting_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")

@@ -80,9 +80,12 @@ def local_endpoint(master_addr: str, backend: str) -> Endpoint:
     else the one holding the address, which gloo is then told to use as well."""
     address = os.environ.get("TANDEM_HOST_IP")
     if not address:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent
-            address = s.getsockname()[0]
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent
+                address = s.getsockname()[0]
+        except OSError as exc:  # an unknown name, or no route to it
+            raise RendezvousError(f"MASTER_ADDR {master_addr!r} cannot be reached: {exc}") from None
     setting = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     interface = os.environ.get(setting) or interface_of(address)
     if interface and backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
