@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 
@@ -271,10 +272,42 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=cmd_bench_compare)
 
 
+def node_topology(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """Fill the node flags not given: from torchrun's environment when it is there (one
+    `tandem serve` per node: --nproc-per-node 1; the same command on every node, so a node
+    other than 0 placed by the launcher is headless), else one machine."""
+    launched = "RANK" in env and "WORLD_SIZE" in env
+    placed = launched and args.node_rank is None
+    if launched and int(env.get("LOCAL_WORLD_SIZE", "1")) != 1:
+        raise ValueError(
+            "run one `tandem serve` per node under a launcher (torchrun --nproc-per-node 1): "
+            "it starts that node's tensor-parallel ranks itself"
+        )
+    defaults = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29500}
+    if launched:
+        defaults = {"nnodes": int(env["WORLD_SIZE"]), "node_rank": int(env["RANK"]),
+                    "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
+                    "master_port": int(env.get("MASTER_PORT", 29500))}  # fmt: skip
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if placed and args.node_rank > 0:
+        args.headless = True
+    if args.headless != (args.node_rank > 0):
+        raise ValueError(
+            "--headless runs nodes 1..N-1 (their ranks only); node 0 runs the engine and the API"
+            if args.headless
+            else f"node {args.node_rank} runs with --headless: node 0 runs the engine and the API"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.server.core.lora import parse_lora_module
     from tandem.server.serve import EngineFailure, serve
 
+    node_topology(args, dict(os.environ))
+    if args.headless:
+        return run_headless(args)
     lora_modules = []
     for text in args.lora_modules or []:
         try:
@@ -303,6 +336,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """This machine's ranks of node 0's engine: no API; the exit code says how it ended."""
+    import logging
+
+    from tandem.execution.node import run_headless_node
+    from tandem.execution.rendezvous import RendezvousError
+    from tandem.models.catalog import checkpoint_path, resolve_model
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    config = engine_config(args)
+    try:
+        return run_headless_node(config, str(checkpoint_path(resolve_model(config.model))))
+    except RendezvousError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,6 +436,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True or "
                       "TANDEM_ALLOW_RUNTIME_LORA_UPDATING=1); for development")  # fmt: skip
+    nodes = serve.add_argument_group(
+        "several machines (vLLM's flags; under torchrun, read from RANK, WORLD_SIZE, "
+        "MASTER_ADDR and MASTER_PORT when not given)"
+    )
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="N",
+                       help="machines the tensor-parallel ranks span (default: 1)")  # fmt: skip
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="K",
+                       help="this machine's place: 0 runs the engine and the API (default: 0)")  # fmt: skip
+    nodes.add_argument("--master-addr", default=None, metavar="ADDR",
+                       help="node 0's address, where the nodes meet (default: 127.0.0.1)")  # fmt: skip
+    nodes.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                       help="node 0's rendezvous port; it listens at PORT + 1 too (default: "
+                       "29500)")  # fmt: skip
+    nodes.add_argument("--headless", action="store_true",
+                       help="nodes 1..N-1: run this machine's ranks only, no API")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

@@ -174,6 +174,13 @@ class EngineConfig:
     # "mp": the engine spawns its ranks on this machine; "external_launcher" (vLLM's name): a
     # launcher such as torchrun started every rank, each a whole engine (`execution/launcher.py`).
     distributed_executor_backend: str = "mp"
+    # Tensor parallelism over several machines (vLLM's names): node 0 runs the engine and holds
+    # ranks 0..k-1, node n ranks n*k..; every node but 0 runs `tandem serve --headless`
+    # (`execution/cluster.py`). They meet at master_addr:master_port (node 0's address).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     # False: outputs carry token ids only, and stop strings are not looked for (the server's
     # front end detokenizes and ends a request on a stop string itself, off the engine's loop).
     detokenize: bool = True
@@ -219,6 +226,7 @@ class EngineConfig:
                 "distributed_executor_backend must be 'mp' or 'external_launcher', "
                 f"got {self.distributed_executor_backend!r}"
             )
+        self._check_nodes()
         if self.distributed_executor_backend == "external_launcher" and spec and spec.adaptive:
             raise ValueError(  # each rank would time its own steps, and schedule its own drafts
                 "speculative_config under distributed_executor_backend='external_launcher' "
@@ -269,6 +277,31 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self.torch_device  # noqa: B018 - validates the device name
         self.torch_dtype  # noqa: B018 - validates the dtype name
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"nnodes must be >= 1 and node_rank in 0..nnodes-1, got nnodes {self.nnodes}, "
+                f"node_rank {self.node_rank}"
+            )
+        if not 0 < self.master_port < 65535:  # the next port is node 0's step listener
+            raise ValueError(f"master_port must be in 1..65534, got {self.master_port}")
+        if self.nnodes == 1:
+            return
+        if self.distributed_executor_backend != "mp":
+            raise ValueError(
+                "nnodes > 1 is the engine's own multi-node launch; under "
+                "distributed_executor_backend='external_launcher' the launcher places the ranks"
+            )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not a multiple of nnodes "
+                f"{self.nnodes}: every node holds the same number of ranks"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     def _check_fp8(self) -> None:
         device = self.torch_device

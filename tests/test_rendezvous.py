@@ -36,8 +36,6 @@ def free_port() -> int:
 @pytest.fixture
 def launcher_env(monkeypatch) -> int:
     port = free_port()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("TANDEM_RENDEZVOUS_TIMEOUT", "1.5")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # restored after the test whatever meet sets
     monkeypatch.delenv("TANDEM_HOST_IP", raising=False)
@@ -48,7 +46,7 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout(launcher_env, caplog
     caplog.set_level(logging.INFO, logger="tandem")
     began = time.monotonic()
     with pytest.raises(RendezvousError) as raised:
-        meet(0, 3, "gloo", {"dtype": "'float32'"})
+        meet(0, 3, "gloo", {"dtype": "'float32'"}, "127.0.0.1", launcher_env)
     assert 1.5 <= time.monotonic() - began < 10  # bounded: the timeout, not a hang
     message = str(raised.value)
     assert f"ranks 1, 2 of 3 did not join at 127.0.0.1:{launcher_env} within 1.5 s" in message
@@ -57,8 +55,8 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout(launcher_env, caplog
 
 
 def test_a_rank_that_cannot_reach_rank_0_says_where_it_looked(launcher_env) -> None:
-    with pytest.raises(RendezvousError, match=f"rank 1 could not reach rank 0 at 127.0.0.1:{launcher_env} within 1.5 s: is node 0 running"):  # fmt: skip
-        meet(1, 2, "gloo", {})
+    with pytest.raises(RendezvousError, match=f"rank 1 could not reach node 0 at 127.0.0.1:{launcher_env} within 1.5 s: is node 0 running"):  # fmt: skip
+        meet(1, 2, "gloo", {}, "127.0.0.1", launcher_env)
 
 
 def test_ranks_with_other_settings_stop_alike_with_the_difference(launcher_env) -> None:
@@ -68,7 +66,7 @@ def test_ranks_with_other_settings_stop_alike_with_the_difference(launcher_env) 
 
     def rank(r: int, settings: dict[str, str]) -> None:
         try:
-            meet(r, 2, "gloo", settings)
+            meet(r, 2, "gloo", settings, "127.0.0.1", launcher_env)
         except RendezvousError as exc:
             errors[r] = exc
 
@@ -86,21 +84,18 @@ def test_ranks_with_other_settings_stop_alike_with_the_difference(launcher_env) 
 
 
 def test_an_address_that_does_not_resolve_is_named(launcher_env, monkeypatch) -> None:
-    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     with pytest.raises(
-        RendezvousError, match="MASTER_ADDR 'no-such-host.invalid' cannot be reached"
+        RendezvousError, match="the rendezvous address 'no-such-host.invalid' cannot be reached"
     ):
-        meet(1, 2, "gloo", {})
+        meet(1, 2, "gloo", {}, "no-such-host.invalid", launcher_env)
 
 
 def test_a_wrong_timeout_setting_is_refused(monkeypatch) -> None:
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")
     monkeypatch.setenv("TANDEM_RENDEZVOUS_TIMEOUT", "soon")
     with pytest.raises(
         ValueError, match="TANDEM_RENDEZVOUS_TIMEOUT must be seconds > 0, got 'soon'"
     ):
-        meet(0, 2, "gloo", {})
+        meet(0, 2, "gloo", {}, "127.0.0.1", 1)
 
 
 def test_the_settings_compared_leave_out_what_may_differ_by_node(tiny_llama, tmp_path) -> None:

@@ -256,7 +256,7 @@ def test_async_equals_sync_with_chunks_preemption_and_aborts(tiny_llama):
 def test_killed_worker_fails_fast_and_names_the_rank(tiny_llama):
     llm = make_llm(tiny_llama, num_kv_blocks=256, **TP2)
     engine = llm.engine
-    pids = [p.pid for p in engine.runner._procs]
+    pids = [p.pid for p in engine.runner._procs.values()]
     for i in range(6):
         engine.add_request([10 + i, 11, 12], greedy(400))
     for _ in range(4):
@@ -285,7 +285,7 @@ def test_idle_engine_learns_of_a_dead_rank(tiny_llama):
             engine.wait_for_work(timeout=30)
     assert time.monotonic() - start < 5
     llm.close()
-    assert not any(_alive(p.pid) for p in engine.runner._procs)
+    assert not any(_alive(p.pid) for p in engine.runner._procs.values())
 
 
 def test_worker_that_raises_at_start_is_named(tiny_llama, tmp_path):

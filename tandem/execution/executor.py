@@ -30,6 +30,9 @@ import torch
 
 from tandem.config import EngineConfig, usable_cores
 from tandem.execution.batch import StepInputs
+from tandem.execution.cluster import HeadSide
+from tandem.execution.lifetime import exit_reason
+from tandem.execution.rendezvous import RendezvousError
 from tandem.execution.streams import StepHandle
 from tandem.execution.worker import STOP, WorkerArgs, run_worker
 
@@ -78,23 +81,25 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path: str):
         world = config.tensor_parallel_size
         device = config.torch_device
-        if device.type == "cuda" and torch.cuda.device_count() < world:
+        local = config.ranks_per_node  # ranks 0..local-1 here; over several nodes, the rest there
+        if device.type == "cuda" and torch.cuda.device_count() < local:
             raise ValueError(
-                f"tensor_parallel_size {world} needs {world} GPUs; "
+                f"{local} tensor-parallel ranks on this machine need {local} GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
-        self.threads_per_rank = config.cpu_threads or max(1, usable_cores() // world)
+        self.threads_per_rank = config.cpu_threads or max(1, usable_cores() // local)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.world_size = world
-        init_method = _rendezvous()
+        self.cluster = HeadSide(config) if config.nnodes > 1 else None
+        init_method = _rendezvous() if self.cluster is None else ""
         # A forked CUDA or OpenMP runtime is unsafe in the child: never plain "fork".
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        self._procs: list[mp.process.BaseProcess] = []
-        self._inputs: list[Connection] = []
-        self._outputs: list[Connection] = []
-        for rank in range(world):
+        self._procs: dict[int, mp.process.BaseProcess] = {}  # this machine's ranks
+        self._inputs: dict[int, Connection] = {}  # every rank's: a pipe, or a node's connection
+        self._outputs: dict[int, Connection] = {}
+        for rank in range(local):
             args = WorkerArgs(
                 rank=rank,
                 world_size=world,
@@ -104,6 +109,7 @@ class MultiprocExecutor:
                 config=config,
                 threads=self.threads_per_rank if device.type == "cpu" else None,
                 timeout_s=COLLECTIVE_TIMEOUT_S,
+                cluster=self.cluster.address() if self.cluster else None,
             )
             in_recv, in_send = ctx.Pipe(duplex=False)
             out_recv, out_send = ctx.Pipe(duplex=False)
@@ -114,18 +120,22 @@ class MultiprocExecutor:
             proc.start()
             in_recv.close()  # the child holds these ends now; ours would hide its exit
             out_send.close()
-            self._procs.append(proc)
-            self._inputs.append(in_send)
-            self._outputs.append(out_recv)
+            self._procs[rank] = proc
+            self._inputs[rank] = in_send
+            self._outputs[rank] = out_recv
         self._failure: WorkerFailure | None = None
         self._results: dict[int, tuple[np.ndarray, tuple[float, float], float]] = {}
         self._drafts: deque[np.ndarray] = deque()  # rank 0's, for `step_drafts`
         self._launched = 0
         self._received = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._inputs)
-        self._exited = threading.Event()  # set by the watcher when any worker's process ends
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._inputs, self.cluster)
+        if self.cluster is not None:
+            self._join_nodes()
+        self._exited = threading.Event()  # set by the watcher when any rank is lost
         self._exited_rank = -1  # which one (valid once _exited is set)
+        # ... and readable then, so that a wait for results wakes (a hung node sends nothing)
+        self._alarm, self._raise_alarm = mp.Pipe(duplex=False)
         self.on_exit: Callable[[], None] | None = None  # e.g. wake an idle engine loop
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         loaded = self._gather("loaded")
@@ -134,7 +144,7 @@ class MultiprocExecutor:
 
     def start(self, num_blocks: int, table_rows: int, max_model_len: int) -> None:
         """Allocate every rank's KV cache and token table; returns when all are ready."""
-        for conn in self._inputs:
+        for conn in self._inputs.values():
             conn.send((num_blocks, table_rows, max_model_len))
         self.plan = self._gather("ready")[0]
         self.plan.tensor_parallel_size = self.world_size
@@ -180,19 +190,43 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ internals
     def _send_all(self, payload: bytes) -> None:
-        for rank, conn in enumerate(self._inputs):
+        for rank, conn in self._inputs.items():
             try:
                 conn.send_bytes(payload)
             except OSError:
                 self._fail_from(rank, "its input pipe closed")
 
+    def _join_nodes(self) -> None:
+        """Every other node's agent and ranks connected (their steps go to the connections);
+        a local rank that ended first (a rendezvous error, say) fails the engine with its cause."""
+        sentinels = {p.sentinel: rank for rank, p in self._procs.items()}
+        try:
+            ended = self.cluster.accept(sentinels)
+        except RendezvousError:
+            self.cluster.failed = True
+            self._finalizer()
+            raise
+        if ended is not None:
+            raise self._fail(self._last_words(ended))
+        for rank, conn in self.cluster.rank_conns.items():
+            self._inputs[rank] = self._outputs[rank] = conn
+
     def _watch(self) -> None:
-        """Wait for any worker's process to end; an idle engine learns of it at once."""
+        """Wait until a rank is lost (its process ended, or its node, `HeadSide.watch`); an idle
+        engine learns of it at once."""
         # The rank comes from its sentinel: is_alive() can still say True for a moment after the
         # sentinel fires (the process closes its pipes before it can be reaped).
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
-        self._exited_rank = sentinels[wait(list(sentinels))[0]]
+        sentinels = {p.sentinel: rank for rank, p in self._procs.items()}
+        if self.cluster is None:
+            lost = sentinels[wait(list(sentinels))[0]]
+        else:
+            lost = self.cluster.watch(sentinels)
+        if lost is None:  # closed
+            return
+        self._exited_rank = lost
         self._exited.set()
+        with contextlib.suppress(OSError):
+            self._raise_alarm.send_bytes(b"")
         if not self._closed and self.on_exit is not None:
             self.on_exit()
 
@@ -225,48 +259,55 @@ class MultiprocExecutor:
         """The next message from any worker; a worker's death is a ("died", rank) message."""
         if self._failure is not None:
             raise self._failure
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        sentinels = {p.sentinel: rank for rank, p in self._procs.items()}
+        ranks = {conn: rank for rank, conn in self._outputs.items()}
         while True:
-            for conn in wait([*self._outputs, *sentinels]):
+            for conn in wait([*ranks, *sentinels, self._alarm]):
                 if conn in sentinels:
                     return self._last_words(sentinels[conn])
+                if conn is self._alarm:
+                    return self._last_words(self._exited_rank)
                 try:
                     return conn.recv()
                 except (EOFError, OSError):
-                    return ("died", self._outputs.index(conn))
+                    return ("died", ranks[conn])
 
     def _last_words(self, rank: int) -> tuple:
-        """What a worker whose process ended sent last (its error, say), or ("died", rank)."""
+        """What a lost rank sent last (its error, say), or ("died", rank)."""
         conn = self._outputs[rank]
-        if conn.poll():
-            with contextlib.suppress(EOFError, OSError):
+        with contextlib.suppress(EOFError, OSError):
+            if conn.poll():
                 return conn.recv()
         return ("died", rank)
 
     def _fail(self, first: tuple) -> WorkerFailure:
         """Gather what else fails within a moment, name the cause, stop every worker."""
         failures = [first]
+        procs = self._procs.values()
         deadline = time.monotonic() + FAILURE_GRACE_S
-        while (left := deadline - time.monotonic()) > 0 and any(p.is_alive() for p in self._procs):
-            ready = wait([p.sentinel for p in self._procs if p.is_alive()], timeout=left)
+        while (left := deadline - time.monotonic()) > 0 and any(p.is_alive() for p in procs):
+            ready = wait([p.sentinel for p in procs if p.is_alive()], timeout=left)
             if not ready:
                 break
-        for rank, conn in enumerate(self._outputs):
-            while conn.poll():
+        for rank, conn in self._outputs.items():
+            while _readable(conn):
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
                     break
                 if message[0] == "error":
                     failures.append(message)
-            if not self._procs[rank].is_alive() and not any(f[1] == rank for f in failures):
+            proc = self._procs.get(rank)
+            if proc and not proc.is_alive() and not any(f[1] == rank for f in failures):
                 failures.append(("died", rank))
         self._failure = WorkerFailure(self._describe(failures))
         for message in failures:
             if message[0] == "error":
                 logger.error("tensor-parallel rank %d failed:\n%s", message[1], message[3])
-        for proc in self._procs:  # the survivors may be stuck in a collective with the dead
+        for proc in procs:  # the survivors may be stuck in a collective with the dead
             proc.kill()
+        if self.cluster is not None:  # the other nodes see their connections close, and stop
+            self.cluster.failed = True
         self._finalizer()
         return self._failure
 
@@ -283,33 +324,37 @@ class MultiprocExecutor:
         for message in sorted(failures, key=order):
             rank = message[1]
             if message[0] == "died":
-                parts.append(f"rank {rank} died ({_exit_reason(self._procs[rank])})")
+                proc = self._procs.get(rank)
+                reason = exit_reason(proc) if proc else self.cluster.reason(rank)
+                parts.append(f"rank {rank} died ({reason})")
             else:
                 parts.append(f"rank {rank} raised {message[2]}")
         return "tensor-parallel worker " + "; ".join(dict.fromkeys(parts))
 
 
-def _exit_reason(proc: mp.process.BaseProcess) -> str:
-    proc.join(timeout=1.0)
-    code = proc.exitcode
-    if code is None:
-        return "still running"
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+def _readable(conn: Connection) -> bool:
+    try:
+        return conn.poll()
+    except (EOFError, OSError):
+        return False
 
 
-def _stop(procs: list, inputs: list[Connection]) -> None:
-    """Ask every worker to stop, then make sure: no process outlives the engine."""
-    for conn in inputs:
+def _stop(procs: dict, inputs: dict[int, Connection], cluster: HeadSide | None) -> None:
+    """Ask every worker to stop, then make sure: no process outlives the engine (the other
+    nodes' agents are told to stop, or see their connections close)."""
+    for conn in inputs.values():
         with contextlib.suppress(OSError):
             conn.send_bytes(STOP)
     deadline = time.monotonic() + 5.0
-    for proc in procs:
+    for proc in procs.values():
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
+    for proc in procs.values():
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5.0)
-    for conn in inputs:
+    if cluster is not None:
+        cluster.close()
+    for conn in inputs.values():
         conn.close()
 
 

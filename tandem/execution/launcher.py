@@ -49,7 +49,8 @@ def join_launcher_group(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
-        store = meet(rank, world, backend, settings_of(config, model_path))
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = meet(rank, world, backend, settings_of(config, model_path), addr, port)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=rendezvous_timeout_s()))  # fmt: skip
     if not cuda and config.cpu_threads is None:

@@ -3,8 +3,9 @@ a rank that never comes (named, after a bounded wait, not a hang of half an hour
 with other settings (the difference printed field by field, on every rank), a node that picks the
 wrong network interface (each rank logs the address and interface it uses).
 
-The ranks meet in a TCP store on rank 0 (MASTER_ADDR:MASTER_PORT), each writing its host,
-address and settings under its own key; the process group is then built on that store.
+The ranks meet in a TCP store on rank 0 (MASTER_ADDR:MASTER_PORT), or in node 0's engine
+(`cluster.py`), each writing its host, address and settings under its own key; the process group
+is then built on that store.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ RENDEZVOUS_TIMEOUT_S = 120.0  # TANDEM_RENDEZVOUS_TIMEOUT: how long the ranks wa
 # Settings that may differ between nodes: paths, and sizes the ranks agree on after joining
 # (the KV cache is the smallest any rank holds) or that only size a node's own threads.
 PER_NODE = frozenset({"model", "generation_config", "num_kv_blocks", "kv_cache_memory_gib",
-                      "gpu_memory_utilization", "cpu_threads", "detokenize"})  # fmt: skip
+                      "gpu_memory_utilization", "cpu_threads", "detokenize",
+                      "node_rank"})  # fmt: skip
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
@@ -85,7 +87,10 @@ def local_endpoint(master_addr: str, backend: str) -> Endpoint:
                 s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent
                 address = s.getsockname()[0]
         except OSError as exc:  # an unknown name, or no route to it
-            raise RendezvousError(f"MASTER_ADDR {master_addr!r} cannot be reached: {exc}") from None
+            raise RendezvousError(
+                f"the rendezvous address {master_addr!r} cannot be reached (MASTER_ADDR or "
+                f"--master-addr): {exc}"
+            ) from None
     setting = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     interface = os.environ.get(setting) or interface_of(address)
     if interface and backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -152,25 +157,48 @@ def wait_for_every_rank(store: dist.Store, keys: list[str], timeout_s: float, wh
         time.sleep(0.05)
 
 
-def meet(rank: int, world: int, backend: str, settings: dict[str, str]) -> dist.Store:
-    """Every rank's key in rank 0's store within the timeout, each with rank 0's settings; the
-    store the process group is then built on. RendezvousError names what went wrong."""
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    timeout_s = rendezvous_timeout_s()
+def open_store(addr: str, port: int, is_master: bool, timeout_s: float, who: str) -> dist.Store:
+    """The rendezvous store: hosted here, or reached within the timeout; RendezvousError says
+    which address failed and what to check."""
+    try:
+        return dist.TCPStore(addr, port, is_master=is_master,
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+    except dist.DistError as exc:
+        if is_master:
+            raise RendezvousError(
+                f"{who} could not listen at {addr}:{port}: is the port in use, and is {addr} "
+                f"this node's address? ({exc})"
+            ) from None
+        raise RendezvousError(
+            f"{who} could not reach node 0 at {addr}:{port} within {timeout_s:g} s: is node 0 "
+            f"running, and is that its address (MASTER_ADDR and MASTER_PORT, or --master-addr "
+            f"and --master-port)? ({exc})"
+        ) from None
+
+
+def meet(
+    rank: int,
+    world: int,
+    backend: str,
+    settings: dict[str, str],
+    addr: str,
+    port: int,
+    host_store: bool | None = None,
+    timeout_s: float | None = None,
+) -> dist.Store:
+    """Every rank's key in the store at addr:port within the timeout, each with rank 0's
+    settings; the store the process group is then built on. The store lives in rank 0 unless
+    `host_store` says otherwise (node 0's engine holds it for its own ranks). RendezvousError
+    names what went wrong. `timeout_s` defaults to TANDEM_RENDEZVOUS_TIMEOUT's."""
+    timeout_s = timeout_s or rendezvous_timeout_s()
     endpoint = local_endpoint(addr, backend)
     logger.info(
         "rank %d of %d on %s: address %s, interface %s; rendezvous at %s:%d",
         rank, world, endpoint.host, endpoint.address, endpoint.interface or "(unknown)", addr,
         port,
     )  # fmt: skip
-    try:
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
-    except dist.DistError as exc:
-        raise RendezvousError(
-            f"rank {rank} could not reach rank 0 at {addr}:{port} within {timeout_s:g} s: is "
-            f"node 0 running, and are MASTER_ADDR and MASTER_PORT its address? ({exc})"
-        ) from None
+    is_master = rank == 0 if host_store is None else host_store
+    store = open_store(addr, port, is_master, timeout_s, f"rank {rank}")
     keys = [f"tandem/rank/{r}" for r in range(world)]
     store.set(keys[rank], json.dumps({"host": endpoint.host, "address": endpoint.address,
                                       "settings": settings}))  # fmt: skip

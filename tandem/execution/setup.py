@@ -68,6 +68,11 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
     tp = SINGLE
     if config.tensor_parallel_size > 1:
         check_shardable(spec, config.tensor_parallel_size)
+    if config.node_rank > 0:
+        raise ValueError(
+            f"node {config.node_rank} of {config.nnodes} runs no engine: start it with "
+            "`tandem serve --headless` (node 0 runs the engine)"
+        )
     if spmd:  # a launcher started every rank: this one is a whole engine over its shard
         tp, config = join_launcher_group(config, path)
     elif config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches

@@ -11,6 +11,7 @@ GPU its device never idles between the two.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import queue
@@ -20,15 +21,22 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
+from tandem.execution.cluster import ClusterAddress, connect_to_head
+from tandem.execution.lifetime import die_with_parent
+from tandem.execution.rendezvous import meet, settings_of
 from tandem.models.parallel import TensorParallel
 
+logger = logging.getLogger("tandem")
+
 STOP = b""  # on the input pipe: finish the steps in flight and exit
+HEAD_GONE = object()  # a headless node's rank read EOF from node 0: fail, not a clean stop
 
 
 @dataclass(frozen=True)
@@ -43,22 +51,36 @@ class WorkerArgs:
     config: EngineConfig  # the engine's: dtype, device type, cache budget, eager, graphs ...
     threads: int | None  # CPU: compute threads of this process
     timeout_s: float
+    local_rank: int | None = None  # its device on this machine; None: its rank
+    cluster: ClusterAddress | None = None  # several machines: where the ranks meet
+    parent_pid: int = 0  # a headless node's agent: die with it
 
 
-def run_worker(args: WorkerArgs, inputs: Connection, outputs: Connection) -> None:
-    """Process entry point: any failure is reported to the engine, named by rank, then exits."""
+class HeadGone(RuntimeError):
+    """A headless node's rank lost its connection to node 0 without being told to stop."""
+
+
+def run_worker(args: WorkerArgs, inputs: Connection | None, outputs: Connection | None) -> None:
+    """Process entry point: any failure is reported to the engine, named by rank, then exits.
+    A headless node's rank gets no pipes: it connects to node 0 itself."""
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
+    worker = _Worker(args, inputs, outputs)
     try:
-        _Worker(args, inputs, outputs).serve()
+        worker.serve()
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
         text = "".join(traceback.format_exception(exc))
-        with contextlib.suppress(OSError):  # the engine may be gone
-            outputs.send(("error", args.rank, f"{type(exc).__name__}: {exc}", text))
+        if args.cluster is not None and args.cluster.remote:  # the node's own log says it too
+            logger.error("rank %d failed:\n%s", args.rank, text)
+        if worker.outputs is not None:
+            with contextlib.suppress(OSError):  # the engine may be gone
+                worker.outputs.send(("error", args.rank, f"{type(exc).__name__}: {exc}", text))
         os._exit(1)  # skip destructors that could wait on peers that are gone
     os._exit(0)
 
 
 class _Worker:
-    def __init__(self, args: WorkerArgs, inputs: Connection, outputs: Connection):
+    def __init__(self, args: WorkerArgs, inputs: Connection | None, outputs: Connection | None):
         self.args = args
         self.inputs = inputs
         self.outputs = outputs
@@ -72,16 +94,11 @@ class _Worker:
         if a.threads is not None:
             torch.set_num_threads(a.threads)
         device_type = config.torch_device.type
-        device = torch.device(device_type, a.rank if device_type == "cuda" else None)
+        index = a.rank if a.local_rank is None else a.local_rank
+        device = torch.device(device_type, index if device_type == "cuda" else None)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            a.backend,
-            init_method=a.init_method,
-            rank=a.rank,
-            world_size=a.world_size,
-            timeout=timedelta(seconds=a.timeout_s),
-        )
+        self._join_group()
         tp = TensorParallel(a.rank, a.world_size)
         path, spec, hf_config = read_config(a.model_path)
         dtype = config.torch_dtype
@@ -105,6 +122,25 @@ class _Worker:
         finally:
             runner.close()
 
+    def _join_group(self) -> None:
+        """On one machine, at the engine's address; over several, in node 0's store (a missing
+        rank or other settings named), a headless node's rank then connecting to node 0."""
+        a = self.args
+        timeout = timedelta(seconds=a.timeout_s)
+        if a.cluster is None:
+            dist.init_process_group(a.backend, init_method=a.init_method, rank=a.rank,
+                                    world_size=a.world_size, timeout=timeout)  # fmt: skip
+            return
+        settings = settings_of(a.config, Path(a.model_path))
+        c = a.cluster
+        store = meet(a.rank, a.world_size, a.backend, settings, c.addr, c.port, host_store=False,
+                     timeout_s=c.timeout_s)  # fmt: skip
+        if c.remote:
+            hello = {"rank": a.rank}
+            self.inputs = self.outputs = connect_to_head(store, c.addr, c.port, hello, c.timeout_s)
+        dist.init_process_group(a.backend, store=store, rank=a.rank, world_size=a.world_size,
+                                timeout=timeout)  # fmt: skip
+
     def _run_steps(self, runner) -> None:
         inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
@@ -118,6 +154,8 @@ class _Worker:
                 continue
             if data == STOP:
                 break
+            if data is HEAD_GONE:
+                raise HeadGone("the connection to node 0 closed without a stop")
             message = pickle.loads(data)
             if isinstance(message, np.ndarray):  # the bitmask of the step just launched
                 handle = runner.sample_constrained(awaiting_bitmask, torch.from_numpy(message))
@@ -140,8 +178,10 @@ class _Worker:
         try:
             while (data := self.inputs.recv_bytes()) != STOP:
                 inbox.put(data)
-        except (EOFError, OSError):  # the engine's process is gone
-            pass
+        except (EOFError, OSError):  # the engine's process (or node 0) is gone
+            remote = self.args.cluster is not None and self.args.cluster.remote
+            inbox.put(HEAD_GONE if remote else STOP)
+            return
         inbox.put(STOP)
 
     def _finish(self, handle) -> None:

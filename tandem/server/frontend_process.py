@@ -20,9 +20,9 @@ from types import FrameType
 
 import uvicorn
 
+from tandem.execution.lifetime import die_with_parent
 from tandem.server.app import create_app
 from tandem.server.core.client import CoreClient, CoreEndpoint, CoreUnavailable
-from tandem.server.core.process import die_with_parent
 from tandem.server.frontend.guards import DEFAULT_MAX_REQUEST_BYTES
 from tandem.server.frontend.metrics import MULTIPROCESS_ENV
 from tandem.server.frontend.served_model import ServedModel, load_tokenizer

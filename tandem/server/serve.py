@@ -76,6 +76,9 @@ def serve(
     """
     if api_server_count < 1 or data_parallel_size < 1:
         raise ValueError("api_server_count and data_parallel_size must be >= 1")
+    if data_parallel_size > 1 and config.nnodes > 1:
+        raise ValueError("--data-parallel-size with --nnodes: run one server per machine behind "
+                         "a router for data parallelism across machines (docs/multi_node.md)")  # fmt: skip
     if engine_timeout_s <= 0:
         raise ValueError("engine_timeout_s must be > 0")
     if not logging.getLogger().handlers:

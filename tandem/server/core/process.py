@@ -16,7 +16,6 @@ as `CoreFailed`, and the process exits 1.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import logging
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.execution.lifetime import die_with_parent
 from tandem.lora import LoraError
 from tandem.metrics import write_chrome_trace
 from tandem.request import RequestOutput
@@ -93,17 +93,6 @@ def stop_core(process: multiprocessing.Process, timeout: float = 10.0) -> None:
     if process.is_alive():
         process.kill()
     process.join()
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has
-    (`parent_pid` 0: no such check, for a core forked by a fork server)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if parent_pid and os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def run_core(options: CoreOptions) -> None:

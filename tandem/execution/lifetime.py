@@ -1,0 +1,29 @@
+"""Processes that never outlive their parent: a child of a SIGKILLed parent is killed too."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has
+    (`parent_pid` 0: no such check, for a child forked by a fork server)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def exit_reason(proc: mp.process.BaseProcess) -> str:
+    """How a child ended, as a log says it: "killed by signal 9", "exit code 1"."""
+    proc.join(timeout=1.0)
+    code = proc.exitcode
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
