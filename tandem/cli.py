@@ -97,8 +97,10 @@ def speculative_config(text: str) -> SpeculativeConfig:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine flags given (fields without a flag, such as `detokenize`, keep their default)."""
-    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    """The engine flags given (fields without a flag, such as `detokenize`, or a flag left
+    unset, keep their default)."""
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+             if getattr(args, f.name, None) is not None}  # fmt: skip
     return EngineConfig(**given)
 
 

@@ -187,6 +187,7 @@ class MultiprocExecutor:
             return
         self._closed = True
         self._finalizer()
+        self._alarm.close()  # its other end is the watcher's, which closes it as it ends
 
     # ------------------------------------------------------------------ internals
     def _send_all(self, payload: bytes) -> None:
@@ -221,12 +222,13 @@ class MultiprocExecutor:
             lost = sentinels[wait(list(sentinels))[0]]
         else:
             lost = self.cluster.watch(sentinels)
-        if lost is None:  # closed
-            return
-        self._exited_rank = lost
-        self._exited.set()
-        with contextlib.suppress(OSError):
-            self._raise_alarm.send_bytes(b"")
+        with self._raise_alarm:
+            if lost is None:  # closed
+                return
+            self._exited_rank = lost
+            self._exited.set()
+            with contextlib.suppress(OSError):  # closed: nobody waits any more
+                self._raise_alarm.send_bytes(b"")
         if not self._closed and self.on_exit is not None:
             self.on_exit()
 
