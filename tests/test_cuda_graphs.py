@@ -9,7 +9,11 @@ and a whole generation through it must give exactly the eager path's tokens.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +37,13 @@ from tandem.execution.fast_path import ExecutionPlan
 
 from conftest import random_prompts
 from helpers import assert_idle_and_balanced, greedy, make_llm
+
+CUDA_CHECK = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_check.py"
+# The decode runs of the dry run under both GEMMs: graphs on under each, off under the default.
+BLOG = [
+    f"blog {m}, graphs {g}" for g in ("on", "on, triton GEMMs", "off") for m in ("sync", "async")
+]
+FP8 = [f"fp8 check: {w}{g}" for g in ("", ", triton GEMMs") for w in ("bf16", "fp8")]
 
 
 class EagerGraphs(DecodeGraphs):
@@ -210,22 +221,24 @@ def test_padded_layout(tiny_llama):
     assert (graphs.block_tables[:, 1:] == 17).all()  # unsent columns: unread, left alone
 
 
-def test_cuda_check_script_runs_on_a_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """benchmarks/cuda_check.py is run on a GPU rarely and at a cost: its --cpu-dry-run runs
-    every section here at tiny sizes, so a broken script is found before a GPU run, and its JSON
-    holds every run's figures."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_check.py"
-    out = tmp_path / "results" / "dry-run.json"
+    every section here at tiny sizes, under both GEMMs, so a broken script is found before a GPU
+    run. One run, which the two tests below judge; its output and its JSON."""
+    out = tmp_path_factory.mktemp("cuda-check") / "results" / "dry-run.json"
     done = subprocess.run(
-        [sys.executable, str(script), "--cpu-dry-run", "--json", str(out)], capture_output=True,
-        text=True, timeout=600,
+        [sys.executable, str(CUDA_CHECK), "--cpu-dry-run", "--gemms", "default,triton", "--json",
+         str(out)],
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, out
+
+
+def test_cuda_check_script_runs_on_a_cpu(dry_run):
+    """Every section runs, and the JSON holds every run's figures."""
+    done, out = dry_run
     table = done.stdout[done.stdout.rindex("-" * 100) :]
     assert "FAILED" not in table
     for section in ("equivalence", "features", "blog", "fp8", "speculative", "serve", "hf"):
@@ -234,16 +247,13 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     results = json.loads(out.read_text())
     assert results["machine"]["torch"] == torch.__version__
     names = [r["name"] for r in results["runs"]]
-    decode = [f"blog {m}, graphs {g}" for g in ("on", "off") for m in ("sync", "async")] + [
-        "fp8 check: bf16", "fp8 check: fp8"
-    ]  # fmt: skip
     speculative = [f"speculative {d}, {m}, batch {b}" for b in (1, 4) for m in ("async", "sync")
                    for d in ("off", "ngram", "ngram, 4 every step")]  # fmt: skip
-    assert names == decode + speculative + ["serve async", "serve sync"]
+    assert names == BLOG + FP8 + speculative + ["serve async", "serve sync"]
     runs = {r["name"]: r for r in results["runs"]}
     for run in results["runs"]:
         assert run["tokens_per_s"] > 0
-    for name in decode:
+    for name in BLOG + FP8:
         assert runs[name]["weight_bytes"] > 0
         assert runs[name]["fraction_of_streaming"] > 0 and runs[name]["nominal_gbs"] is None
     assert runs["fp8 check: fp8"]["weight_bytes"] < runs["fp8 check: bf16"]["weight_bytes"]
@@ -256,34 +266,16 @@ def test_cuda_check_script_runs_on_a_cpu(tmp_path):
     assert len(results["checks"]) == table.count("\n") - 1
 
 
-def test_cuda_check_runs_both_gemms_on_a_cpu(tmp_path):
+def test_cuda_check_runs_both_gemms_on_a_cpu(dry_run):
     """`--gemms default,triton` runs the blog (graphs on) and FP8 sections under each GEMM,
-    named apart, and compares the Triton GEMMs' bf16 outputs with the default's (on a CPU both
-    are the same GEMMs: no distance)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_check.py"
-    out = tmp_path / "gemms.json"
-    done = subprocess.run(
-        [sys.executable, str(script), "--cpu-dry-run", "--sections", "blog,fp8", "--gemms",
-         "default,triton", "--blog-graphs", "on,off", "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    names = [r["name"] for r in results["runs"]]
-    blog = [f"blog {m}, graphs {g}" for g in ("on", "on, triton GEMMs", "off")
-            for m in ("sync", "async")]  # fmt: skip
-    fp8 = [f"fp8 check: {w}{g}" for g in ("", ", triton GEMMs") for w in ("bf16", "fp8")]
-    assert names == blog + fp8
+    named apart (`BLOG`, `FP8`), and compares the Triton GEMMs' bf16 outputs with the default's
+    (on a CPU both are the same GEMMs: no distance); an unknown GEMM is refused."""
+    results = json.loads(dry_run[1].read_text())
     same = results["bf16, triton GEMMs vs bf16"]
     assert same["prompt_logprob_max_abs_diff"] == 0 and same["greedy_same_token_share"] == 1
     assert "fp8, triton GEMMs vs bf16, triton GEMMs" in results and "fp8" in results
     with pytest.raises(subprocess.CalledProcessError):
-        subprocess.run([sys.executable, str(script), "--cpu-dry-run", "--gemms", "cutlass"],
+        subprocess.run([sys.executable, str(CUDA_CHECK), "--cpu-dry-run", "--gemms", "cutlass"],
                        check=True, capture_output=True, timeout=60)  # fmt: skip
 
 
