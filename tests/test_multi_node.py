@@ -23,17 +23,17 @@ from test_server_processes import (
     KV_BLOCKS,
     MODEL_LEN,
     OFFLINE_OPTIONS,
-    STARTUP_S,
     Served,
     clean_up,
-    every,
     free_port,
     spawn,
+    wait_healthy,
 )
 
 from tandem import LLM, SamplingParams
 from tandem.cli import main, node_topology
 from tandem.config import EngineConfig
+from tandem.execution.cluster import heartbeat_timeout_s
 from tandem.execution.executor import WorkerFailure
 from tandem.execution.rendezvous import RendezvousError
 from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
@@ -210,17 +210,6 @@ def test_nodes_with_other_settings_stop_with_the_difference(tiny_llama, tmp_path
         clean_up(node)
 
 
-def wait_healthy(server: Served, url: str) -> None:
-    def healthy() -> bool:
-        assert server.proc.poll() is None, f"the server exited:\n{server.output()}"
-        try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(every(0.2, healthy), STARTUP_S, f"the server at {url}")
-
-
 # ------------------------------------------------------------ flags and the launcher's env
 def flags(**given) -> argparse.Namespace:
     names = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -249,7 +238,10 @@ def test_node_flags_come_from_torchrun_when_not_given() -> None:
         node_topology(flags(headless=True), {})
 
 
-def test_node_settings_are_checked(tiny_llama) -> None:
+def test_node_settings_are_checked(tiny_llama, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_HEARTBEAT_TIMEOUT", "0.5")  # a heartbeat comes every second
+    with pytest.raises(ValueError, match="TANDEM_HEARTBEAT_TIMEOUT must be seconds > 1, got '0.5'"):
+        heartbeat_timeout_s()
     with pytest.raises(ValueError, match="tensor_parallel_size 3 is not a multiple of nnodes 2"):
         EngineConfig(tensor_parallel_size=3, nnodes=2)
     with pytest.raises(ValueError, match="node_rank in 0..nnodes-1"):

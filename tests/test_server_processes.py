@@ -149,16 +149,19 @@ def every(seconds: float, condition: Callable[[], bool]) -> Callable[[], bool]:
     return check
 
 
-def wait_healthy(server: Served) -> None:
+def wait_healthy(server: Served, url: str | None = None) -> None:
+    """Until the server's /health (at `url`, default its own) says 200; then its model's name."""
+    url = url or server.url
+
     def healthy() -> bool:
         assert server.proc.poll() is None, f"the server exited:\n{server.output()}"
         try:
-            return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
         except httpx.TransportError:
             return False
 
-    wait_until(every(0.2, healthy), STARTUP_S, "the server's /health")
-    server.model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    wait_until(every(0.2, healthy), STARTUP_S, f"the server's /health at {url}")
+    server.model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
 
 
 def clean_up(server: Served) -> None:

@@ -31,7 +31,12 @@ from multiprocessing.connection import Connection, wait
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.execution.rendezvous import RendezvousError, open_store, rendezvous_timeout_s
+from tandem.execution.rendezvous import (
+    RendezvousError,
+    open_store,
+    rendezvous_timeout_s,
+    seconds_setting,
+)
 
 logger = logging.getLogger("tandem")
 
@@ -53,16 +58,7 @@ class ClusterAddress:
 
 
 def heartbeat_timeout_s() -> float:
-    text = os.environ.get("TANDEM_HEARTBEAT_TIMEOUT")
-    try:
-        value = float(text) if text else HEARTBEAT_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > HEARTBEAT_INTERVAL_S:
-        raise ValueError(
-            f"TANDEM_HEARTBEAT_TIMEOUT must be seconds > {HEARTBEAT_INTERVAL_S:g}, got {text!r}"
-        )
-    return value
+    return seconds_setting("TANDEM_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S)
 
 
 def connect_to_head(

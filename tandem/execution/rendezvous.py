@@ -51,15 +51,20 @@ class Endpoint:
     interface: str | None
 
 
-def rendezvous_timeout_s() -> float:
-    text = os.environ.get("TANDEM_RENDEZVOUS_TIMEOUT")
+def seconds_setting(name: str, default: float, above: float = 0.0) -> float:
+    """An environment variable of seconds, more than `above`; a ValueError names a bad one."""
+    text = os.environ.get(name)
     try:
-        value = float(text) if text else RENDEZVOUS_TIMEOUT_S
+        value = float(text) if text else default
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"TANDEM_RENDEZVOUS_TIMEOUT must be seconds > 0, got {text!r}")
+        value = above - 1.0
+    if not value > above:
+        raise ValueError(f"{name} must be seconds > {above:g}, got {text!r}")
     return value
+
+
+def rendezvous_timeout_s() -> float:
+    return seconds_setting("TANDEM_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S)
 
 
 def interface_of(address: str) -> str | None:
