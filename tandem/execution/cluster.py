@@ -96,13 +96,13 @@ class HeadSide:
         self.timeout_s = heartbeat_timeout_s()
         self.rendezvous_s = rendezvous_timeout_s()
         self.store = open_store(self.addr, self.port, True, self.rendezvous_s, "node 0")
-        self._token = secrets.token_hex(16)
-        self.store.set(HEAD_KEY, json.dumps({"token": self._token}))
         try:
             self._listener = socket.create_server((self.addr, self.port + 1))
         except OSError as exc:
             raise RendezvousError(f"node 0 could not listen at {self.addr}:{self.port + 1} "
                                   f"(--master-port + 1): {exc}") from None  # fmt: skip
+        self._token = secrets.token_hex(16)  # in the store once the listener is up to meet it
+        self.store.set(HEAD_KEY, json.dumps({"token": self._token}))
         self.rank_conns: dict[int, Connection] = {}
         self.node_conns: dict[int, Connection] = {}
         self.node_address: dict[int, str] = {}
@@ -149,6 +149,8 @@ class HeadSide:
             if not conn.poll(5.0):
                 raise ValueError("no hello")
             hello = json.loads(conn.recv_bytes(4096))
+            if not isinstance(hello, dict):
+                raise ValueError("no hello")
             if not hmac.compare_digest(str(hello.get("token", "")), self._token):
                 raise ValueError("a wrong token")
             rank, node = hello.get("rank"), hello.get("node")
@@ -160,7 +162,7 @@ class HeadSide:
             else:
                 raise ValueError(f"an unexpected hello {hello}")
             conn.send_bytes(b"ok")
-        except (ValueError, OSError, EOFError) as exc:  # a stray or stale connection
+        except (ValueError, TypeError, OSError, EOFError) as exc:  # a stray or stale connection
             logger.warning("node 0 refused a connection from %s: %s", peer, exc)
             conn.close()
 
@@ -169,6 +171,7 @@ class HeadSide:
         rank; `reasons` says why), sending heartbeats; None once closed."""
         last_seen = dict.fromkeys(self.node_conns, time.monotonic())
         by_conn = {conn: node for node, conn in self.node_conns.items()}
+        sent = 0.0
         while not self._closed:
             try:
                 ready = wait([*sentinels, *by_conn], timeout=HEARTBEAT_INTERVAL_S)
@@ -192,6 +195,9 @@ class HeadSide:
                 if now - seen > self.timeout_s:
                     return self._lost(node, f"no heartbeat for {self.timeout_s:g} s (hung, or "
                                             "the network between is down)")  # fmt: skip
+            if now - sent < HEARTBEAT_INTERVAL_S:
+                continue
+            sent = now
             for node in self.node_conns:
                 if not self.send(node, HEARTBEAT):
                     return self._lost(node, "its connection closed")
