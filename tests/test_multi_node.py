@@ -45,6 +45,10 @@ SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, igno
 HEARTBEAT_TIMEOUT = "3"
 DETECTED_S = 10.0  # every failure is detected within this
 SYNC = {"sync": ("--no-async",), "async": ()}  # every node runs with node 0's settings
+HUNG = {  # how node 0 names each hang
+    "node": r"rank 1 died \(no heartbeat for 3 s \(hung, or the network between is down\); node 1",
+    "rank": r"rank 1 died \(no heartbeat for 3 s: hung on .*; node 1",
+}
 
 
 def nodes(port: int) -> tuple[str, ...]:
@@ -59,6 +63,15 @@ def start_headless(model: Path, log: Path, port: int, *flags: str) -> Served:
         return spawn(model, log, *nodes(port), "--node-rank", "1", "--headless", *flags)
     finally:
         del os.environ["TANDEM_HOST_IP"]
+
+
+def rank_process(node: Served) -> int:
+    """The pid of the rank a headless node's agent spawned."""
+    return next(
+        pid
+        for pid in processes_in_group(node.pgid)
+        if pid != node.proc.pid and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
 
 
 def head_llm(model: Path, port: int, **options) -> LLM:
@@ -91,10 +104,12 @@ def one_process(tiny_llama: Path) -> dict[str, list[list[int]]]:
         llm.close()
 
 
-@pytest.mark.parametrize("loop", ["sync", "async"])
-def test_two_nodes_equal_one_process_then_a_hung_node_fails_the_engine(
-    tiny_llama, tmp_path, one_process, loop
+@pytest.mark.parametrize(("loop", "hangs"), [("sync", None), ("async", "node"), ("async", "rank")])
+def test_two_nodes_equal_one_process_then_a_hung_node_or_rank_fails_the_engine(
+    tiny_llama, tmp_path, one_process, loop, hangs
 ) -> None:
+    """Then node 1 hangs (stopped, agent and rank): node 0 hears no heartbeat from it; or only
+    its rank hangs: its agent hears none, and tells node 0. Either way the engine fails."""
     port = free_port()
     node = start_headless(tiny_llama, tmp_path / "node1.log", port, *SYNC[loop])
     try:
@@ -102,10 +117,13 @@ def test_two_nodes_equal_one_process_then_a_hung_node_fails_the_engine(
         try:
             assert tokens(llm, GREEDY) == one_process["greedy"]
             assert tokens(llm, SEEDED) == one_process["seeded"]
-            if loop == "async":  # node 1 hangs (stopped): node 0 hears no heartbeat, and fails
-                os.killpg(node.pgid, signal.SIGSTOP)
+            if hangs is not None:
+                if hangs == "node":
+                    os.killpg(node.pgid, signal.SIGSTOP)
+                else:
+                    os.kill(rank_process(node), signal.SIGSTOP)
                 began = time.monotonic()
-                with pytest.raises(WorkerFailure, match=r"rank 1 died \(no heartbeat for 3 s"):
+                with pytest.raises(WorkerFailure, match=HUNG[hangs]):
                     tokens(llm, GREEDY)
                 assert time.monotonic() - began < DETECTED_S
                 return

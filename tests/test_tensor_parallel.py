@@ -273,6 +273,26 @@ def test_killed_worker_fails_fast_and_names_the_rank(tiny_llama):
     llm.close()  # after the failure: stops quietly
 
 
+def test_a_hung_rank_fails_the_engine_on_its_missing_heartbeat(tiny_llama, monkeypatch):
+    """A rank that stops (alive, silent: SIGSTOP) mid-generation fails the engine within
+    seconds, named, and no process stays."""
+    monkeypatch.setenv("TANDEM_HEARTBEAT_TIMEOUT", "2")
+    llm = make_llm(tiny_llama, num_kv_blocks=256, **TP2)
+    engine = llm.engine
+    pids = [p.pid for p in engine.runner._procs.values()]
+    for i in range(4):
+        engine.add_request([10 + i, 11, 12], greedy(400))
+    engine.step()
+    os.kill(pids[1], signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rank 1 died \(no heartbeat for 2 s: hung\)"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - start < 10
+    wait_until(lambda: not any(_alive(pid) for pid in pids), 10, "the ranks to be gone")
+    llm.close()
+
+
 def test_idle_engine_learns_of_a_dead_rank(tiny_llama):
     """No step in flight: the engine loop's wait for work raises as soon as a rank dies."""
     llm = make_llm(tiny_llama, num_kv_blocks=64, **TP2)

@@ -61,6 +61,33 @@ def heartbeat_timeout_s() -> float:
     return seconds_setting("TANDEM_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S)
 
 
+class Heartbeats:
+    """When each peer (a rank, a node) last beat; which one has been silent too long. A peer is
+    watched from its first beat: until then other timeouts bound it (the rendezvous, start-up)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._last: dict[int, float] = {}
+
+    def beat(self, peer: int) -> None:
+        self._last[peer] = time.monotonic()
+
+    def silent(self) -> int | None:
+        now = time.monotonic()
+        return next((p for p, last in self._last.items() if now - last > self.timeout_s), None)
+
+
+def send_heartbeats(conn: Connection) -> None:
+    """A rank's thread: a beat a second until its supervisor is gone (it needs the GIL only
+    between the steps' kernels, which release it)."""
+    while True:
+        try:
+            conn.send_bytes(HEARTBEAT)
+        except OSError:
+            return
+        time.sleep(HEARTBEAT_INTERVAL_S)
+
+
 def connect_to_head(
     store: dist.Store, addr: str, port: int, hello: dict, timeout_s: float
 ) -> Connection:
@@ -166,38 +193,35 @@ class HeadSide:
             logger.warning("node 0 refused a connection from %s: %s", peer, exc)
             conn.close()
 
-    def watch(self, sentinels: dict) -> int | None:
-        """Until a local rank's process ends (its rank) or a node is lost (the node's first
-        rank; `reasons` says why), sending heartbeats; None once closed."""
-        last_seen = dict.fromkeys(self.node_conns, time.monotonic())
-        by_conn = {conn: node for node, conn in self.node_conns.items()}
-        sent = 0.0
-        while not self._closed:
-            try:
-                ready = wait([*sentinels, *by_conn], timeout=HEARTBEAT_INTERVAL_S)
-            except (OSError, ValueError):  # closed under us
-                return None
-            for obj in ready:
-                if obj in sentinels:
-                    return sentinels[obj]
-                node = by_conn[obj]
-                try:
-                    data = obj.recv_bytes()
-                except (EOFError, OSError):
-                    return self._lost(node, "its connection closed")
-                if data == HEARTBEAT:
-                    last_seen[node] = time.monotonic()
-                else:  # its agent saw one of its ranks die
-                    report = json.loads(data)
-                    return self._lost(node, report["reason"], report["rank"])
-            now = time.monotonic()
-            for node, seen in last_seen.items():
-                if now - seen > self.timeout_s:
-                    return self._lost(node, f"no heartbeat for {self.timeout_s:g} s (hung, or "
-                                            "the network between is down)")  # fmt: skip
-            if now - sent < HEARTBEAT_INTERVAL_S:
-                continue
-            sent = now
+    def start_watching(self) -> None:
+        """Every node is watched from now: it joined, and node 0 beats to it."""
+        self.alive = Heartbeats(self.timeout_s)
+        for node in self.node_conns:
+            self.alive.beat(node)
+        self._sent = 0.0
+
+    def read(self, conn: Connection) -> int | None:
+        """A node's message: a heartbeat (None), or the rank lost (`reasons` says why)."""
+        node = next(n for n, c in self.node_conns.items() if c is conn)
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return self._lost(node, "its connection closed")
+        if data == HEARTBEAT:
+            self.alive.beat(node)
+            return None
+        report = json.loads(data)  # its agent saw one of its ranks die or hang
+        return self._lost(node, report["reason"], report["rank"])
+
+    def tick(self) -> int | None:
+        """A heartbeat to every node once a second; the first rank of a silent or gone node."""
+        node = self.alive.silent()
+        if node is not None:
+            return self._lost(node, f"no heartbeat for {self.timeout_s:g} s (hung, or the "
+                                    "network between is down)")  # fmt: skip
+        now = time.monotonic()
+        if now - self._sent >= HEARTBEAT_INTERVAL_S:
+            self._sent = now
             for node in self.node_conns:
                 if not self.send(node, HEARTBEAT):
                     return self._lost(node, "its connection closed")

@@ -30,7 +30,12 @@ import torch
 
 from tandem.config import EngineConfig, usable_cores
 from tandem.execution.batch import StepInputs
-from tandem.execution.cluster import HeadSide
+from tandem.execution.cluster import (
+    HEARTBEAT_INTERVAL_S,
+    HeadSide,
+    Heartbeats,
+    heartbeat_timeout_s,
+)
 from tandem.execution.lifetime import exit_reason
 from tandem.execution.rendezvous import RendezvousError
 from tandem.execution.streams import StepHandle
@@ -99,6 +104,9 @@ class MultiprocExecutor:
         self._procs: dict[int, mp.process.BaseProcess] = {}  # this machine's ranks
         self._inputs: dict[int, Connection] = {}  # every rank's: a pipe, or a node's connection
         self._outputs: dict[int, Connection] = {}
+        self._beats: dict[int, Connection] = {}  # each local rank's heartbeats, once it serves
+        self._hung: dict[int, str] = {}  # a local rank that fell silent: why it is taken as lost
+        self.heartbeat_timeout_s = heartbeat_timeout_s()
         for rank in range(local):
             args = WorkerArgs(
                 rank=rank,
@@ -113,16 +121,17 @@ class MultiprocExecutor:
             )
             in_recv, in_send = ctx.Pipe(duplex=False)
             out_recv, out_send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=run_worker, args=(args, in_recv, out_send), name=f"tandem-tp{rank}"
-            )
+            beats_recv, beats_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_worker, args=(args, in_recv, out_send, beats_send),
+                               name=f"tandem-tp{rank}")  # fmt: skip
             proc.daemon = True  # never outlives the engine's process
             proc.start()
-            in_recv.close()  # the child holds these ends now; ours would hide its exit
-            out_send.close()
+            for end in (in_recv, out_send, beats_send):
+                end.close()  # the child holds these ends now; ours would hide its exit
             self._procs[rank] = proc
             self._inputs[rank] = in_send
             self._outputs[rank] = out_recv
+            self._beats[rank] = beats_recv
         self._failure: WorkerFailure | None = None
         self._results: dict[int, tuple[np.ndarray, tuple[float, float], float]] = {}
         self._drafts: deque[np.ndarray] = deque()  # rank 0's, for `step_drafts`
@@ -213,16 +222,14 @@ class MultiprocExecutor:
             self._inputs[rank] = self._outputs[rank] = conn
 
     def _watch(self) -> None:
-        """Wait until a rank is lost (its process ended, or its node, `HeadSide.watch`); an idle
-        engine learns of it at once."""
-        # The rank comes from its sentinel: is_alive() can still say True for a moment after the
-        # sentinel fires (the process closes its pipes before it can be reaped).
-        sentinels = {p.sentinel: rank for rank, p in self._procs.items()}
-        if self.cluster is None:
-            lost = sentinels[wait(list(sentinels))[0]]
-        else:
-            lost = self.cluster.watch(sentinels)
+        """Until a rank is lost (its process ended or fell silent, or its node is lost,
+        `HeadSide`); an idle engine learns of it at once."""
         with self._raise_alarm:
+            try:
+                lost = self._first_lost()
+            finally:
+                for conn in self._beats.values():
+                    conn.close()
             if lost is None:  # closed
                 return
             self._exited_rank = lost
@@ -231,6 +238,42 @@ class MultiprocExecutor:
                 self._raise_alarm.send_bytes(b"")
         if not self._closed and self.on_exit is not None:
             self.on_exit()
+
+    def _first_lost(self) -> int | None:
+        # The rank comes from its sentinel: is_alive() can still say True for a moment after the
+        # sentinel fires (the process closes its pipes before it can be reaped).
+        sentinels = {p.sentinel: rank for rank, p in self._procs.items()}
+        beats = {conn: rank for rank, conn in self._beats.items()}
+        nodes = list(self.cluster.node_conns.values()) if self.cluster else []
+        alive = Heartbeats(self.heartbeat_timeout_s)
+        if self.cluster is not None:
+            self.cluster.start_watching()
+        while not self._closed:
+            try:
+                ready = wait([*sentinels, *beats, *nodes], timeout=HEARTBEAT_INTERVAL_S)
+            except (OSError, ValueError):  # closed under us
+                return None
+            for obj in ready:
+                if obj in sentinels:
+                    return sentinels[obj]
+                if obj in beats:
+                    try:
+                        obj.recv_bytes()
+                        alive.beat(beats[obj])
+                    except (EOFError, OSError):  # its process ended: its sentinel says so
+                        del beats[obj]
+                    continue
+                lost = self.cluster.read(obj)
+                if lost is not None:
+                    return lost
+            rank = alive.silent()
+            if rank is not None:
+                self._hung[rank] = f"no heartbeat for {alive.timeout_s:g} s: hung"
+                return rank
+            lost = self.cluster.tick() if self.cluster is not None else None
+            if lost is not None:
+                return lost
+        return None
 
     def _result(self, index: int) -> tuple[np.ndarray, tuple[float, float], float]:
         while index not in self._results:
@@ -327,7 +370,9 @@ class MultiprocExecutor:
             rank = message[1]
             if message[0] == "died":
                 proc = self._procs.get(rank)
-                reason = exit_reason(proc) if proc else self.cluster.reason(rank)
+                reason = self._hung.get(rank) or (
+                    exit_reason(proc) if proc else self.cluster.reason(rank)
+                )
                 parts.append(f"rank {rank} died ({reason})")
             else:
                 parts.append(f"rank {rank} raised {message[2]}")

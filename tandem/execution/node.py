@@ -24,9 +24,11 @@ from tandem.execution.cluster import (
     HEARTBEAT_INTERVAL_S,
     NODE_STOP,
     ClusterAddress,
+    Heartbeats,
     connect_to_head,
     heartbeat_timeout_s,
 )
+from tandem.execution.executor import COLLECTIVE_TIMEOUT_S
 from tandem.execution.lifetime import exit_reason
 from tandem.execution.rendezvous import open_store, rendezvous_timeout_s
 from tandem.execution.worker import WorkerArgs, run_worker
@@ -57,20 +59,21 @@ def run_headless_node(config: EngineConfig, model_path: str) -> int:
                 ranks[0], ranks[-1], config.tensor_parallel_size, addr, port)  # fmt: skip
     ctx = mp.get_context("spawn")  # a forked CUDA or OpenMP runtime is unsafe in the child
     threads = config.cpu_threads or max(1, usable_cores() // per)
-    procs = {}
+    procs, beats = {}, {}
     for local, rank in enumerate(ranks):
         args = WorkerArgs(
             rank=rank, world_size=config.tensor_parallel_size, init_method="",
             backend="nccl" if config.torch_device.type == "cuda" else "gloo",
             model_path=model_path, config=config,
             threads=threads if config.torch_device.type == "cpu" else None,
-            timeout_s=600.0, local_rank=local, cluster=ClusterAddress(addr, port, remote=True, timeout_s=timeout_s),
-            parent_pid=os.getpid(),
+            timeout_s=COLLECTIVE_TIMEOUT_S, local_rank=local, parent_pid=os.getpid(),
+            cluster=ClusterAddress(addr, port, remote=True, timeout_s=timeout_s),
         )  # fmt: skip
-        procs[rank] = ctx.Process(
-            target=run_worker, args=(args, None, None), name=f"tandem-tp{rank}"
-        )
+        beats[rank], beats_send = ctx.Pipe(duplex=False)
+        procs[rank] = ctx.Process(target=run_worker, args=(args, None, None, beats_send),
+                                  name=f"tandem-tp{rank}")  # fmt: skip
         procs[rank].start()
+        beats_send.close()
 
     def stop(signum: int, frame: FrameType | None) -> None:
         raise _Stopped
@@ -78,7 +81,7 @@ def run_headless_node(config: EngineConfig, model_path: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
     try:
-        return _supervise(head, procs, node)
+        return _supervise(head, procs, beats, node)
     except _Stopped:
         logger.info("node %d: stopped by a signal", node)
         return 0
@@ -90,14 +93,17 @@ def run_headless_node(config: EngineConfig, model_path: str) -> int:
         head.close()
 
 
-def _supervise(head, procs: dict, node: int) -> int:
-    """Heartbeats both ways; the first death, silence or stop decides the exit code."""
+def _supervise(head, procs: dict, beats: dict, node: int) -> int:
+    """Heartbeats both ways, and from every rank; the first death, silence or stop decides the
+    exit code."""
     timeout_s = heartbeat_timeout_s()
     sentinels = {proc.sentinel: rank for rank, proc in procs.items()}
+    rank_of = {conn: rank for rank, conn in beats.items()}
+    ranks_alive = Heartbeats(timeout_s)
     heard = None  # node 0 starts its heartbeats once every node has joined
     sent = 0.0
     while True:
-        for obj in wait([head, *sentinels], timeout=HEARTBEAT_INTERVAL_S):
+        for obj in wait([head, *sentinels, *rank_of], timeout=HEARTBEAT_INTERVAL_S):
             if obj is head:
                 try:
                     data = head.recv_bytes()
@@ -107,17 +113,21 @@ def _supervise(head, procs: dict, node: int) -> int:
                 if data == NODE_STOP:
                     return _finish(procs, node)
                 heard = time.monotonic()
+            elif obj in rank_of:
+                try:
+                    obj.recv_bytes()
+                    ranks_alive.beat(rank_of[obj])
+                except (EOFError, OSError):  # its process ended: its sentinel says how
+                    del rank_of[obj]
             else:
                 rank = sentinels.pop(obj)
                 procs[rank].join(1.0)
                 if procs[rank].exitcode == 0:  # node 0 sent it STOP; NODE_STOP follows
                     continue
-                reason = exit_reason(procs[rank])
-                logger.error("node %d: rank %d ended (%s); stopping the node", node, rank, reason)
-                report = {"rank": rank, "reason": f"{reason} on {socket.gethostname()}"}
-                with contextlib.suppress(OSError):  # node 0 may be gone already
-                    head.send_bytes(json.dumps(report).encode())
-                return 1
+                return _report(head, node, rank, exit_reason(procs[rank]))
+        rank = ranks_alive.silent()
+        if rank is not None:
+            return _report(head, node, rank, f"no heartbeat for {timeout_s:g} s: hung")
         now = time.monotonic()
         if heard is not None and now - heard > timeout_s:
             logger.error("node %d: no heartbeat from node 0 for %g s; stopping", node, timeout_s)
@@ -129,6 +139,15 @@ def _supervise(head, procs: dict, node: int) -> int:
                 logger.error("node %d: node 0 is gone (its connection closed); stopping", node)
                 return 1
             sent = now
+
+
+def _report(head, node: int, rank: int, reason: str) -> int:
+    """Tell node 0 which rank is lost and how; this node then stops (1)."""
+    logger.error("node %d: rank %d lost (%s); stopping the node", node, rank, reason)
+    report = {"rank": rank, "reason": f"{reason} on {socket.gethostname()}"}
+    with contextlib.suppress(OSError):  # node 0 may be gone already
+        head.send_bytes(json.dumps(report).encode())
+    return 1
 
 
 def _finish(procs: dict, node: int) -> int:

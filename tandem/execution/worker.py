@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.execution.cluster import ClusterAddress, connect_to_head
+from tandem.execution.cluster import ClusterAddress, connect_to_head, send_heartbeats
 from tandem.execution.lifetime import die_with_parent
 from tandem.execution.rendezvous import meet, settings_of
 from tandem.models.parallel import TensorParallel
@@ -60,12 +60,18 @@ class HeadGone(RuntimeError):
     """A headless node's rank lost its connection to node 0 without being told to stop."""
 
 
-def run_worker(args: WorkerArgs, inputs: Connection | None, outputs: Connection | None) -> None:
+def run_worker(
+    args: WorkerArgs,
+    inputs: Connection | None,
+    outputs: Connection | None,
+    beats: Connection | None = None,
+) -> None:
     """Process entry point: any failure is reported to the engine, named by rank, then exits.
-    A headless node's rank gets no pipes: it connects to node 0 itself."""
+    A headless node's rank gets no step pipes: it connects to node 0 itself. Once it serves, it
+    beats on `beats` every second, so that its supervisor notices when it hangs."""
     if args.parent_pid:
         die_with_parent(args.parent_pid)
-    worker = _Worker(args, inputs, outputs)
+    worker = _Worker(args, inputs, outputs, beats)
     try:
         worker.serve()
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
@@ -80,10 +86,17 @@ def run_worker(args: WorkerArgs, inputs: Connection | None, outputs: Connection 
 
 
 class _Worker:
-    def __init__(self, args: WorkerArgs, inputs: Connection | None, outputs: Connection | None):
+    def __init__(
+        self,
+        args: WorkerArgs,
+        inputs: Connection | None,
+        outputs: Connection | None,
+        beats: Connection | None,
+    ):
         self.args = args
         self.inputs = inputs
         self.outputs = outputs
+        self.beats = beats
 
     def serve(self) -> None:
         from tandem.execution import fast_path
@@ -117,6 +130,8 @@ class _Worker:
         plan.cuda_graph_verify_tokens = runner.graph_verify_tokens
         plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
         self.outputs.send(("ready", a.rank, plan))
+        if self.beats is not None:
+            threading.Thread(target=send_heartbeats, args=(self.beats,), daemon=True).start()
         try:
             self._run_steps(runner)
         finally:
