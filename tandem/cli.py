@@ -69,6 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split the model over this many ranks, one process each")  # fmt: skip
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks between requests with a common prefix")  # fmt: skip
+    g.add_argument("--kv-events-config", type=json_object, default=None, metavar="JSON",
+                   help="publish the prefix cache's stored and removed blocks in vLLM's format, "
+                   "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' "
+                   "(also topic, hwm)")  # fmt: skip
     g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": 4}' (ngram also takes prompt_lookup_max and "

@@ -141,6 +141,52 @@ class SpeculativeConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """vLLM's `kv_events_config`: the prefix cache's blocks, stored and removed, published after
+    each step on a ZeroMQ PUB socket in vLLM's wire format (`engine/kv_events.py`), which
+    KV-cache-aware routers (llm-d, Dynamo) subscribe to. A tcp endpoint's port is offset by the
+    data-parallel rank, as vLLM's."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"  # "zmq", or "null": nothing published
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    hwm: int = 100_000  # batches the socket queues for a slow subscriber before dropping
+    data_parallel_rank: int = 0  # set per engine core by the server
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(
+                f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}"
+            )
+        if self.hwm < 0:
+            raise ValueError(f"kv_events_config.hwm must be >= 0, got {self.hwm}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def of(cls, value: KVEventsConfig | dict | str | None) -> KVEventsConfig | None:
+        """From a config, a dict of its fields, or their JSON text (the command line's)."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_events_config must be a dict (or its JSON text)")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(
+                f"kv_events_config has unknown or unsupported fields: {', '.join(unknown)}"
+            )
+        return cls(**value)
+
+
+@dataclass
 class EngineConfig:
     """Everything that shapes the engine; names follow vLLM where vLLM has one."""
 
@@ -194,6 +240,7 @@ class EngineConfig:
     # (qwen3's where the chat template writes <think>, else none), "none", "deepseek_r1", "qwen3".
     reasoning_parser: str = "auto"
     speculative_config: SpeculativeConfig | dict | str | None = None
+    kv_events_config: KVEventsConfig | dict | str | None = None
     # LoRA adapters (vLLM's names): slots for max_loras adapters at once (more are loaded into
     # the least recently used free slot), each of rank up to max_lora_rank.
     enable_lora: bool = False
@@ -202,6 +249,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError(

@@ -24,6 +24,7 @@ from tandem.engine.grammar import (
 )
 from tandem.engine.inbox import Inbox
 from tandem.engine.intake import RequestIntake, context_limit, eos_token_ids
+from tandem.engine.kv_events import start_kv_events
 from tandem.engine.lora import Adapters
 from tandem.engine.outputs import OutputProcessor
 from tandem.engine.speculation import Speculation, check_speculation
@@ -101,6 +102,7 @@ class Engine:
         self._depth = 1 if config.async_scheduling else 0
         self.speculation = Speculation(config.speculative_config, self.scheduler, self.builder)
         self.speculation.use(config.speculative_config, self._depth)
+        self.kv_events = start_kv_events(config, self.scheduler)
         self.runner, self.execution = loaded.start(self.scheduler.slots.size, max_model_len)
         logger.info("execution: %s", self.execution.describe())
         self.reasoning = resolve_parser(config.reasoning_parser, self.tokenizer)
@@ -272,6 +274,7 @@ class Engine:
             self._compiling.wait(0.05)
         while self._inflight and (len(self._inflight) > self._depth or batch is None):
             outputs.extend(self._retire(self._inflight.popleft()))
+        self.kv_events.publish(self.scheduler.take_cache_events())
         return outputs
 
     def stream_outputs(self) -> Iterator[RequestOutput]:
@@ -290,6 +293,7 @@ class Engine:
         finally:
             self.runner.close()
             self.grammars.close()
+            self.kv_events.close()
 
     # ------------------------------------------------------------- internals
     def _drain_inbox(self) -> list[RequestOutput]:

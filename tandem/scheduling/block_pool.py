@@ -78,6 +78,26 @@ def adapter_root(key: str) -> bytes:
     return hashlib.blake2b(b"tandem-lora:" + key.encode(), digest_size=16).digest()
 
 
+@dataclass(frozen=True)
+class BlockStored:
+    """A full block joined the prefix cache: its key, its parent's (None: the chain's first),
+    its tokens, its group of layers, its LoRA adapter (id and name; None: the base model)."""
+
+    key: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    group: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A block left the prefix cache: evicted for another, or the cache was reset."""
+
+    key: bytes
+
+
 @dataclass
 class BlockAccounting:
     """What `BlockPool.check` found: every block is in exactly one of these states."""
@@ -116,6 +136,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.events: list[BlockStored | BlockRemoved] | None = None  # recorded when a list
 
     @property
     def num_free(self) -> int:
@@ -153,7 +174,7 @@ class BlockPool:
                 after = block
             else:  # evict the least recently freed cached block
                 block, _ = self._free_cached.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                self._forget(block)
                 self.num_evictions += 1
             self._owners[block] = {owner}
             ids.append(block)
@@ -235,10 +256,16 @@ class BlockPool:
     def reset_cache(self) -> None:
         """Forget every free cached block (used blocks keep their hashes)."""
         for block in self._free_cached:
-            del self._block_of[self._hash_of.pop(block)]
+            self._forget(block)
             self._plain[block] = True
         self._num_plain += len(self._free_cached)
         self._free_cached.clear()
+
+    def _forget(self, block: int) -> None:
+        key = self._hash_of.pop(block)
+        del self._block_of[key]
+        if self.events is not None:
+            self.events.append(BlockRemoved(key))
 
     def owners(self) -> dict[int, set[Hashable]]:
         """Every used block and its owners (a copy)."""

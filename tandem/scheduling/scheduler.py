@@ -29,6 +29,8 @@ from tandem.request import Request, RequestStatus
 from tandem.scheduling.block_pool import (
     ROOT_HASH,
     BlockPool,
+    BlockRemoved,
+    BlockStored,
     FreeList,
     adapter_root,
     chain_hash,
@@ -147,6 +149,19 @@ class Scheduler:
         self._in_progress: Counter[bytes] = Counter()
         self._in_progress_by_step: dict[int, list[bytes]] = {}
         self.lora_slots: LoraSlots | None = None  # with LoRA: which adapter each slot holds
+
+    def record_cache_events(self) -> None:
+        """From now on, record every block that joins or leaves the prefix cache."""
+        self.blocks.events = []
+
+    def take_cache_events(self) -> list[BlockStored | BlockRemoved]:
+        """The blocks that joined or left the cache since the last call, in order (none unless
+        recording)."""
+        events = self.blocks.events
+        if not events:
+            return []
+        self.blocks.events = []
+        return events
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -341,9 +356,19 @@ class Scheduler:
         hashes = request.block_hashes
         for g, ids in enumerate(request.block_ids):
             for j in range(request.num_registered_blocks, full):
-                if ids[j] != DROPPED:  # not held: before the window of a cached prefix
-                    self.blocks.register(ids[j], _key(g, hashes[j]))
+                # DROPPED: not held, before the window of a cached prefix
+                stored = ids[j] != DROPPED and self.blocks.register(ids[j], _key(g, hashes[j]))
+                if stored and self.blocks.events is not None:
+                    self.blocks.events.append(self._stored(request, g, j))
         request.num_registered_blocks = full
+
+    def _stored(self, request: Request, group: int, j: int) -> BlockStored:
+        bs, hashes, lora = self.block_size, request.block_hashes, request.lora
+        return BlockStored(
+            _key(group, hashes[j]), _key(group, hashes[j - 1]) if j else None,
+            tuple(request.known_token_ids(j * bs, (j + 1) * bs)), group,
+            lora.lora_int_id if lora else None, lora.lora_name if lora else None,
+        )  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (the benchmark's cold start)."""

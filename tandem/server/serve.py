@@ -207,6 +207,10 @@ def replica_options(config: EngineConfig, data_parallel_size: int) -> list[CoreO
     for i in range(data_parallel_size):
         cpu_set = cores[i * share : (i + 1) * share]
         replica = dataclasses.replace(config, cpu_threads=config.cpu_threads or len(cpu_set))
+        if config.kv_events_config is not None:  # each core publishes on its own port
+            replica.kv_events_config = dataclasses.replace(
+                config.kv_events_config, data_parallel_rank=i
+            )
         options.append(CoreOptions(replica, "", i, cpu_set, os.getpid()))
     return options
 
