@@ -274,16 +274,16 @@ def test_killed_worker_fails_fast_and_names_the_rank(tiny_llama):
 
 
 def test_a_hung_rank_fails_the_engine_on_its_missing_heartbeat(tiny_llama, monkeypatch):
-    """A rank that stops (alive, silent: SIGSTOP) mid-generation fails the engine within
-    seconds, named, and no process stays."""
+    """A rank that stops (alive, silent: SIGSTOP) fails the engine within seconds, named, and
+    no process stays; stopped the moment the engine has started, before its heartbeat thread
+    may have run (its first beat comes before it says it is ready)."""
     monkeypatch.setenv("TANDEM_HEARTBEAT_TIMEOUT", "2")
     llm = make_llm(tiny_llama, num_kv_blocks=256, **TP2)
     engine = llm.engine
     pids = [p.pid for p in engine.runner._procs.values()]
+    os.kill(pids[1], signal.SIGSTOP)
     for i in range(4):
         engine.add_request([10 + i, 11, 12], greedy(400))
-    engine.step()
-    os.kill(pids[1], signal.SIGSTOP)
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match=r"rank 1 died \(no heartbeat for 2 s: hung\)"):
         while engine.has_unfinished():

@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.execution.cluster import ClusterAddress, connect_to_head, send_heartbeats
+from tandem.execution.cluster import (
+    HEARTBEAT,
+    ClusterAddress,
+    connect_to_head,
+    send_heartbeats,
+)
 from tandem.execution.lifetime import die_with_parent
 from tandem.execution.rendezvous import meet, settings_of
 from tandem.models.parallel import TensorParallel
@@ -129,9 +134,10 @@ class _Worker:
         plan.cuda_graph_histories = runner.graph_histories
         plan.cuda_graph_verify_tokens = runner.graph_verify_tokens
         plan.cpu_threads = torch.get_num_threads() if device.type == "cpu" else None
-        self.outputs.send(("ready", a.rank, plan))
-        if self.beats is not None:
+        if self.beats is not None:  # its first beat before "ready": a rank that serves is watched
+            self.beats.send_bytes(HEARTBEAT)
             threading.Thread(target=send_heartbeats, args=(self.beats,), daemon=True).start()
+        self.outputs.send(("ready", a.rank, plan))
         try:
             self._run_steps(runner)
         finally:
