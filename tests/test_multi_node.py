@@ -202,14 +202,14 @@ def test_a_headless_node_exits_when_node_0_is_killed(tiny_llama, tmp_path) -> No
 def test_a_node_never_started_is_named_and_a_node_alone_names_node_0(
     tiny_llama, tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setenv("TANDEM_RENDEZVOUS_TIMEOUT", "3")
+    monkeypatch.setenv("TANDEM_RENDEZVOUS_TIMEOUT", "1.5")
     lonely = start_headless(tiny_llama, tmp_path / "node1.log", free_port())
     try:
         port = free_port()
         began = time.monotonic()
-        with pytest.raises(WorkerFailure, match=f"rank 1 of 2 did not join at {HEAD}:{port} within 3 s"):  # fmt: skip
+        with pytest.raises(WorkerFailure, match=f"rank 1 of 2 did not join at {HEAD}:{port} within 1.5 s"):  # fmt: skip
             head_llm(tiny_llama, port)
-        assert time.monotonic() - began < 3 + DETECTED_S
+        assert time.monotonic() - began < 1.5 + DETECTED_S
         assert exits(lonely, 30) == 1
         assert f"node 1 could not reach node 0 at {HEAD}:" in lonely.output()
     finally:
