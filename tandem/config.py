@@ -45,6 +45,24 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def nested_setting(cls: type, value, name: str, unknown_means: str):
+    """A nested setting's dataclass from itself, a dict of its fields, or their JSON text (the
+    command line's); None stays None. A ValueError says what is wrong, by `name`."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (or its JSON text)")
+    unknown = sorted(set(value) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{name} has {unknown_means}: {', '.join(unknown)}")
+    return cls(**value)
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): each step drafts up to
@@ -125,19 +143,7 @@ class SpeculativeConfig:
     @classmethod
     def of(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
         """From a config, a dict of its fields, or their JSON text (the command line's)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a dict (or its JSON text)")
-        unknown = sorted(set(value) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"speculative_config has unknown fields: {', '.join(unknown)}")
-        return cls(**value)
+        return nested_setting(cls, value, "speculative_config", "unknown fields")
 
 
 @dataclass
@@ -169,21 +175,7 @@ class KVEventsConfig:
     @classmethod
     def of(cls, value: KVEventsConfig | dict | str | None) -> KVEventsConfig | None:
         """From a config, a dict of its fields, or their JSON text (the command line's)."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_events_config must be a dict (or its JSON text)")
-        unknown = sorted(set(value) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(
-                f"kv_events_config has unknown or unsupported fields: {', '.join(unknown)}"
-            )
-        return cls(**value)
+        return nested_setting(cls, value, "kv_events_config", "unknown or unsupported fields")
 
 
 @dataclass

@@ -72,6 +72,15 @@ class Heartbeats:
     def beat(self, peer: int) -> None:
         self._last[peer] = time.monotonic()
 
+    def read(self, pipes: dict[Connection, int], pipe: Connection) -> None:
+        """A beat from a peer's pipe, readable now; a pipe closed by its process's end leaves
+        `pipes` (the process's own sentinel says how it ended)."""
+        try:
+            pipe.recv_bytes()
+            self.beat(pipes[pipe])
+        except (EOFError, OSError):
+            del pipes[pipe]
+
     def silent(self) -> int | None:
         now = time.monotonic()
         return next((p for p, last in self._last.items() if now - last > self.timeout_s), None)

@@ -257,11 +257,7 @@ class MultiprocExecutor:
                 if obj in sentinels:
                     return sentinels[obj]
                 if obj in beats:
-                    try:
-                        obj.recv_bytes()
-                        alive.beat(beats[obj])
-                    except (EOFError, OSError):  # its process ended: its sentinel says so
-                        del beats[obj]
+                    alive.read(beats, obj)
                     continue
                 lost = self.cluster.read(obj)
                 if lost is not None:

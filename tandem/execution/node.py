@@ -114,11 +114,7 @@ def _supervise(head, procs: dict, beats: dict, node: int) -> int:
                     return _finish(procs, node)
                 heard = time.monotonic()
             elif obj in rank_of:
-                try:
-                    obj.recv_bytes()
-                    ranks_alive.beat(rank_of[obj])
-                except (EOFError, OSError):  # its process ended: its sentinel says how
-                    del rank_of[obj]
+                ranks_alive.read(rank_of, obj)
             else:
                 rank = sentinels.pop(obj)
                 procs[rank].join(1.0)
