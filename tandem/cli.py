@@ -67,6 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="portable PyTorch ops only: no fused kernels, no pre-packed GEMMs")  # fmt: skip
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks, one process each")  # fmt: skip
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers over this many stages of --tensor-parallel-size "
+                   "ranks each (tensor parallel within a node, pipeline across nodes; "
+                   "TANDEM_PP_LAYER_PARTITION=a,b,... sets the layers per stage)")  # fmt: skip
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks between requests with a common prefix")  # fmt: skip
     g.add_argument("--kv-events-config", type=json_object, default=None, metavar="JSON",
@@ -447,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MASTER_ADDR and MASTER_PORT when not given)"
     )
     nodes.add_argument("--nnodes", type=int, default=None, metavar="N",
-                       help="machines the tensor-parallel ranks span (default: 1)")  # fmt: skip
+                       help="machines the ranks span (default: 1)")  # fmt: skip
     nodes.add_argument("--node-rank", type=int, default=None, metavar="K",
                        help="this machine's place: 0 runs the engine and the API (default: 0)")  # fmt: skip
     nodes.add_argument("--master-addr", default=None, metavar="ADDR",

@@ -209,6 +209,9 @@ class EngineConfig:
     cpu_threads: int | None = None  # CPU: torch's intra-op threads (per rank); None: default
     enforce_eager: bool = False  # True: portable PyTorch ops only (no fused kernels, no packing)
     tensor_parallel_size: int = 1  # ranks the model is split over, one spawned process each
+    # Stages the layers are split over, each of tensor_parallel_size ranks (tensor parallel
+    # within a node, pipeline across nodes); micro-batches keep every stage busy.
+    pipeline_parallel_size: int = 1
     # "mp": the engine spawns its ranks on this machine; "external_launcher" (vLLM's name): a
     # launcher such as torchrun started every rank, each a whole engine (`execution/launcher.py`).
     distributed_executor_backend: str = "mp"
@@ -261,6 +264,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self._check_pipeline()
         if self.distributed_executor_backend not in ("mp", "external_launcher"):
             raise ValueError(
                 "distributed_executor_backend must be 'mp' or 'external_launcher', "
@@ -333,15 +337,41 @@ class EngineConfig:
                 "nnodes > 1 is the engine's own multi-node launch; under "
                 "distributed_executor_backend='external_launcher' the launcher places the ranks"
             )
-        if self.tensor_parallel_size % self.nnodes:
+        if self.world_size % self.nnodes:
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} is not a multiple of nnodes "
+                f"{self.world_size} ranks (tensor_parallel_size {self.tensor_parallel_size} x "
+                f"pipeline_parallel_size {self.pipeline_parallel_size}) do not split over nnodes "
                 f"{self.nnodes}: every node holds the same number of ranks"
             )
 
+    def _check_pipeline(self) -> None:
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        if pp == 1:
+            return
+        unsupported = {
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "distributed_executor_backend='external_launcher'": (
+                self.distributed_executor_backend != "mp"
+            ),
+        }
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(
+                f"pipeline_parallel_size {pp} does not run with {', '.join(named)}: "
+                "use tensor parallelism alone for it"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the engine: tensor_parallel_size in each of the pipeline's stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
     def _check_fp8(self) -> None:
         device = self.torch_device

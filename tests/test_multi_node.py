@@ -51,16 +51,22 @@ HUNG = {  # how node 0 names each hang
 }
 
 
-def nodes(port: int) -> tuple[str, ...]:
-    return ("--nnodes", "2", "--master-addr", HEAD, "--master-port", str(port),
-            "--tensor-parallel-size", "2", "--cpu-threads", "1")  # fmt: skip
+TP2 = ("--tensor-parallel-size", "2")  # a rank on each node
+PP2 = ("--pipeline-parallel-size", "2")  # a stage on each node
 
 
-def start_headless(model: Path, log: Path, port: int, *flags: str) -> Served:
+def nodes(port: int, layout: tuple[str, ...] = TP2) -> tuple[str, ...]:
+    return ("--nnodes", "2", "--master-addr", HEAD, "--master-port", str(port), *layout,
+            "--cpu-threads", "1")  # fmt: skip
+
+
+def start_headless(
+    model: Path, log: Path, port: int, *flags: str, layout: tuple[str, ...] = TP2
+) -> Served:
     """`tandem serve --headless` as node 1, on its own address."""
     os.environ["TANDEM_HOST_IP"] = NODE  # spawn's environment; the test process ignores it
     try:
-        return spawn(model, log, *nodes(port), "--node-rank", "1", "--headless", *flags)
+        return spawn(model, log, *nodes(port, layout), "--node-rank", "1", "--headless", *flags)
     finally:
         del os.environ["TANDEM_HOST_IP"]
 
@@ -75,9 +81,9 @@ def rank_process(node: Served) -> int:
 
 
 def head_llm(model: Path, port: int, **options) -> LLM:
-    options = {**OFFLINE_OPTIONS, "num_kv_blocks": KV_BLOCKS, **options}
-    return LLM(str(model), tensor_parallel_size=2, nnodes=2, master_addr=HEAD, master_port=port,
-               **options)  # fmt: skip
+    options = {**OFFLINE_OPTIONS, "num_kv_blocks": KV_BLOCKS, "tensor_parallel_size": 2,
+               **options}  # fmt: skip
+    return LLM(str(model), nnodes=2, master_addr=HEAD, master_port=port, **options)
 
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
@@ -132,6 +138,28 @@ def test_two_nodes_equal_one_process_then_a_hung_node_or_rank_fails_the_engine(
         assert exits(node, 30) == 0, node.output()  # node 0 stopped cleanly: so does node 1
         assert "node 0 stopped; every rank finished" in node.output()
         wait_until(lambda: not processes_in_group(node.pgid), 10, "node 1's ranks to exit")
+    finally:
+        clean_up(node)
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_two_pipeline_stages_on_two_nodes_equal_one_process(
+    tiny_llama, tmp_path, one_process, loop
+) -> None:
+    """The layers split over the nodes: node 0 embeds and runs the first layer, node 1 the
+    second and samples; the stream goes over to node 1, the ids come back to node 0."""
+    port = free_port()
+    node = start_headless(tiny_llama, tmp_path / "node1.log", port, *SYNC[loop], layout=PP2)
+    try:
+        llm = head_llm(tiny_llama, port, async_scheduling=loop == "async", tensor_parallel_size=1,
+                       pipeline_parallel_size=2)  # fmt: skip
+        try:
+            assert "pipeline parallel: 2 stages" in llm.engine.execution.describe()
+            assert tokens(llm, GREEDY) == one_process["greedy"]
+            assert tokens(llm, SEEDED) == one_process["seeded"]
+        finally:
+            llm.close()
+        assert exits(node, 30) == 0, node.output()
     finally:
         clean_up(node)
 
@@ -260,8 +288,12 @@ def test_node_settings_are_checked(tiny_llama, monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_HEARTBEAT_TIMEOUT", "0.5")  # a heartbeat comes every second
     with pytest.raises(ValueError, match="TANDEM_HEARTBEAT_TIMEOUT must be seconds > 1, got '0.5'"):
         heartbeat_timeout_s()
-    with pytest.raises(ValueError, match="tensor_parallel_size 3 is not a multiple of nnodes 2"):
+    split = r"{} ranks \(tensor_parallel_size {} x pipeline_parallel_size {}\) do not split over"
+    with pytest.raises(ValueError, match=split.format(3, 3, 1) + " nnodes 2"):
         EngineConfig(tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match=split.format(6, 2, 3) + " nnodes 4"):
+        EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=3, nnodes=4)
+    EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=4)  # a node per rank
     with pytest.raises(ValueError, match="node_rank in 0..nnodes-1"):
         EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ValueError, match="launcher places the ranks"):

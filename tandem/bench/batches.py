@@ -177,8 +177,10 @@ def check_batches_args(args: argparse.Namespace, config: EngineConfig) -> list[i
     sizes = parse_batch_sizes(args.batch_sizes)
     if args.prompt_len < 1 or args.output_len < 2:
         raise ValueError("--prompt-len must be >= 1 and --output-len >= 2 (a token to decode)")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"{args.workload} measures one process's memory: tensor parallel size 1")
+    if config.world_size > 1:
+        raise ValueError(
+            f"{args.workload} measures one process's memory: tensor and pipeline parallel size 1"
+        )
     return sizes
 
 

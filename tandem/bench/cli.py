@@ -203,7 +203,7 @@ def compute_layout(engine: Engine) -> tuple[int, int]:
     """(processes that compute, compute threads in each) of decode steps."""
     execution = engine.execution
     threads = execution.cpu_threads or torch.get_num_threads()
-    return execution.tensor_parallel_size, threads
+    return execution.tensor_parallel_size * execution.pipeline_parallel_size, threads
 
 
 def layout_text(engine: Engine) -> str:
@@ -603,8 +603,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.kernel_trace and not args.profile:
         raise ValueError("--kernel-trace writes the window --profile times: add --profile")
-    if args.profile and config.tensor_parallel_size > 1:
-        raise ValueError("--profile times one device: use it with --tensor-parallel-size 1")
+    if args.profile and config.world_size > 1:
+        raise ValueError(
+            "--profile times one device: use it with --tensor-parallel-size 1 and "
+            "--pipeline-parallel-size 1"
+        )
     if args.workload == JSON_PRESET:
         parse_json_fractions(args.json_fractions)  # refused before the engine loads
     if args.thinking_budget is not None and (

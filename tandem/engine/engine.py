@@ -1,8 +1,9 @@
 """The engine loop: schedule, build, launch, retire; synchronous or asynchronous.
 
 Async (the default) launches step N+1 before retiring step N, so the host's scheduling and
-building overlap the device's compute. The scheduler speculates that nothing in flight finishes;
-a request that does finish has its one extra in-flight token discarded at retirement.
+building overlap the device's compute (over a pipeline's stages, one step per stage). The
+scheduler speculates that nothing in flight finishes; a request that does finish has its one
+extra in-flight token discarded at retirement.
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ class Engine:
         self.scheduler = Scheduler(
             num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             max_model_len, config.enable_prefix_caching, groups=groups,
+            pipeline_stages=config.pipeline_parallel_size,
         )  # fmt: skip
         self.builder = BatchBuilder(self.scheduler.block_table, config.block_size, max_model_len)
-        self._depth = 1 if config.async_scheduling else 0
+        self._depth = self.scheduler.use_loop(config.async_scheduling)
         self.speculation = Speculation(config.speculative_config, self.scheduler, self.builder)
         self.speculation.use(config.speculative_config, self._depth)
         self.kv_events = start_kv_events(config, self.scheduler)
@@ -128,7 +130,7 @@ class Engine:
         self._inflight: deque[_InFlight] = deque()
         self.inbox = Inbox()
         self._compiling = PendingGrammars(self.grammars, self.inbox.wakeup.set)
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             self.runner.on_exit = self.inbox.wakeup.set  # an idle loop learns of a dead rank now
         self._requests: dict[str, list[Request]] = {}  # request id -> its samples
         self.adapters = Adapters(config, self.spec, self.scheduler, self._requests)
@@ -199,7 +201,7 @@ class Engine:
 
     @property
     def async_scheduling(self) -> bool:
-        return self._depth == 1
+        return self._depth > 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -224,7 +226,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("reconfigure the engine only while it is idle")
         if async_scheduling is not None:
-            self._depth = 1 if async_scheduling else 0
+            self._depth = self.scheduler.use_loop(async_scheduling)
             self.speculation.loop_changed(self._depth)
         if enable_prefix_caching is not None:
             self.scheduler.enable_prefix_caching = enable_prefix_caching
@@ -260,10 +262,8 @@ class Engine:
             record = StepRecord(batch.step_id, batch.num_tokens, len(batch.items))
             record.kv_bytes = kv_bytes_read(self._kv_bytes, batch)
             record.spans = {"schedule": (t0, t1), "build": (t1, t2), "launch": (t2, t3)}
-            sampler = inputs.sampler
-            self._inflight.append(
-                _InFlight(batch, handle, record, sampler.logprobs, sampler.grammar)
-            )
+            s = inputs.sampler
+            self._inflight.append(_InFlight(batch, handle, record, s.logprobs, s.grammar))
             if inputs.sampler.grammar is not None:
                 # Its bitmask needs every earlier token: retire the step before it first (its
                 # forward runs meanwhile), then build the bitmask and launch the sampling.

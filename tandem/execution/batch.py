@@ -104,6 +104,10 @@ class StepInputs:
     # adapter; the adapters (slot, weights) to copy into their slots before the forward.
     lora_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lora_loads: list = field(default_factory=list)
+    # Pipeline parallelism: the newest earlier step whose sampled ids the first stage must
+    # have from the last before this step starts (`ScheduledBatch.reads_through`: every retired
+    # step, whose rows may be reused, and the steps before this one's decodes).
+    reads_through: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -194,6 +198,7 @@ class BatchBuilder:
         )
         step = StepInputs(
             step_id=batch.step_id,
+            reads_through=batch.reads_through,
             token_index=token_rows * self.max_model_len + positions,
             positions=positions,
             slot_mapping=slot_mapping[0],

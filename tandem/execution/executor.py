@@ -1,7 +1,8 @@
-"""The engine's side of tensor parallelism: start the ranks, hand them each step, read rank 0.
+"""The engine's side of tensor and pipeline parallelism: start the ranks, hand them each step,
+read the sampling rank (rank 0, or the last pipeline stage's first).
 
 `MultiprocExecutor` has the interface of `ModelRunner` that the engine uses (`launch` returns a
-handle at once; `handle.wait()` yields rank 0's sampled ids), so the loop, sync or async, is the
+handle at once; `handle.wait()` yields the sampled ids), so the loop, sync or async, is the
 same code at any tensor-parallel size. The scheduler runs once, here; a step's inputs are pickled
 once and written to every worker's pipe (a reader thread in each worker drains it at once, so a
 launch never waits for the workers).
@@ -84,7 +85,7 @@ class _Handle(StepHandle):
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path: str):
-        world = config.tensor_parallel_size
+        world = config.world_size
         device = config.torch_device
         local = config.ranks_per_node  # ranks 0..local-1 here; over several nodes, the rest there
         if device.type == "cuda" and torch.cuda.device_count() < local:
@@ -94,6 +95,7 @@ class MultiprocExecutor:
             )
         self.threads_per_rank = config.cpu_threads or max(1, usable_cores() // local)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.config = config
         self.world_size = world
         self.cluster = HeadSide(config) if config.nnodes > 1 else None
         init_method = _rendezvous() if self.cluster is None else ""
@@ -156,7 +158,8 @@ class MultiprocExecutor:
         for conn in self._inputs.values():
             conn.send((num_blocks, table_rows, max_model_len))
         self.plan = self._gather("ready")[0]
-        self.plan.tensor_parallel_size = self.world_size
+        self.plan.tensor_parallel_size = self.config.tensor_parallel_size
+        self.plan.pipeline_parallel_size = self.config.pipeline_parallel_size
         self.plan.backend = self.backend
 
     def check_health(self) -> None:

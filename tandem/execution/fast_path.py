@@ -35,6 +35,7 @@ class ExecutionPlan:
     thread_plan: ThreadPlan | None = None  # ... and per step, when timed
     thread_timings: list[DecodeTimings] = field(default_factory=list)  # what the plan came from
     tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
+    pipeline_parallel_size: int = 1  # stages, each of tensor_parallel_size ranks
     backend: str | None = None  # their collectives: gloo or nccl
     cuda_graph_sizes: list[int] = field(default_factory=list)  # captured decode batch sizes
     cuda_graph_histories: tuple[int, ...] = ()  # ... and ngram verifications' history bands
@@ -56,12 +57,13 @@ class ExecutionPlan:
         if self.packed_gemm:
             gemm = "own GEMMs over packed panels" if own else "MKL pre-packed GEMMs"
         text = f"{self.ops} ops, {gemm}"
-        if self.tensor_parallel_size > 1:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp * pp > 1:
             threads = f" x {self.cpu_threads} compute thread(s)" if self.cpu_threads else ""
-            text = (
-                f"tensor parallel: {self.tensor_parallel_size} processes{threads} ({self.backend}); "
-                f"each rank: {text}"
-            )
+            layout = f"tensor parallel: {tp} processes"
+            if pp > 1:
+                layout = f"pipeline parallel: {pp} stages of {tp} process(es)"
+            text = f"{layout}{threads} ({self.backend}); each rank: {text}"
         if self.thread_plan is not None and self.thread_timings:
             tried = "; ".join(
                 f"at {t.positions} K/V positions "

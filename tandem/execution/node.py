@@ -56,13 +56,13 @@ def run_headless_node(config: EngineConfig, model_path: str) -> int:
     head = connect_to_head(store, addr, port, hello, timeout_s)
     ranks = range(node * per, (node + 1) * per)
     logger.info("node %d of %d: ranks %d..%d of %d, node 0 at %s:%d", node, config.nnodes,
-                ranks[0], ranks[-1], config.tensor_parallel_size, addr, port)  # fmt: skip
+                ranks[0], ranks[-1], config.world_size, addr, port)  # fmt: skip
     ctx = mp.get_context("spawn")  # a forked CUDA or OpenMP runtime is unsafe in the child
     threads = config.cpu_threads or max(1, usable_cores() // per)
     procs, beats = {}, {}
     for local, rank in enumerate(ranks):
         args = WorkerArgs(
-            rank=rank, world_size=config.tensor_parallel_size, init_method="",
+            rank=rank, world_size=config.world_size, init_method="",
             backend="nccl" if config.torch_device.type == "cuda" else "gloo",
             model_path=model_path, config=config,
             threads=threads if config.torch_device.type == "cpu" else None,

@@ -32,6 +32,7 @@ from tandem.execution.kv_cache import (
     layer_groups,
     num_blocks_for_budget,
 )
+from tandem.execution.pipeline import StageLinks
 from tandem.execution.streams import JoinedHandle, StepHandle, make_stream
 from tandem.execution.thread_plan import ThreadPlan
 from tandem.execution.transfer import to_device
@@ -43,6 +44,7 @@ from tandem.sampler.sampler import PendingSample, Sampler
 from tandem.scheduling.kv_groups import KVGroups
 
 SPARE_KV_BLOCKS = 1  # allocated after the scheduler's blocks: padded graph rows write K/V there
+_NO_IDS = torch.empty(0, dtype=torch.int64)  # what a pipeline stage before the last returns
 
 
 @dataclass
@@ -101,12 +103,21 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
 
 
 def _block_bytes(model: LlamaModel, config: EngineConfig) -> int:
-    """A block id's bytes: one block of positions in each cache tensor of the model."""
+    """A block id's bytes: one block of positions in each cache tensor of the model (of its
+    pipeline stage)."""
     spec = model.spec
+    places = _stage_places(model, layer_groups(spec, config.max_model_len))
     return kv_bytes_per_block(
-        layer_groups(spec, config.max_model_len).places, config.block_size,
-        model.local_spec.num_kv_heads, spec.head_dim, config.kv_storage_dtype,
+        len(places), config.block_size, model.local_spec.num_kv_heads, spec.head_dim,
+        config.kv_storage_dtype,
     )  # fmt: skip
+
+
+def _stage_places(model: LlamaModel, groups: KVGroups) -> list[int]:
+    """The cache tensors the layers of the model's pipeline stage use (all of them in one
+    process)."""
+    layers = model.stage.layers(model.spec.num_layers)
+    return sorted({groups.layer_place[i] for i in layers})
 
 
 def cache_capacity(
@@ -136,19 +147,24 @@ def build_runner(
     in the same blocks) and, where they apply, its captured decode graphs: the same for the
     engine's process and every TP rank."""
 
-    def cache_of(m: LlamaModel, groups: KVGroups) -> list[torch.Tensor]:
-        """Per layer, its cache tensor (layers of different groups share one)."""
-        places = allocate_kv_cache(
-            groups.places, num_blocks + SPARE_KV_BLOCKS, config.block_size,
+    def cache_of(m: LlamaModel, groups: KVGroups) -> list[torch.Tensor | None]:
+        """Per layer, its cache tensor (layers of different groups share one; a layer of
+        another pipeline stage has none)."""
+        held = _stage_places(m, groups)
+        tensors = allocate_kv_cache(
+            len(held), num_blocks + SPARE_KV_BLOCKS, config.block_size,
             m.local_spec.num_kv_heads, m.spec.head_dim, config.kv_storage_dtype, device,
         )  # fmt: skip
-        return [places[p] for p in groups.layer_place]
+        places = dict(zip(held, tensors, strict=True))
+        return [places.get(p) for p in groups.layer_place]
 
     groups = layer_groups(model.spec, config.max_model_len)
     # A captured graph has one block table, and fixed shapes: steps of models with several
-    # groups of layers, or with experts (whose row counts per expert the host reads), run eagerly.
+    # groups of layers, or with experts (whose row counts per expert the host reads), run
+    # eagerly, as do a pipeline stage's (their hand-offs between stages are not captured).
     sizes = graph_sizes(device, config.enforce_eager, config.max_num_seqs)
-    sizes = sizes if groups.num_groups == 1 and model.spec.moe is None else None
+    one_stage = model.stage.num_stages == 1
+    sizes = sizes if groups.num_groups == 1 and model.spec.moe is None and one_stage else None
     caches = cache_of(model, groups)
     verify = (
         verify_shape(config.speculative_config, max_model_len, config.max_num_seqs)
@@ -204,6 +220,7 @@ class ModelRunner:
         # one entry more, where padded graph rows write theirs.
         self.lengths = torch.zeros(table_rows + 1, dtype=torch.int64, device=device)
         self.draft: DraftModel | None = None  # build_runner sets it
+        self.links: StageLinks | None = None  # a pipeline stage's (set by its worker)
         # Everything that happens to the logits; owns penalties' per-row token counts.
         self.sampler = Sampler(table_rows, model.spec.vocab_size, device)
         self.stream = make_stream(device)
@@ -243,7 +260,7 @@ class ModelRunner:
         # CPU: the tensor views are made here, while the device runs the step before this one;
         # CUDA: the upload is the stream's first work (`_execute`).
         views = None if self._cuda else to_device(inputs, None)
-        if inputs.sampler.grammar is None:
+        if inputs.sampler.grammar is None or not self.model.stage.is_last:
             return self.stream.submit(lambda: self._execute(inputs, views))
         pending = _Pending()
         self._constrained = pending
@@ -332,6 +349,9 @@ class ModelRunner:
             return self._to_host(ids)
         t = views if views is not None else to_device(x, self._upload)
         table = self.token_table
+        links, stage = self.links, self.model.stage
+        if links is not None and stage.is_first:  # earlier steps' ids, where they would be by now
+            links.take_ids(table, x.reads_through)
         if len(x.known_index):
             table.index_copy_(0, t.known_index, t.known_tokens)
         if len(x.length_rows):
@@ -356,8 +376,13 @@ class ModelRunner:
         if len(x.group_block_tables):
             meta.by_layer = self._layer_metadata(meta, t)
         self.stream.wake_waiters()  # the previous step's results go to the host now
-        lora = {"lora_slots": t.lora_slots} if adapted else {}  # base steps: the plain call
-        hidden = self.model(input_ids, t.positions, self.kv_caches, meta, **lora)
+        extra = {"lora_slots": t.lora_slots} if adapted else {}  # base steps: the plain call
+        if links is not None and not stage.is_first:  # where the stage before stopped
+            extra["carried"] = links.receive_stream(x.num_tokens)
+        hidden = self.model(input_ids, t.positions, self.kv_caches, meta, **extra)
+        if links is not None and not stage.is_last:  # no sampling here
+            links.hand_on(hidden, x.step_id, t.sample_index)
+            return _NO_IDS
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
         sample = self.sampler.begin(
@@ -450,6 +475,8 @@ class ModelRunner:
     ):
         """Sampled ids into the token table and to the host (see `_keep`)."""
         ids = self._keep(sample_index, input_ids, ids, x)
+        if self.links is not None:  # the last stage: the first gathers the next inputs
+            self.links.send_ids(ids)
         return self._to_host(pack(ids, logprobs) if logprobs else ids)
 
     def _keep(

@@ -19,7 +19,7 @@ from tandem.execution.runner import ModelRunner, build_runner, cache_capacity
 from tandem.models.catalog import resolve_model
 from tandem.models.llama import LlamaModel
 from tandem.models.loader import build_model, read_config
-from tandem.models.parallel import SINGLE, check_shardable
+from tandem.models.parallel import SINGLE, check_shardable, pipeline_stage
 from tandem.models.spec import LlamaSpec
 from tandem.ops import cpu_kernels
 
@@ -32,7 +32,7 @@ class LoadedExecution:
 
     config: EngineConfig
     num_kv_blocks: int
-    model: LlamaModel | None  # in this process; None under tensor parallelism
+    model: LlamaModel | None  # in this process; None over several ranks
     executor: MultiprocExecutor | None  # the ranks; None in one process
     plan: ExecutionPlan | None  # one process: known once loaded; TP: once started
     draft: LlamaModel | None = None  # speculative decoding's draft model, when it has one
@@ -68,6 +68,8 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
     tp = SINGLE
     if config.tensor_parallel_size > 1:
         check_shardable(spec, config.tensor_parallel_size)
+    pp = config.pipeline_parallel_size
+    pipeline_stage(pp - 1, pp, spec)  # refuses a split the model's layers cannot take
     if config.node_rank > 0:
         raise ValueError(
             f"node {config.node_rank} of {config.nnodes} runs no engine: start it with "
@@ -75,7 +77,7 @@ def load_execution(config: EngineConfig, path: Path, spec: LlamaSpec, hf_config)
         )
     if spmd:  # a launcher started every rank: this one is a whole engine over its shard
         tp, config = join_launcher_group(config, path)
-    elif config.tensor_parallel_size > 1:  # the ranks load their shards and size their caches
+    elif config.world_size > 1:  # the ranks load their shards and size their caches
         executor = MultiprocExecutor(config, str(path))
         return LoadedExecution(config, executor.num_kv_blocks, None, executor, None)
     if device.type == "cpu" and config.cpu_threads is not None:

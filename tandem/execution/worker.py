@@ -1,11 +1,13 @@
-"""One tensor-parallel rank: a spawned process that holds its shard and runs every step.
+"""One rank: a spawned process that holds its shard and runs every step.
 
 The engine's process schedules; each worker receives every step's inputs (pickled once by the
-engine, one pipe per worker), launches it on its own stream and, on rank 0, sends the sampled
-ids back. Every rank samples the same ids (the sampler is a pure function of the logits, which
-the all-gather makes identical on every rank) and scatters them into its own token table, so no
-rank waits for another's tokens. A worker launches step N+1 before it waits for step N, so on a
-GPU its device never idles between the two.
+engine, one pipe per worker), launches it on its own stream and, on the sampling rank, sends the
+sampled ids back. Every rank of a tensor-parallel group samples the same ids (the sampler is a
+pure function of the logits, which the all-gather makes identical on every rank) and scatters
+them into its own token table, so no rank waits for another's tokens. Under pipeline
+parallelism rank r is tensor-parallel rank r % tp of stage r // tp; only the last stage samples
+(its first rank reports), and the first stage gets the ids from it (`pipeline.py`). A worker
+launches step N+1 before it waits for step N, so on a GPU its device never idles between the two.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from tandem.execution.cluster import (
     send_heartbeats,
 )
 from tandem.execution.lifetime import die_with_parent
+from tandem.execution.pipeline import StageLinks
 from tandem.execution.rendezvous import meet, settings_of
-from tandem.models.parallel import TensorParallel
+from tandem.models.parallel import TensorParallel, pipeline_stage
 
 logger = logging.getLogger("tandem")
 
@@ -117,12 +120,13 @@ class _Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self._join_group()
-        tp = TensorParallel(a.rank, a.world_size)
+        tp = self._tensor_parallel()
         path, spec, hf_config = read_config(a.model_path)
+        stage = pipeline_stage(a.rank // tp.world_size, self.num_stages, spec)
         dtype = config.torch_dtype
         model = build_model(
             path, spec, hf_config, dtype, device, config.max_model_len, tp, config.load_format,
-            config.seed, config.weight_quantization, config.int8_activations,
+            config.seed, config.weight_quantization, config.int8_activations, stage=stage,
         )  # fmt: skip
         plan = fast_path.prepare(model, device, dtype, config.enforce_eager)
         if config.enable_lora:
@@ -130,6 +134,10 @@ class _Worker:
         self.outputs.send(("loaded", a.rank, cache_capacity(model, config, device)))
         num_blocks, table_rows, max_model_len = self.inputs.recv()
         runner = build_runner(model, config, device, num_blocks, table_rows, max_model_len)
+        if self.num_stages > 1:
+            hidden = spec.hidden_size
+            runner.links = StageLinks(stage, a.rank, tp.world_size, hidden, dtype, device)
+        self.samples = stage.is_last
         plan.cuda_graph_sizes = runner.graph_sizes  # every rank captures alike
         plan.cuda_graph_histories = runner.graph_histories
         plan.cuda_graph_verify_tokens = runner.graph_verify_tokens
@@ -142,6 +150,28 @@ class _Worker:
             self._run_steps(runner)
         finally:
             runner.close()
+            if runner.links is not None:
+                runner.links.close()
+
+    @property
+    def num_stages(self) -> int:
+        return self.args.config.pipeline_parallel_size
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank sends the sampled ids: the last stage's first rank."""
+        return self.args.rank == self.args.world_size - self.args.config.tensor_parallel_size
+
+    def _tensor_parallel(self) -> TensorParallel:
+        """This rank's place in its stage's tensor-parallel group (each stage has a group of
+        its own; every rank creates every group, in order, as torch.distributed requires)."""
+        size, rank = self.args.config.tensor_parallel_size, self.args.rank
+        if self.num_stages == 1:
+            return TensorParallel(rank, size)
+        groups = [
+            dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(self.num_stages)
+        ]
+        return TensorParallel(rank % size, size, groups[rank // size])
 
     def _join_group(self) -> None:
         """On one machine, at the engine's address; over several, in node 0's store (a missing
@@ -179,11 +209,13 @@ class _Worker:
                 raise HeadGone("the connection to node 0 closed without a stop")
             message = pickle.loads(data)
             if isinstance(message, np.ndarray):  # the bitmask of the step just launched
+                if not self.samples:
+                    continue  # a pipeline stage before the last: its part of the step is done
                 handle = runner.sample_constrained(awaiting_bitmask, torch.from_numpy(message))
                 awaiting_bitmask = None
             else:
                 handle = runner.launch(message)
-                if message.sampler.grammar is not None:
+                if message.sampler.grammar is not None and self.samples:
                     awaiting_bitmask = handle
                     if message.sampler.drafts_to_host and self.args.rank == 0:
                         self.outputs.send(("drafts", runner.step_drafts(handle)))
@@ -207,5 +239,5 @@ class _Worker:
 
     def _finish(self, handle) -> None:
         result = handle.wait()  # raises what the step raised
-        if self.args.rank == 0:
+        if self.reports:
             self.outputs.send(("step", result.numpy(), handle.device_span, handle.device_wait))

@@ -135,7 +135,7 @@ class Gemma3Model(LlamaModel):
             source = source[:].float() + 1.0
         return super().load_weight(name, source)
 
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+    def whole_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = checkpoint_shapes(self.spec)
         for i in range(self.spec.num_layers):
             for part in _EXTRA_NORMS:

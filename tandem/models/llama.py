@@ -8,7 +8,10 @@ the MLP in some or all layers.
 
 Under tensor parallelism (`parallel.py`) each rank builds the layers with its share of
 the heads and of the intermediate size, adds an all-reduce after O and after down, and holds a
-slice of the vocabulary for the embedding and the LM head.
+slice of the vocabulary for the embedding and the LM head. A pipeline stage holds its layers
+only: the first embeds, a later one resumes from the stream its predecessor hands on (`carried`:
+the last layer's output and the residual, so the sum is the one a single process computes), and
+only the last normalises and computes the logits.
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ from torch import nn
 
 from tandem.models import moe
 from tandem.models.lora import AdapterSlots
-from tandem.models.parallel import SINGLE, Placement, Shard, TensorParallel, heads_to_rows
+from tandem.models.parallel import (
+    SINGLE,
+    WHOLE_MODEL,
+    PipelineStage,
+    Placement,
+    Shard,
+    TensorParallel,
+    heads_to_rows,
+)
 from tandem.models.spec import LlamaSpec, checkpoint_shapes
 from tandem.ops import elementwise
 from tandem.ops.attention_metadata import AttentionMetadata
@@ -174,7 +185,12 @@ def add_to_residual_and_norm(ops: ModuleType, x, residual, norm: RMSNorm):
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
+_NO_NORM = torch.empty(0)
 VOCAB_ROWS_PER_READ = 4096  # rows of the embedding or the LM head read from a checkpoint at once
+
+
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage computes: no weights here."""
 
 
 class LlamaModel(nn.Module):
@@ -186,21 +202,29 @@ class LlamaModel(nn.Module):
     # with one window for every layer and no experts.
     family_has_fused_forward = True
 
-    def __init__(self, spec: LlamaSpec, tp: TensorParallel = SINGLE):
+    def __init__(
+        self, spec: LlamaSpec, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE_MODEL
+    ):
         super().__init__()
         self.spec = spec  # the whole model's
         self.tp = tp
+        self.stage = stage
         self.shard = Shard(spec, tp)
         self.local_spec = self.shard.local_spec  # the heads and sizes this rank computes
         rows = self.shard.vocab_per_rank
+        embeds = stage.holds("model.embed_tokens.weight", spec.tie_word_embeddings)
+        held = rows if embeds else 0
         # Its weight given, not initialised: the loader fills it, and nn.init's random fill on
         # the meta device would import torch._dynamo (0.6 s of every start-up).
         self.embed = nn.Embedding(
-            rows, spec.hidden_size, _weight=torch.empty(rows, spec.hidden_size)
+            held, spec.hidden_size, _weight=torch.empty(held, spec.hidden_size)
         )
-        self.layers = nn.ModuleList(self._make_layer(i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            self._make_layer(i) if stage.holds_layer(i) else MissingLayer()
+            for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        if not spec.tie_word_embeddings:
+        if not spec.tie_word_embeddings and stage.is_last:
             self.lm_head = Linear(spec.hidden_size, rows)
         self._packed_logits_weight: torch.Tensor | None = None
         # Tied embeddings with quantized weights: the logits' own quantized copy of the embedding
@@ -216,6 +240,11 @@ class LlamaModel(nn.Module):
         """Slots for `num_slots` adapters of rank up to `max_rank` (zero: no adapter)."""
         self.lora = AdapterSlots(self, self.shard, num_slots, max_rank, device)
         self._lora_weights = self.lora.flat()
+
+    @property
+    def stage_layers(self) -> list[tuple[int, nn.Module]]:
+        """This stage's layers (every layer in one process), with their model indices."""
+        return [(i, self.layers[i]) for i in self.stage.layers(self.spec.num_layers)]
 
     def _make_layer(self, index: int) -> nn.Module:
         return DecoderLayer(self.local_spec, self.tp, index, self.spec.layer_windows()[index])
@@ -233,7 +262,7 @@ class LlamaModel(nn.Module):
         Returns whether the GEMMs were packed. Call once, after the weights are loaded."""
         modules = [m for m in self.modules() if isinstance(m, Linear | moe.Experts)]
         panelled = [m for m in modules if isinstance(m, Linear) and m.will_pack_panels()]
-        tied = self.spec.tie_word_embeddings and self.tied_logits is None
+        tied = self.spec.tie_word_embeddings and self.tied_logits is None and self.stage.is_last
         tied_in_panels = tied and can_pack_panels(self.embed.weight)
         weights = [m.weight for m in panelled] + [self.embed.weight] * tied_in_panels
         arena = panel_arena([tuple(w.shape) for w in weights])  # in the order a forward reads
@@ -249,7 +278,9 @@ class LlamaModel(nn.Module):
             if self._packed_logits_weight.dim() == 3:  # the panels serve the lookups too
                 self.embed.weight = shape_only(self.embed.weight.shape[0])
         if fused and self.has_fused_forward:
-            self._fused_weights = [w for layer in self.layers for w in layer.flat_weights()]
+            self._fused_weights = [
+                w for _, layer in self.stage_layers for w in layer.flat_weights()
+            ]
         return all(packed)
 
     def weight_bytes(self) -> int | None:
@@ -292,23 +323,30 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         lora_slots: torch.Tensor | None = None,  # [T]: each token's adapter slot, -1: none
+        carried: torch.Tensor | None = None,  # [2, T, hidden]: a later pipeline stage's input
     ) -> torch.Tensor:
+        """The final hidden states [T, hidden]; a pipeline stage before the last returns the
+        stream it stopped at, [2, T, hidden] (the last layer's output, the residual)."""
         if lora_slots is None:
-            return self._forward(input_ids, positions, kv_caches, meta)
+            return self._forward(input_ids, positions, kv_caches, meta, carried)
         self.lora.active.tokens = lora_slots
         try:
-            return self._forward(input_ids, positions, kv_caches, meta)
+            return self._forward(input_ids, positions, kv_caches, meta, carried)
         finally:
             self.lora.active.tokens = None
 
-    def _forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(
+        self, input_ids, positions, kv_caches, meta: AttentionMetadata, carried
+    ) -> torch.Tensor:
         if self._fused_weights is not None:
-            return self._fused_forward(input_ids, positions, kv_caches, meta)
+            return self._fused_forward(input_ids, positions, kv_caches, meta, carried)
         ctx = ForwardContext(positions, meta, self.rotary, self.ops)
-        x, residual = self._embed(input_ids), None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        x, residual = (self._embed(input_ids), None) if carried is None else carried.unbind()
+        for i, layer in self.stage_layers:
             ctx.meta, ctx.rotary = meta.for_layer(i), self.layer_rotary(layer)
-            x, residual = layer(x, residual, kv_cache, ctx)
+            x, residual = layer(x, residual, kv_caches[i], ctx)
+        if not self.stage.is_last:
+            return torch.stack((x, residual))
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def layer_rotary(self, layer: nn.Module) -> Rotary:
@@ -335,8 +373,9 @@ class LlamaModel(nn.Module):
         table = self.embedding_table
         return rows_from_panels(table, ids) if table.dim() == 3 else self.embed(ids)
 
-    def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def _fused_forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, carried):
         s = self.local_spec
+        layers = self.stage.layers(self.spec.num_layers)
         segments = [
             (p.token_start, p.num_tokens, p.context_len, p.row, p.attends_as_decodes)
             for p in meta.prefills
@@ -344,14 +383,16 @@ class LlamaModel(nn.Module):
         prefills = torch.tensor(segments, dtype=torch.int64).view(-1, 5)
         lora_slots = self.lora.active.tokens if self.lora is not None else None
         lora = self._lora_weights if lora_slots is not None else []
+        final_norm = self.norm.weight if self.stage.is_last else _NO_NORM  # none: hand on
         return torch.ops.tandem.llama_forward(
-            input_ids, positions, self.embedding_table, self._fused_weights, kv_caches,
-            self.norm.weight, self.rotary.cos, self.rotary.sin, meta.slot_mapping,
-            meta.block_tables, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
-            s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.head_dim**-0.5,
-            self.layers[0].attn.window or 0, self.tp.group_name, self.shard.vocab.start,
-            s.moe.top_k if s.moe else 0, bool(s.moe and s.moe.norm_topk_prob), lora,
-            lora_slots if lora_slots is not None else _NO_SLOTS,
+            input_ids, positions, self.embedding_table, self._fused_weights,
+            kv_caches[layers.start : layers.stop], final_norm, self.rotary.cos, self.rotary.sin,
+            meta.slot_mapping, meta.block_tables, meta.context_lens, meta.num_decodes, prefills,
+            meta.block_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps,
+            s.head_dim**-0.5, self.layers[layers.start].attn.window or 0, self.tp.group_name,
+            self.shard.vocab.start, s.moe.top_k if s.moe else 0,
+            bool(s.moe and s.moe.norm_topk_prob), lora,
+            lora_slots if lora_slots is not None else _NO_SLOTS, carried,
         )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -370,7 +411,9 @@ class LlamaModel(nn.Module):
         """Copy this rank's part of one HF checkpoint tensor into place; True if it was used.
 
         `source` is a safetensors slice (or a tensor): only the rows or columns this rank holds
-        are read, so no rank materialises the whole model."""
+        are read, so no rank materialises the whole model (nor another pipeline stage's part)."""
+        if not self.stage.holds(name, self.spec.tie_word_embeddings):
+            return False
         place = self._place(name)
         if place is None:
             return False
@@ -446,7 +489,8 @@ class LlamaModel(nn.Module):
                 self._quantized_layouts[target] = one
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         embed = "model.embed_tokens.weight"
-        tied = self.spec.tie_word_embeddings and format_of(embed) is not None
+        tied = self.spec.tie_word_embeddings and self.stage.is_last
+        tied = tied and format_of(embed) is not None
         if tied and can_quantize(rows, hidden) and _fits(self._place(embed)):
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.drop_dense_weight()
@@ -495,6 +539,7 @@ class LlamaModel(nn.Module):
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         if (
             self.spec.tie_word_embeddings
+            and self.stage.is_last
             and self.tied_logits is None
             and can_quantize(rows, hidden)
         ):
@@ -582,8 +627,15 @@ class LlamaModel(nn.Module):
         return set(self.checkpoint_shapes())
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The HF tensors this model needs from a checkpoint, by name, with their whole shapes
-        (what a dummy load makes up; `load_weight` takes this rank's part of each)."""
+        """The HF tensors this model (its pipeline stage) needs from a checkpoint, by name, with
+        their whole shapes (what a dummy load makes up; `load_weight` takes this rank's part of
+        each)."""
+        tied = self.spec.tie_word_embeddings
+        shapes = self.whole_checkpoint_shapes()
+        return {name: shape for name, shape in shapes.items() if self.stage.holds(name, tied)}
+
+    def whole_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor of the model, by name, with its shape."""
         return checkpoint_shapes(self.spec)
 
     def _place(self, name: str) -> Placement | None:

@@ -25,7 +25,7 @@ from tandem.models.errors import ModelLoadError
 from tandem.models.gemma3 import Gemma3Model, gemma3_spec
 from tandem.models.llama import LlamaModel, Rotary
 from tandem.models.moe import moe_spec
-from tandem.models.parallel import SINGLE, TensorParallel
+from tandem.models.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorParallel
 from tandem.models.spec import LlamaSpec, shape_values
 
 # Any of these makes a folder's tokenizer loadable (fast tokenizer, its config, sentencepiece, BPE).
@@ -120,15 +120,16 @@ def build_model(
     seed: int = 0,
     quantization: str | None = None,
     int8_activations: bool = False,
+    stage: PipelineStage = WHOLE_MODEL,
 ) -> LlamaModel:
-    """This rank's model with its shard of the weights, read straight from the safetensors, or
+    """This rank's model (its pipeline `stage`'s layers) with its shard of the weights, read straight from the safetensors, or
     made up on the device (`load_format="dummy"`, seeded by `seed`). The parameters are allocated
     once, in `dtype`, on `device`; the linear layers a GGUF's blocks fill (`quantization` None,
     float32 on a CPU) get no float copy at all. `int8_activations` lays every quantized layer
     out for the kernels' integer products."""
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
-        model = model_class(hf_config)(spec, tp)
+        model = model_class(hf_config)(spec, tp, stage)
     native = quantization is None and device.type == "cpu" and dtype == torch.float32
     if native and load_format == "auto" and is_gguf(path):
         tensors = dict(gguf.gguf_tensors(gguf.open_gguf(path), spec.head_dim))

@@ -71,6 +71,10 @@ class ScheduledBatch:
     step_id: int
     items: list[ScheduledRequest]  # decodes (one token each) first, then prefill chunks
     num_decodes: int
+    # The newest earlier step whose sampled tokens this one may read, and every retired one (a
+    # row they sampled into may be another request's now): a pipeline's first stage takes
+    # their ids from the last stage before it starts this step.
+    reads_through: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -118,8 +122,10 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         drafts: DraftPolicy | None = None,
         groups: KVGroups | None = None,
+        pipeline_stages: int = 1,
     ):
         """`num_blocks`: the pool's, shared by every group of layers (`groups`; default one)."""
+        self.pipeline_stages = pipeline_stages
         self.block_size = block_size
         self.groups = groups or kv_groups([None], max_model_len)
         self.drafts = drafts  # None: no speculative decoding
@@ -142,6 +148,7 @@ class Scheduler:
         self._pending: list[_PendingFree] = []
         self.next_step_id = 0
         self.last_retired_step = -1
+        self.micro_batches = 1  # steps of different requests in flight at once (`use_loop`)
         self.num_preemptions = 0
         self.stats = CacheStats()
         # Hashes of full blocks that launched steps are computing (they join the cache when their
@@ -178,12 +185,26 @@ class Scheduler:
         counts = Counter(b for p in self._pending for b in p.blocks)
         return sum(1 for b, c in counts.items() if self.blocks.refcount(b) == c)
 
+    def use_loop(self, asynchronous: bool) -> int:
+        """Schedule for the engine's loop; returns how many steps it keeps in flight: none
+        (synchronous), one, or one per pipeline stage, each a micro-batch of other requests (a
+        request's next token must leave the last stage before the first can read it, so
+        consecutive steps of one request would leave the stages idle)."""
+        self.micro_batches = self.pipeline_stages if asynchronous else 1
+        return self.micro_batches if asynchronous else 0
+
     # --------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch | None:
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
         items: list[ScheduledRequest] = []
         scheduled: set[Request] = set()  # by identity
+        # A decode reads the token of its request's previous step: it waits for one that is
+        # retired, or the oldest of the micro-batches in flight, which leaves the last stage as
+        # this step enters the first. Each micro-batch takes its share of the requests.
+        ready = max(self.last_retired_step, step_id - self.micro_batches)
+        reads_through = self.last_retired_step
+        room = -(-self.num_unfinished // self.micro_batches)
 
         # Running requests, decodes first so they keep streaming while long prompts prefill.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -191,10 +212,14 @@ class Scheduler:
         drafts, proposals = self._allot_drafts(decodes, budget)
         for group in (decodes, prefills):
             for request in group:
-                if budget == 0:
+                if budget == 0 or len(items) == room:
                     break
                 if request.status is not RequestStatus.RUNNING or not request.can_sample_more:
                     continue  # preempted earlier in this pass, or at its length limit
+                if group is decodes:
+                    if request.last_step > ready:
+                        continue  # its token is still on its way through the pipeline
+                    reads_through = max(reads_through, request.last_step)
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
                 if self.groups.windowed:
                     self._drop_passed_blocks(request)
@@ -213,7 +238,12 @@ class Scheduler:
         # next uncached block a launched step is computing waits for it (passed over, not in the
         # way): that block is in the cache once the step retires.
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            i < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(items) < room
+        ):
             request = self.waiting[i]
             if request.num_inflight or self.slots.num_free == 0:
                 break  # a preempted request waits until its in-flight token is known
@@ -240,7 +270,7 @@ class Scheduler:
         if not items:
             return None
         self.next_step_id += 1
-        return ScheduledBatch(step_id, items, num_decodes)
+        return ScheduledBatch(step_id, items, num_decodes, reads_through)
 
     def _admit(self, request: Request, hits: list[list[int]]) -> None:
         """`hits`: per group, the cached blocks of the prefix it reuses (DROPPED before a

@@ -1459,7 +1459,8 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
                          int64_t kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t sliding_window, c10::string_view group_name,
                          int64_t vocab_start, int64_t moe_top_k, bool moe_renormalize,
-                         at::TensorList lora, const at::Tensor& lora_slots) {
+                         at::TensorList lora, const at::Tensor& lora_slots,
+                         const std::optional<at::Tensor>& carried) {
   TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
               "expected ", kWeightsPerLayer, " weights per layer");
   const bool adapted = !lora.empty() && lora_slots.numel() > 0;
@@ -1471,12 +1472,16 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
   const ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, sliding_window,
                        eps, scale};
   const std::string group(group_name);
-  at::Tensor x = embed_tokens(embed, input_ids, vocab_start, group), residual, h;
+  // A pipeline stage after the first starts from the stream its predecessor stopped at:
+  // carried = [2, T, hidden], the last layer's output and the residual before it.
+  const bool resumed = carried.has_value();
+  at::Tensor x = resumed ? (*carried)[0] : embed_tokens(embed, input_ids, vocab_start, group);
+  at::Tensor residual = resumed ? (*carried)[1] : at::Tensor(), h;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     auto w = weights.slice(layer * kWeightsPerLayer, kWeightsPerLayer);
     const LayerLora layer_lora{
         adapted ? lora.slice(layer * kLoraPerLayer, kLoraPerLayer) : at::TensorList(), &lora_slots};
-    if (layer == 0) {
+    if (!residual.defined()) {
       residual = x;
       h = rms_norm(x, w[kInputNorm], eps);
     } else {
@@ -1498,6 +1503,8 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
     }
     all_reduce_(x, group);  // down is row-parallel (each expert's too)
   }
+  // A stage before the last hands its stream on as it is (no final norm).
+  if (final_norm.numel() == 0) return at::stack({x, residual});
   return add_rms_norm(x, residual, final_norm, eps);
 }
 
@@ -1753,7 +1760,7 @@ TORCH_LIBRARY(tandem, m) {
       "Tensor block_tables, Tensor context_lens, int num_decodes, Tensor prefills, "
       "int block_size, int heads, int kv_heads, int head_dim, float eps, float scale, "
       "int sliding_window, str group_name, int vocab_start, int moe_top_k, "
-      "bool moe_renormalize, Tensor[] lora, Tensor lora_slots) -> Tensor");
+      "bool moe_renormalize, Tensor[] lora, Tensor lora_slots, Tensor? carried=None) -> Tensor");
   m.def(
       "lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor a, Tensor b, Tensor ranks, "
       "Tensor part_ends) -> ()");
