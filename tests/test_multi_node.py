@@ -147,7 +147,8 @@ def test_two_pipeline_stages_on_two_nodes_equal_one_process(
     tiny_llama, tmp_path, one_process, loop
 ) -> None:
     """The layers split over the nodes: node 0 embeds and runs the first layer, node 1 the
-    second and samples; the stream goes over to node 1, the ids come back to node 0."""
+    second and samples; the stream goes over to node 1, the ids come back to node 0. Then
+    (async) node 1 is killed while node 0's stage waits for its ids: the engine fails."""
     port = free_port()
     node = start_headless(tiny_llama, tmp_path / "node1.log", port, *SYNC[loop], layout=PP2)
     try:
@@ -157,6 +158,13 @@ def test_two_pipeline_stages_on_two_nodes_equal_one_process(
             assert "pipeline parallel: 2 stages" in llm.engine.execution.describe()
             assert tokens(llm, GREEDY) == one_process["greedy"]
             assert tokens(llm, SEEDED) == one_process["seeded"]
+            if loop == "async":
+                os.killpg(node.pgid, signal.SIGKILL)
+                began = time.monotonic()
+                with pytest.raises(WorkerFailure, match="rank 1 died"):
+                    tokens(llm, GREEDY)
+                assert time.monotonic() - began < DETECTED_S
+                return
         finally:
             llm.close()
         assert exits(node, 30) == 0, node.output()
