@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import openai
 import pytest
+from test_server_processes import OFFLINE_OPTIONS, clean_up, spawn, wait_healthy
 
-from tandem import SamplingParams
+from tandem import LLM, SamplingParams
 from tandem.models.loader import build_model, read_config
 from tandem.models.parallel import (
     LAYER_PARTITION_ENV,
@@ -253,3 +255,25 @@ def test_what_a_pipeline_does_not_run_is_refused(four_layers):
             ValueError, match=f"pipeline_parallel_size 2 does not run with .*{named}"
         ):
             make_llm(four_layers, **options, **PP2)
+
+
+def test_a_server_streams_through_two_stages(four_layers, tmp_path):
+    """`tandem serve --pipeline-parallel-size 2`, streamed to the official client, answers as
+    one process does."""
+    offline = LLM(str(four_layers), **OFFLINE_OPTIONS)
+    want = [o.outputs[0].text for o in offline.generate(PROMPTS, GREEDY)]
+    offline.close()
+    server = spawn(four_layers, tmp_path / "serve.log", "--pipeline-parallel-size", "2",
+                   "--cpu-threads", "1")  # fmt: skip
+    try:
+        wait_healthy(server)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for prompt, text in zip(PROMPTS, want, strict=True):
+            stream = client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert "".join(c.choices[0].text for c in stream if c.choices) == text
+        assert "pipeline parallel: 2 stages" in server.output()
+    finally:
+        clean_up(server)
