@@ -352,7 +352,6 @@ class EngineConfig:
             return
         unsupported = {
             "speculative_config": self.speculative_config is not None,
-            "enable_lora": self.enable_lora,
             "distributed_executor_backend='external_launcher'": (
                 self.distributed_executor_backend != "mp"
             ),

@@ -262,25 +262,31 @@ def test_moe_refuses_adapters_on_experts(tiny_checkpoints, tmp_path):
         llm.engine.adapters.add(LoRARequest("moe", 1, str(folder)))
 
 
-def test_tensor_parallel_equals_one_process(tiny_llama, adapters):
+def test_tensor_and_pipeline_parallel_equal_one_process(tiny_llama, adapters):
     """Two ranks, each with its slice of every adapter (B's rows of q/k/v and gate/up, A's
-    columns of o and down), give one process's outputs, and peft's."""
+    columns of o and down), or two pipeline stages, each with its layers' part of every
+    adapter, give one process's outputs, and peft's."""
     prompts, loras = mixed(adapters, 6, seed=4)
     outputs = {}
-    for ranks in (1, 2):
-        llm = make_llm(
-            tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=16,
-            tensor_parallel_size=ranks,
-        )  # fmt: skip
+    layouts = {
+        "one": {},
+        "tp2": {"tensor_parallel_size": 2},
+        "pp2": {"pipeline_parallel_size": 2},
+        "pp2 op-by-op": {"pipeline_parallel_size": 2, "enforce_eager": True},
+    }
+    for name, layout in layouts.items():
+        llm = make_llm(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=16, **layout)
         try:
-            outputs[ranks] = [
+            outputs[name] = [
                 o.outputs[0].token_ids
                 for o in llm.generate(prompts, greedy(TOKENS), lora_request=loras)
             ]
         finally:
             llm.close()
-    assert outputs[2] == outputs[1]
-    check_outputs(tiny_llama, prompts, loras, [_Tokens(t) for t in outputs[2]])
+    assert outputs["tp2"] == outputs["one"]
+    assert outputs["pp2"] == outputs["one"]
+    for name in ("one", "pp2 op-by-op"):
+        check_outputs(tiny_llama, prompts, loras, [_Tokens(t) for t in outputs[name]])
 
 
 class _Tokens:

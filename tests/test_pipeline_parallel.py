@@ -248,7 +248,6 @@ def test_what_a_pipeline_does_not_run_is_refused(four_layers):
     for options, named in (
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "speculative_config"),
-        ({"enable_lora": True}, "enable_lora"),
         ({"distributed_executor_backend": "external_launcher"}, "external_launcher"),
     ):  # fmt: skip
         with pytest.raises(

@@ -182,9 +182,13 @@ class AdapterSlots:
                 "down": [hidden]}  # fmt: skip
         ins = {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
         self._part_starts = {name: [0, *e[:-1]] for name, e in ends.items()}
-        self.groups: list[dict[str, LoraGroup]] = []
+        self.held = model.stage.layers(len(model.layers))  # a pipeline stage's layers: its slots
+        self.groups: list[dict[str, LoraGroup]] = []  # per model layer ({} for another stage's)
         for i, layer in enumerate(model.layers):
             groups = {}
+            if i not in self.held:
+                self.groups.append(groups)
+                continue
             for name in GROUPS:
                 linear = self._linear(layer, name)
                 if linear is None or (name in ("gate_up", "down") and shard.spec.is_sparse(i)):
@@ -206,11 +210,11 @@ class AdapterSlots:
         return linear if isinstance(linear, Linear) else None
 
     def flat(self) -> list[torch.Tensor]:
-        """Per layer, each group's a, b, ranks and part_ends (empty for a group it lacks), in
-        the order `tandem::llama_forward` reads them."""
+        """Per layer of the stage, each group's a, b, ranks and part_ends (empty for a group it
+        lacks), in the order `tandem::llama_forward` reads them."""
         none = torch.empty(0)
         out = []
-        for groups in self.groups:
+        for groups in self.groups[self.held.start : self.held.stop]:
             for name in GROUPS:
                 g = groups.get(name)
                 out += [g.a, g.b, g.ranks, g.part_ends] if g else [none] * 4
@@ -237,6 +241,8 @@ class AdapterSlots:
             for g in groups.values():
                 g.ranks[slot].zero_()
         for (layer, module), (a, b) in adapter.modules.items():
+            if layer not in self.held:
+                continue  # another pipeline stage's
             name, part = MODULES[module]
             g = self.groups[layer][name]
             rank = a.shape[0]
