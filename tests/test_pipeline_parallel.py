@@ -36,8 +36,16 @@ SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, igno
 PP2 = {"pipeline_parallel_size": 2, "cpu_threads": 1}
 
 
+N_SAMPLES = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+
+
 def outputs(llm, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def samples(llm, prompts, params) -> list[list[list[int]]]:
+    """Every sample of every prompt (n > 1: samples share their prompt's blocks)."""
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
 
 
 # ------------------------------------------------------------------- the split
@@ -160,7 +168,7 @@ def four_layers(tmp_path_factory):
 @pytest.mark.parametrize("loop", ["sync", "async"])
 def test_two_stages_equal_one_process(four_layers, loop):
     """Greedy and seeded, with penalties and logprobs (the last stage reads input ids the first
-    stage's table never sampled), and a chunked prefill."""
+    stage's table never sampled), a chunked prefill, and n > 1 samples of each prompt."""
     ref = make_llm(four_layers, cpu_threads=1, max_num_batched_tokens=128)
     extras = SamplingParams(max_tokens=12, temperature=0.8, seed=3, repetition_penalty=1.3,
                             presence_penalty=0.5, logprobs=2, ignore_eos=True)  # fmt: skip
@@ -168,23 +176,26 @@ def test_two_stages_equal_one_process(four_layers, loop):
     want = [outputs(ref, PROMPTS, GREEDY), outputs(ref, PROMPTS, SEEDED)]
     want_extras = [o.outputs[0] for o in ref.generate(PROMPTS, extras)]
     want.append(outputs(ref, long_prompt, GREEDY))
+    want.append(samples(ref, PROMPTS, N_SAMPLES))
     ref.close()
     llm = make_llm(four_layers, async_scheduling=loop == "async", max_num_batched_tokens=128,
                    **PP2)  # fmt: skip
     try:
         assert "pipeline parallel: 2 stages" in llm.engine.execution.describe()
-        got = [outputs(llm, PROMPTS, GREEDY), outputs(llm, PROMPTS, SEEDED)]
+        got = [outputs(llm, PROMPTS, GREEDY)]
+        if loop == "async":  # decode steps of half the requests each: two micro-batches
+            steps = [s for s in llm.engine.history.steps() if s.num_tokens == s.num_seqs]
+            assert steps and max(s.num_seqs for s in steps) == len(PROMPTS) // 2
+        got.append(outputs(llm, PROMPTS, SEEDED))
         got_extras = [o.outputs[0] for o in llm.generate(PROMPTS, extras)]
         got.append(outputs(llm, long_prompt, GREEDY))
+        got.append(samples(llm, PROMPTS, N_SAMPLES))
         assert got == want
         for g, w in zip(got_extras, want_extras, strict=True):  # the same floats, bit for bit
             assert g.token_ids == w.token_ids
             assert [{k: v.logprob for k, v in d.items()} for d in g.logprobs] == [
                 {k: v.logprob for k, v in d.items()} for d in w.logprobs
             ]
-        if loop == "async":  # decode steps of half the requests each: two micro-batches
-            steps = [s for s in llm.engine.history.steps() if s.num_tokens == s.num_seqs]
-            assert steps and max(s.num_seqs for s in steps) == len(PROMPTS) // 2
     finally:
         llm.close()
 
