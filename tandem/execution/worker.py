@@ -166,8 +166,8 @@ class _Worker:
         """This rank's place in its stage's tensor-parallel group (each stage has a group of
         its own; every rank creates every group, in order, as torch.distributed requires)."""
         size, rank = self.args.config.tensor_parallel_size, self.args.rank
-        if self.num_stages == 1:
-            return TensorParallel(rank, size)
+        if self.num_stages == 1 or size == 1:
+            return TensorParallel(rank % size, size)
         groups = [
             dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(self.num_stages)
         ]

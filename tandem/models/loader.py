@@ -122,11 +122,11 @@ def build_model(
     int8_activations: bool = False,
     stage: PipelineStage = WHOLE_MODEL,
 ) -> LlamaModel:
-    """This rank's model (its pipeline `stage`'s layers) with its shard of the weights, read straight from the safetensors, or
-    made up on the device (`load_format="dummy"`, seeded by `seed`). The parameters are allocated
-    once, in `dtype`, on `device`; the linear layers a GGUF's blocks fill (`quantization` None,
-    float32 on a CPU) get no float copy at all. `int8_activations` lays every quantized layer
-    out for the kernels' integer products."""
+    """This rank's model (its pipeline `stage`'s layers) with its shard of the weights, read
+    straight from the safetensors, or made up on the device (`load_format="dummy"`, seeded by
+    `seed`). The parameters are allocated once, in `dtype`, on `device`; the linear layers a
+    GGUF's blocks fill (`quantization` None, float32 on a CPU) get no float copy at all.
+    `int8_activations` lays every quantized layer out for the kernels' integer products."""
     positions = max_model_len or spec.max_position_embeddings
     with torch.device("meta"):
         model = model_class(hf_config)(spec, tp, stage)

@@ -133,7 +133,7 @@ def pipeline_stage(index: int, num_stages: int, spec: LlamaSpec) -> PipelineStag
 def logits_in_layers(spec: LlamaSpec) -> float:
     """What the logits cost a token, in layers: the LM head's weights over a layer's (those a
     token multiplies by: a mixture's routed experts only). A large vocabulary makes them several
-    layers' worth (SmolLM2-135M's about 8, Gemma 3 270M's about 40)."""
+    layers' worth (SmolLM2-135M's about 8, Gemma 3 270M's about 30)."""
     per_token = 0.0
     for name, shape in checkpoint_shapes(spec).items():
         if len(shape) == 2 and name.startswith("model.layers."):
