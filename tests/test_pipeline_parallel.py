@@ -215,6 +215,32 @@ def test_two_stages_equal_one_process_for_other_families(tiny_checkpoints, arch)
         llm.close()
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"kv_cache_dtype": "int8"}, {"quantization": "int8"}], ids=str
+)
+def test_prompt_logprobs_quantized_caches_and_weights_through_two_stages(four_layers, options):
+    """Prompt logprobs come from the last stage's hidden states of prompt positions; an int8 KV
+    cache and int8 weights are each stage's own."""
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=2, logprobs=1,
+                            ignore_eos=True)  # fmt: skip
+
+    def run(llm) -> list:
+        return [
+            (o.outputs[0].token_ids,
+             [d and {k: v.logprob for k, v in d.items()} for d in o.prompt_logprobs])
+            for o in llm.generate(PROMPTS, params)
+        ]  # fmt: skip
+
+    ref = make_llm(four_layers, cpu_threads=1, **options)
+    want = run(ref)
+    ref.close()
+    llm = make_llm(four_layers, **options, **PP2)
+    try:
+        assert run(llm) == want
+    finally:
+        llm.close()
+
+
 def test_grammars_and_preemption_through_two_stages(four_layers):
     """A JSON schema's bitmask reaches the last stage only; a cache too small for every request
     preempts and recomputes."""
