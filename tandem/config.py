@@ -246,10 +246,11 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
         spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+        if spec is not None and spec.method == "draft_model" and self.world_size > 1:
             raise ValueError(
                 "speculative_config method 'draft_model' runs in one process "
-                "(tensor_parallel_size 1); 'ngram' works with tensor parallelism"
+                "(tensor_parallel_size 1, pipeline_parallel_size 1); 'ngram' and 'suffix' work "
+                "over several ranks"
             )
         for name in (
             "block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"
@@ -350,17 +351,11 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
         if pp == 1:
             return
-        unsupported = {
-            "speculative_config": self.speculative_config is not None,
-            "distributed_executor_backend='external_launcher'": (
-                self.distributed_executor_backend != "mp"
-            ),
-        }
-        named = [name for name, used in unsupported.items() if used]
-        if named:
+        if self.distributed_executor_backend != "mp":
             raise ValueError(
-                f"pipeline_parallel_size {pp} does not run with {', '.join(named)}: "
-                "use tensor parallelism alone for it"
+                f"pipeline_parallel_size {pp} does not run with "
+                "distributed_executor_backend='external_launcher': use tensor parallelism alone "
+                "for it"
             )
 
     @property

@@ -277,20 +277,39 @@ def test_tensor_parallel_within_each_of_two_stages(four_layers):
         llm.close()
 
 
-def test_what_a_pipeline_does_not_run_is_refused(four_layers):
+def test_what_a_pipeline_does_not_run_is_refused(four_layers, tmp_path):
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         make_llm(four_layers, pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_parallel_size 5 exceeds the model's 4 layers"):
         make_llm(four_layers, pipeline_parallel_size=5)
-    for options, named in (
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-         "speculative_config"),
-        ({"distributed_executor_backend": "external_launcher"}, "external_launcher"),
-    ):  # fmt: skip
-        with pytest.raises(
-            ValueError, match=f"pipeline_parallel_size 2 does not run with .*{named}"
-        ):
-            make_llm(four_layers, **options, **PP2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2 does not run with .*external"):
+        make_llm(four_layers, distributed_executor_backend="external_launcher", **PP2)
+    draft = {"method": "draft_model", "model": str(four_layers), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="'draft_model' runs in one process"):
+        make_llm(four_layers, speculative_config=draft, **PP2)
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_through_two_stages(four_layers, loop, method):
+    """Every stage places a verification's tokens by its rows' lengths, which the last stage's
+    kept counts advance on every stage (and drafts ngrams from its own table, alike): the
+    outputs, greedy and seeded, equal one process's with the same drafts, and a JSON grammar
+    over drafts too (the last stage hands the drafts to the host)."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"json": schema})
+    prompts = [p + " " + p for p in PROMPTS]  # repeats: drafts that get accepted
+    params = (GREEDY, SEEDED, json)
+    ref = make_llm(four_layers, cpu_threads=1, speculative_config=spec)
+    want = [outputs(ref, prompts, p) for p in params]
+    ref.close()
+    llm = make_llm(four_layers, speculative_config=spec, async_scheduling=loop == "async", **PP2)
+    try:
+        assert [outputs(llm, prompts, p) for p in params] == want
+        assert llm.engine.stats().speculative.accepted_tokens > 0
+    finally:
+        llm.close()
 
 
 def test_a_server_streams_through_two_stages(four_layers, tmp_path):

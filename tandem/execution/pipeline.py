@@ -3,11 +3,13 @@
 Every rank receives every step's inputs from the engine, so a stage knows each step's shape
 without being told. Stage k hands the stream it stopped at (`[2, tokens, hidden]`: the last
 layer's output and the residual) to the same tensor-parallel rank of stage k + 1. Only the last
-stage samples; it sends each step's ids to the first stage, whose token table the next steps
-gather their inputs from, as the last stage's own table has them. The first stage takes them
-only when a step reads them (`StepInputs.reads_through`), so while the last stage finishes
-micro-batch N the first already computes N + 1. Sends do not wait: the receiver is usually busy
-with the step before.
+stage samples; it sends each step's ids to the stages before it: the first stage's token table
+is where the next steps gather their inputs, as the last stage's own table is. A verification's
+kept counts follow its ids, so every stage's row lengths advance as the last stage's do and
+every stage places the next verification's tokens alike (and drafts alike from its table). A
+stage takes them only when a step reads them (`StepInputs.reads_through`), so while the last
+stage finishes micro-batch N the first already computes N + 1. Sends do not wait: the receiver
+is usually busy with the step before.
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ class StageLinks:
         first_rank = rank - stage.index * tp_size  # this rank's peer in each stage
         self.previous = rank - tp_size if not stage.is_first else None
         self.next = rank + tp_size if not stage.is_last else None
-        self.first = first_rank if stage.is_last else None  # where the ids go
-        self.last = first_rank + (stage.num_stages - 1) * tp_size if stage.is_first else None
+        self.last = first_rank + (stage.num_stages - 1) * tp_size
+        # The last stage: where the ids go (this rank's peers in the stages before).
+        earlier = range(first_rank, rank, tp_size) if stage.is_last else range(0)
+        self.earlier = list(earlier)
         self._sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
-        # The first stage: steps whose ids are still to come, in order (step id, where they go).
-        self._awaited: deque[tuple[int, torch.Tensor]] = deque()
+        # A stage before the last: steps whose ids are still to come, in order (step id, where
+        # they go, and a verification's rows, whose lengths advance by the kept counts after).
+        self._awaited: deque[tuple[int, torch.Tensor, torch.Tensor | None]] = deque()
 
     def receive_stream(self, num_tokens: int) -> torch.Tensor:
         """The stream of this step from the stage before (blocks until it has come)."""
@@ -51,25 +56,38 @@ class StageLinks:
         dist.recv(carried, self.previous)
         return carried
 
-    def hand_on(self, carried: torch.Tensor, step_id: int, sample_index: torch.Tensor) -> None:
-        """Send this step's stream to the next stage; the first stage awaits its ids."""
+    def hand_on(
+        self,
+        carried: torch.Tensor,
+        step_id: int,
+        sample_index: torch.Tensor,
+        verify_rows: torch.Tensor | None,
+    ) -> None:
+        """Send this step's stream to the next stage, and await its ids (where its tokens were
+        placed: a verification's places are computed on the device)."""
         self._send(carried.contiguous(), self.next)
-        if self.stage.is_first:
-            self._awaited.append((step_id, sample_index))
+        self._awaited.append((step_id, sample_index, verify_rows))
 
     def send_ids(self, ids: torch.Tensor) -> None:
-        """The last stage: this step's sampled ids to the first stage (none: nothing sent)."""
+        """The last stage: this step's sampled ids (and a verification's kept counts) to the
+        stages before (none: nothing sent)."""
         if len(ids):
-            self._send(ids.contiguous(), self.first)
+            ids = ids.contiguous()
+            for rank in self.earlier:
+                self._send(ids, rank)
 
-    def take_ids(self, token_table: torch.Tensor, through: int) -> None:
-        """The first stage: every awaited step's ids up to step `through`, into the table."""
+    def take_ids(self, token_table: torch.Tensor, lengths: torch.Tensor, through: int) -> None:
+        """Every awaited step's ids up to step `through` into the table, and a verification's
+        kept counts into its rows' lengths, as the last stage stored them."""
         while self._awaited and self._awaited[0][0] <= through:
-            _, index = self._awaited.popleft()
-            if len(index):
-                ids = torch.empty(len(index), dtype=torch.int64, device=self.device)
+            _, index, rows = self._awaited.popleft()
+            kept = 0 if rows is None else len(rows)
+            if len(index) + kept:
+                ids = torch.empty(len(index) + kept, dtype=torch.int64, device=self.device)
                 dist.recv(ids, self.last)
-                token_table.index_copy_(0, index, ids)
+                token_table.index_copy_(0, index, ids[: len(index)])
+                if rows is not None:
+                    lengths.index_add_(0, rows, ids[len(index) :])
 
     def close(self) -> None:
         """Wait for the sends in flight (their receivers may be gone: not an error here)."""

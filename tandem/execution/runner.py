@@ -350,8 +350,8 @@ class ModelRunner:
         t = views if views is not None else to_device(x, self._upload)
         table = self.token_table
         links, stage = self.links, self.model.stage
-        if links is not None and stage.is_first:  # earlier steps' ids, where they would be by now
-            links.take_ids(table, x.reads_through)
+        if links is not None and not stage.is_last:  # earlier steps' ids, where they'd be by now
+            links.take_ids(table, self.lengths, x.reads_through)
         if len(x.known_index):
             table.index_copy_(0, t.known_index, t.known_tokens)
         if len(x.length_rows):
@@ -381,7 +381,7 @@ class ModelRunner:
             extra["carried"] = links.receive_stream(x.num_tokens)
         hidden = self.model(input_ids, t.positions, self.kv_caches, meta, **extra)
         if links is not None and not stage.is_last:  # no sampling here
-            links.hand_on(hidden, x.step_id, t.sample_index)
+            links.hand_on(hidden, x.step_id, t.sample_index, v.table_rows if v else None)
             return _NO_IDS
         if x.draft_kv and self.draft is not None:  # the draft's KV of every token, as the target's
             self.draft.model(input_ids, t.positions, self.draft.kv_caches, meta)
@@ -475,7 +475,7 @@ class ModelRunner:
     ):
         """Sampled ids into the token table and to the host (see `_keep`)."""
         ids = self._keep(sample_index, input_ids, ids, x)
-        if self.links is not None:  # the last stage: the first gathers the next inputs
+        if self.links is not None:  # the last stage: the stages before keep their tables alike
             self.links.send_ids(ids)
         return self._to_host(pack(ids, logprobs) if logprobs else ids)
 

@@ -217,7 +217,7 @@ class _Worker:
                 handle = runner.launch(message)
                 if message.sampler.grammar is not None and self.samples:
                     awaiting_bitmask = handle
-                    if message.sampler.drafts_to_host and self.args.rank == 0:
+                    if message.sampler.drafts_to_host and self.reports:
                         self.outputs.send(("drafts", runner.step_drafts(handle)))
                     continue
             pending.append(handle)
