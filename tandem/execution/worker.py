@@ -6,7 +6,7 @@ sampled ids back. Every rank of a tensor-parallel group samples the same ids (th
 pure function of the logits, which the all-gather makes identical on every rank) and scatters
 them into its own token table, so no rank waits for another's tokens. Under pipeline
 parallelism rank r is tensor-parallel rank r % tp of stage r // tp; only the last stage samples
-(its first rank reports), and the first stage gets the ids from it (`pipeline.py`). A worker
+(its first rank reports), and the stages before get the ids from it (`pipeline.py`). A worker
 launches step N+1 before it waits for step N, so on a GPU its device never idles between the two.
 """
 
