@@ -264,6 +264,24 @@ def test_grammars_and_preemption_through_two_stages(four_layers):
         llm.close()
 
 
+def test_four_stages_equal_one_process(four_layers):
+    """Two middle stages, each receiving the stream and (for its row lengths) the last stage's
+    ids, which the last stage sends to three stages without waiting for any: a stage takes them
+    only when a step reads them. Greedy, then with ngram drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [p + " " + p for p in PROMPTS]
+    for options in ({}, {"speculative_config": spec}):
+        ref = make_llm(four_layers, cpu_threads=1, **options)
+        want = outputs(ref, prompts, GREEDY), outputs(ref, prompts[:2], SEEDED)
+        ref.close()
+        llm = make_llm(four_layers, pipeline_parallel_size=4, cpu_threads=1, **options)
+        try:
+            assert "pipeline parallel: 4 stages" in llm.engine.execution.describe()
+            assert (outputs(llm, prompts, GREEDY), outputs(llm, prompts[:2], SEEDED)) == want
+        finally:
+            llm.close()
+
+
 def test_tensor_parallel_within_each_of_two_stages(four_layers):
     """Four ranks: two stages of two; each stage's all-reduces stay in its own group."""
     ref = make_llm(four_layers, cpu_threads=1)

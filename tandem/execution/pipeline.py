@@ -9,7 +9,7 @@ kept counts follow its ids, so every stage's row lengths advance as the last sta
 every stage places the next verification's tokens alike (and drafts alike from its table). A
 stage takes them only when a step reads them (`StepInputs.reads_through`), so while the last
 stage finishes micro-batch N the first already computes N + 1. Sends do not wait: the receiver
-is usually busy with the step before.
+is usually busy with the step before, and a stage's last ids are never taken.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 
 from tandem.models.parallel import PipelineStage
-
-MAX_PENDING_SENDS = 4  # sends in flight before the oldest is waited for (their buffers live)
 
 
 class StageLinks:
@@ -89,16 +87,10 @@ class StageLinks:
                 if rows is not None:
                     lengths.index_add_(0, rows, ids[len(index) :])
 
-    def close(self) -> None:
-        """Wait for the sends in flight (their receivers may be gone: not an error here)."""
-        while self._sends:
-            work, _ = self._sends.popleft()
-            try:
-                work.wait()
-            except RuntimeError:
-                break
-
     def _send(self, tensor: torch.Tensor, to: int) -> None:
-        while len(self._sends) >= MAX_PENDING_SENDS:
-            self._sends.popleft()[0].wait()
+        """Send without waiting: a send completes once its receiver has posted the receive,
+        and a stage takes a step's ids only when a later step reads them, so a sender that
+        waited for it could wait on a stage that waits on the sender. The tensor is kept until
+        its send completes."""
+        self._sends = deque(pair for pair in self._sends if not pair[0].is_completed())
         self._sends.append((dist.isend(tensor, to), tensor))

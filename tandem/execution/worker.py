@@ -150,8 +150,6 @@ class _Worker:
             self._run_steps(runner)
         finally:
             runner.close()
-            if runner.links is not None:
-                runner.links.close()
 
     @property
     def num_stages(self) -> int:
