@@ -32,7 +32,6 @@ class StageLinks:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.stage = stage
         self.hidden = hidden
         self.dtype = dtype
         self.device = device
