@@ -55,6 +55,18 @@ struct LaneMask {
 #endif
 };
 
+// w * s + acc in every lane, rounded once. Written out: GCC contracts `acc += w * s` into an FMA
+// in some tile shapes and not in others (AVX2), and a row's bits then hung on its step's rows.
+inline VecL fma_lanes(VecL w, float s, VecL acc) {
+#ifdef __AVX512F__
+  return reinterpret_cast<VecL>(_mm512_fmadd_ps(reinterpret_cast<__m512>(w), _mm512_set1_ps(s),
+                                                reinterpret_cast<__m512>(acc)));
+#else
+  return reinterpret_cast<VecL>(_mm256_fmadd_ps(reinterpret_cast<__m256>(w), _mm256_set1_ps(s),
+                                                reinterpret_cast<__m256>(acc)));
+#endif
+}
+
 // A tile's rows and vectors: their sums, the vectors of weights and a broadcast fill the
 // registers (29 of AVX-512's 32; 11 of AVX2's 16).
 constexpr int64_t kTileRows = kRegisters >= 32 ? 6 : 4;
@@ -92,7 +104,7 @@ void lora_tile(const float* const* lhs, int64_t n, const TileVector* vec, int64_
   auto step = [&](int64_t i, const VecL (&wv)[NV]) __attribute__((always_inline)) {
     for (int64_t m = 0; m < MR; ++m) {
       const float s = lhs[m][i];
-      for (int64_t v = 0; v < NV; ++v) acc[m][v] += wv[v] * s;
+      for (int64_t v = 0; v < NV; ++v) acc[m][v] = fma_lanes(wv[v], s, acc[m][v]);
     }
   };
   int64_t i = 0;
