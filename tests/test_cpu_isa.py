@@ -53,6 +53,7 @@ AVX2_CHECKS = [
     )
 ] + [
     "tests/test_quantized.py::test_the_kernel_is_the_dequantized_product",
+    "tests/test_quantized.py::test_rows_looked_up_in_the_blocks_are_the_dequantized_rows",
     "tests/test_quantized.py::test_float_activations_keep_float_precision_at_every_magnitude",
     "tests/test_quantized.py::test_int8_activations_kernel_is_the_integer_reference",
     "tests/test_quantized.py::test_gguf_blocks_in_a_wider_layout_are_gguf_s_own_weights",
@@ -70,6 +71,7 @@ AVX2_CHECKS += [
     f"tests/test_lora_kernel.py::{name}"
     for name in (
         "test_lora_add_is_the_reference",
+        "test_a_rows_delta_does_not_depend_on_its_step",
         "test_the_forwards_lora_is_the_merged_adapters_forward",
     )
 ]

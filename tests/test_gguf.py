@@ -26,6 +26,7 @@ from tandem.models.gguf_blocks import NATIVE_TYPES
 from tandem.models.loader import build_model, load_model, read_config
 from tandem.models.parallel import SINGLE, TensorParallel
 from tandem.ops.linear import Linear
+from tandem.ops.quantized import dequantize
 
 from gguf_files import K_QUANTS, TENSOR_TYPES, tiny_hf_folder, write_gguf
 from helpers import greedy, packaged_model
@@ -62,6 +63,8 @@ def full_weight(model, name: str) -> torch.Tensor:
     its GGUF blocks, dequantized)."""
     place = model._place(name)
     quantized = model._quantized_target(place.target)
+    if place.target == "embed.weight" and model.embedding_blocks is not None:
+        return dequantize(model.embedding_blocks)
     param = model.get_parameter(place.target) if quantized is None else quantized.float_weight()
     if place.offset is None:
         return param
@@ -88,6 +91,9 @@ def test_every_tensor_type_loads_as_the_weights_it_encodes(llama_folder, gguf_di
         module = model.get_submodule(target.rsplit(".", 1)[0])
         is_linear = isinstance(module, Linear) and target.endswith(".weight")
         assert (model._quantized_target(target) is not None) == (native and is_linear), name
+    # The embedding too: its lookups read the blocks, and no float table is held.
+    assert (model.embedding_blocks is not None) == native
+    assert model.embed.weight.numel() == 0 if native else model.embed.weight.numel() > 0
 
 
 @pytest.mark.parametrize(

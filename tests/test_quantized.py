@@ -23,12 +23,14 @@ from tandem.ops.linear import Linear
 from tandem.ops.quantized import (
     QuantizedExperts,
     dequantize,
+    dequantize_rows,
     for_int8_activations,
     int8_activation_linear,
     pack,
     quantize_activations,
     quantize_int8,
     quantized_linear,
+    quantized_rows,
     unpack,
 )
 from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
@@ -133,6 +135,22 @@ def test_the_kernel_is_the_dequantized_product(kind, n, k):
             scale = reference.abs().max().item()
             assert (out.double() - reference).abs().max().item() <= 1e-5 * scale, (tiles, rows)
             assert torch.equal(alone[0], out[0]) and torch.equal(alone[1], out[-1]), (tiles, rows)
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_rows_looked_up_in_the_blocks_are_the_dequantized_rows(kind):
+    """An embedding kept in its blocks: the kernel's rows and the reference's are the table's
+    rows bit for bit (a product, then the offset: no FMA), in both layouts, repeated and in any
+    order; a row past the table is refused."""
+    q = random_weight(kind, 160, 576)
+    ids = torch.tensor([159, 0, 17, 17, 100, 15, 16, 3])
+    for weight in (q, for_int8_activations(q)):
+        table = dequantize(weight)
+        assert torch.equal(dequantize_rows(weight, ids), table[ids])
+        assert torch.equal(quantized_rows(weight, ids), table[ids])
+        assert quantized_rows(weight, ids[:0]).shape == (0, 576)
+    with pytest.raises(RuntimeError, match="row 160 outside the weight's 160"):
+        quantized_rows(q, torch.tensor([1, 160]))
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)

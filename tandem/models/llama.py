@@ -54,9 +54,13 @@ from tandem.ops.linear import (
 from tandem.ops.quantized import (
     BLOCK_COLS,
     GROUP_ROWS,
+    QuantizedWeight,
     can_quantize,
+    copy_rows,
     for_int8_activations,
     quantize_int8,
+    quantized_rows,
+    zero_rows,
 )
 
 
@@ -227,9 +231,12 @@ class LlamaModel(nn.Module):
         if not spec.tie_word_embeddings and stage.is_last:
             self.lm_head = Linear(spec.hidden_size, rows)
         self._packed_logits_weight: torch.Tensor | None = None
-        # Tied embeddings with quantized weights: the logits' own quantized copy of the embedding
-        # (the lookup keeps the float one).
+        # Tied embeddings with quantized weights: the logits' own quantized copy of the embedding.
         self.tied_logits: Linear | None = None
+        # A GGUF's embedding kept in its blocks: lookups dequantize a step's rows, and no float
+        # table is held (a large vocabulary's is several times its blocks' size).
+        self.lookups_in_blocks = False
+        self._embed_blocks: QuantizedWeight | None = None  # unless the tied logits' serve
         # The format each planned quantized layer is loaded in (`plan_quantized_weights`).
         self._quantized_layouts: dict[str, str] = {}
         self._fused_weights: list[torch.Tensor] | None = None  # for the one-call forward
@@ -369,7 +376,17 @@ class LlamaModel(nn.Module):
             packed if packed is not None and self.embed.weight.shape[1] == 0 else self.embed.weight
         )
 
+    @property
+    def embedding_blocks(self) -> QuantizedWeight | None:
+        """The blocks lookups read where the embedding is kept in them, else None."""
+        if not self.lookups_in_blocks:
+            return None
+        return self.tied_logits.quantized if self.tied_logits is not None else self._embed_blocks
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.embedding_blocks
+        if blocks is not None:
+            return quantized_rows(blocks, ids)
         table = self.embedding_table
         return rows_from_panels(table, ids) if table.dim() == 3 else self.embed(ids)
 
@@ -384,6 +401,8 @@ class LlamaModel(nn.Module):
         lora_slots = self.lora.active.tokens if self.lora is not None else None
         lora = self._lora_weights if lora_slots is not None else []
         final_norm = self.norm.weight if self.stage.is_last else _NO_NORM  # none: hand on
+        if carried is None and self.lookups_in_blocks:  # the first layer's input, no residual
+            carried = self._embed(input_ids).unsqueeze(0)
         return torch.ops.tandem.llama_forward(
             input_ids, positions, self.embedding_table, self._fused_weights,
             kv_caches[layers.start : layers.stop], final_norm, self.rotary.cos, self.rotary.sin,
@@ -432,6 +451,12 @@ class LlamaModel(nn.Module):
             return True
         if name == "model.embed_tokens.weight" and self.tied_logits is not None:
             self.tied_logits.load_quantized_rows(0, source.quantized(place.rows, None))
+        if name == "model.embed_tokens.weight" and self.lookups_in_blocks:
+            if self.tied_logits is None:
+                part = source.quantized(place.rows, None)
+                self._embed_blocks = zero_rows(self.shard.vocab_per_rank, part)
+                copy_rows(self._embed_blocks, 0, part)
+            return True
         if place.target in ("embed.weight", "lm_head.weight"):
             param = self.get_parameter(place.target).data
             param.zero_()  # the last rank's padding rows past the vocabulary
@@ -489,11 +514,14 @@ class LlamaModel(nn.Module):
                 self._quantized_layouts[target] = one
         rows, hidden = self.shard.vocab_per_rank, self.spec.hidden_size
         embed = "model.embed_tokens.weight"
-        tied = self.spec.tie_word_embeddings and self.stage.is_last
-        tied = tied and format_of(embed) is not None
-        if tied and can_quantize(rows, hidden) and _fits(self._place(embed)):
+        if not (format_of(embed) and can_quantize(rows, hidden) and _fits(self._place(embed))):
+            return
+        if self.spec.tie_word_embeddings and self.stage.is_last:
             self.tied_logits = Linear(hidden, rows)
             self.tied_logits.drop_dense_weight()
+        if self.stage.is_first:
+            self.lookups_in_blocks = True
+            self.embed.weight = shape_only(rows)
 
     def use_few_rows_gemm(self, gemm: FewRowsGemm) -> int:
         """`gemm` for the products of few rows it takes, in every float linear layer (not the

@@ -235,6 +235,31 @@ def dequantize(q: QuantizedWeight) -> torch.Tensor:
     return torch.addcmul(offset, codes.float(), scale)
 
 
+def dequantize_rows(q: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """`dequantize(q)[ids]`, reading only those rows' blocks: an embedding kept in its blocks
+    looks up a step's tokens without a float copy of the table."""
+    groups, rows = ids // GROUP_ROWS, ids % GROUP_ROWS
+    nibbles = q.bits == 4
+    # A row's run of 4 columns is one 32-bit word of the group's [G, B, runs, 16 rows].
+    words = q.values.view(torch.int32)[groups, :, :, rows]  # [T, B, runs]
+    codes = words.contiguous().view(torch.uint8 if nibbles else torch.int8)  # [T, B, runs * 4]
+    if nibbles:  # the low nibbles are a block's first 16 columns, the high ones its last 16
+        codes = torch.cat((codes & 15, codes >> 4), dim=2)
+    codes = codes.reshape(len(ids), -1)
+
+    def of_rows(t: torch.Tensor) -> torch.Tensor:  # [G, B, h * 16] -> [T, B * h]
+        return t.view(t.shape[0], -1, GROUP_ROWS)[groups, :, rows]
+
+    scale = of_rows(q.scales).float().repeat_interleave(q.scale_cols, dim=1)
+    if nibbles and q.offsets is None:  # symmetric: weight = (code - 8) * scale
+        offset = scale * -8
+    elif q.offsets is None:
+        return codes.float() * scale
+    else:
+        offset = of_rows(q.offsets).float().repeat_interleave(BLOCK_COLS, dim=1)
+    return torch.addcmul(offset, codes.float(), scale)
+
+
 def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> QuantizedWeight:
     """Per-channel (per output row) symmetric int8 of a float weight [N, K]: scale = max|w| / 127,
     code = round(w / scale). `row_absmax` [N] gives max|w| of whole rows this is a slice of (a
@@ -293,6 +318,13 @@ def quantized_linear(
     if q.int8_activations:
         return int8_activation_linear(x, q, bias)
     return F.linear(x, dequantize(q).to(x.dtype), bias)
+
+
+def quantized_rows(q: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """`dequantize(q)[ids]`: the kernel where it is loaded (one call a step), else the reference."""
+    if cpu_kernels.loaded() and ids.device.type == "cpu":
+        return torch.ops.tandem.quantized_rows(*q.flat(), ids)
+    return dequantize_rows(q, ids)
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:

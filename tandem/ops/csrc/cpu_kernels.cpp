@@ -1473,10 +1473,11 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
                        eps, scale};
   const std::string group(group_name);
   // A pipeline stage after the first starts from the stream its predecessor stopped at:
-  // carried = [2, T, hidden], the last layer's output and the residual before it.
+  // carried = [2, T, hidden], the last layer's output and the residual before it. An embedding
+  // kept in quantized blocks is looked up by the caller: carried = [1, T, hidden], no residual.
   const bool resumed = carried.has_value();
   at::Tensor x = resumed ? (*carried)[0] : embed_tokens(embed, input_ids, vocab_start, group);
-  at::Tensor residual = resumed ? (*carried)[1] : at::Tensor(), h;
+  at::Tensor residual = resumed && carried->size(0) == 2 ? (*carried)[1] : at::Tensor(), h;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     auto w = weights.slice(layer * kWeightsPerLayer, kWeightsPerLayer);
     const LayerLora layer_lora{
@@ -1743,6 +1744,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def(
       "quantized_linear(Tensor x, Tensor values, Tensor scales, Tensor offsets, Tensor bias) "
       "-> Tensor");
+  m.def("quantized_rows(Tensor values, Tensor scales, Tensor offsets, Tensor ids) -> Tensor");
   m.def(
       "sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor seed_keys, "
       "Tensor output_index) -> Tensor");
@@ -1778,6 +1780,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("gemm", &gemm);
   m.impl("quantized_linear", &tandem::quantized_linear);
   m.impl("quantized_experts", &tandem::quantized_experts);
+  m.impl("quantized_rows", &tandem::quantized_rows);
   m.impl("gemm_experts", &gemm_experts);
   m.impl("sample_rows", &sample_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);

@@ -1381,7 +1381,72 @@ void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
   else run_stack<float>(f, x, values, scales, offsets, ends, count, out);
 }
 
+// Rows `ids` of a weight in its blocks as float32, each value code * scale, then + offset: two
+// roundings, as ops/quantized.py's dequantize makes them (GCC would otherwise fuse them in one
+// FMA, and a lookup would differ from the table it stands for in the last bit).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void rows_of_blocks(const Format& f, const at::Tensor& values, const at::Tensor& scales,
+                    const at::Tensor& offsets, const int64_t* ids, int64_t count, float* out) {
+  const int64_t blocks = values.size(1), cols = blocks * kBlockCols;
+  const int64_t runs = f.four_bit ? 4 : 8;
+  const int64_t per_block = f.halves ? 2 * kGroupRows : kGroupRows;
+  const auto* bytes = static_cast<const uint8_t*>(values.data_ptr());
+  const void* scale_data = scales.data_ptr();
+  const void* offset_data = present(offsets) ? offsets.data_ptr() : nullptr;
+  const auto read = [&](const void* p, int64_t i) {
+    return f.half ? float(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  };
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    float codes[kBlockCols];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = ids[t] / kGroupRows, n = ids[t] % kGroupRows;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = bytes + (g * blocks + b) * runs * kQuadBytes;
+        for (int64_t j = 0; j < runs; ++j) {
+          for (int64_t c = 0; c < 4; ++c) {
+            const uint8_t byte = block[j * kQuadBytes + 4 * n + c];
+            if (f.four_bit) {  // the low nibble is column 4j + c, the high one 16 + 4j + c
+              codes[4 * j + c] = float(byte & 15);
+              codes[16 + 4 * j + c] = float(byte >> 4);
+            } else {
+              codes[4 * j + c] = float(static_cast<int8_t>(byte));
+            }
+          }
+        }
+        const int64_t s = (g * blocks + b) * per_block + n;
+        const float first = read(scale_data, s);
+        const float last = f.halves ? read(scale_data, s + kGroupRows) : first;
+        float offset = 0.0f;
+        if (f.symmetric) offset = first * -8.0f;
+        else if (offset_data) offset = read(offset_data, s);
+        float* w = out + t * cols + b * kBlockCols;
+        for (int64_t k = 0; k < kBlockCols; ++k) {
+          const float product = codes[k] * (k < kBlockCols / 2 ? first : last);
+          w[k] = f.four_bit ? product + offset : product;
+        }
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
 }  // namespace
+
+at::Tensor quantized_rows(const at::Tensor& values, const at::Tensor& scales,
+                          const at::Tensor& offsets, const at::Tensor& ids) {
+  const int64_t rows = values.size(0) * kGroupRows;
+  const Format f =
+      check_weight(at::empty({0, values.size(1) * kBlockCols}), values, scales, offsets);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be int64 [T]");
+  const auto index = ids.contiguous();
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < index.numel(); ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "row ", id[t], " outside the weight's ", rows);
+  auto out = at::empty({index.numel(), values.size(1) * kBlockCols}, scales.options().dtype(at::kFloat));
+  rows_of_blocks(f, values, scales, offsets, id, index.numel(), out.data_ptr<float>());
+  return out;
+}
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& bias) {

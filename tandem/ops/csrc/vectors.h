@@ -33,6 +33,10 @@ inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; 
 // layout); out [M, N] float32.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& bias);
+// Rows `ids` [T] of a weight in the layout quantized_linear takes, as float32 [T, K] (an
+// embedding kept in its blocks; ops/quantized.py's dequantize_rows is the reference).
+at::Tensor quantized_rows(const at::Tensor& values, const at::Tensor& scales,
+                          const at::Tensor& offsets, const at::Tensor& ids);
 // A layer's experts: rows [row_ends[e - 1], row_ends[e]) of x (sorted by expert) times expert
 // e's weight, for every expert, in one task list; values, scales and offsets stacked [experts,
 // ...] as quantized_linear takes one weight's.
