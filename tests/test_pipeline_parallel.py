@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import openai
 import pytest
+import torch
 from test_server_processes import OFFLINE_OPTIONS, clean_up, spawn, wait_healthy
 
 from tandem import LLM, SamplingParams
@@ -28,6 +29,7 @@ from tandem.request import Request
 from tandem.scheduling.scheduler import Scheduler
 from tests.shared_tp import ranks_from_a_fork_server  # noqa: F401
 
+from gguf_files import tiny_hf_folder, write_gguf
 from helpers import make_llm
 
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time, in a land far away", "a b c"]
@@ -82,8 +84,6 @@ def test_layers_split_so_the_costliest_stage_costs_least(tiny_llama, monkeypatch
 def test_a_stage_holds_only_its_layers_and_ends(tiny_checkpoints):
     """Untied: the embedding on the first stage, the norm and the LM head on the last; tied, the
     last stage holds the embedding too (its logits read it)."""
-    import torch
-
     for arch, tied in (("LlamaForCausalLM", False), ("MistralForCausalLM", True)):
         path, spec, hf_config = read_config(tiny_checkpoints[arch])
         first, last = (pipeline_stage(i, 2, spec) for i in range(2))
@@ -205,6 +205,29 @@ def test_two_stages_equal_one_process(four_layers, loop):
 )  # tied embeddings; sliding windows (layer groups) in the op-by-op forward; experts
 def test_two_stages_equal_one_process_for_other_families(tiny_checkpoints, arch):
     path = tiny_checkpoints[arch]
+    ref = make_llm(path, cpu_threads=1)
+    want = outputs(ref, PROMPTS, GREEDY), outputs(ref, PROMPTS, SEEDED)
+    ref.close()
+    llm = make_llm(path, **PP2)
+    try:
+        assert (outputs(llm, PROMPTS, GREEDY), outputs(llm, PROMPTS, SEEDED)) == want
+    finally:
+        llm.close()
+
+
+def test_a_gguf_s_embedding_stays_in_its_blocks_on_both_stages(tmp_path):
+    """Tied Q4_K: the first stage looks tokens up in its copy of the embedding's blocks (no
+    float table), the last multiplies by the logits' own."""
+    folder = tiny_hf_folder(tmp_path / "hf", "LlamaForCausalLM", tie_word_embeddings=True)
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q4_K")
+    _, spec, hf_config = read_config(path)
+    first, last = (
+        build_model(path, spec, hf_config, torch.float32, torch.device("cpu"), stage=stage)
+        for stage in (pipeline_stage(i, 2, spec) for i in range(2))
+    )
+    assert first.embedding_blocks is not None and first.embed.weight.numel() == 0
+    assert first.tied_logits is None and last.tied_logits is not None
+    assert not last.lookups_in_blocks
     ref = make_llm(path, cpu_threads=1)
     want = outputs(ref, PROMPTS, GREEDY), outputs(ref, PROMPTS, SEEDED)
     ref.close()
