@@ -1382,8 +1382,8 @@ void run_stack(const Format& f, const at::Tensor& x, const at::Tensor& values,
 }
 
 // Rows `ids` of a weight in its blocks as float32, each value code * scale, then + offset: two
-// roundings, as ops/quantized.py's dequantize makes them (GCC would otherwise fuse them in one
-// FMA, and a lookup would differ from the table it stands for in the last bit).
+// roundings, as ops/quantized.py's dequantize makes them. GCC may contract the two into one FMA
+// (its default -ffp-contract=fast), which would change a lookup's last bit: not here.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 void rows_of_blocks(const Format& f, const at::Tensor& values, const at::Tensor& scales,
