@@ -1435,10 +1435,15 @@ at::Tensor sparse_mlp(const at::Tensor& h, at::TensorList w, int64_t top_k, bool
   const auto order = at::argsort(flat, /*stable=*/true);  // by expert, tokens ascending in each
   const auto tokens = at::div(order, top_k, "floor");
   const auto row_ends = at::bincount(flat, {}, router.size(0)).cumsum(0);
-  // Each intermediate freed as the next is made: a long prefill's rows are tokens x top-k.
-  auto ys = experts_projection(
-      silu_and_mul(experts_projection(h.index_select(0, tokens), row_ends, w, kGateUp)),
-      row_ends, w, kDown);
+  // Each intermediate freed as the next is made (one expression would keep every temporary to
+  // its end): a long prefill's rows are tokens x top-k.
+  auto rows = h.index_select(0, tokens);
+  auto gate_up = experts_projection(rows, row_ends, w, kGateUp);
+  rows.reset();
+  auto act = silu_and_mul(gate_up);
+  gate_up.reset();
+  auto ys = experts_projection(act, row_ends, w, kDown);
+  act.reset();
   ys.mul_(weights.flatten().index({order}).unsqueeze(1));
   // Row by row in order, so each token's terms add by ascending expert.
   auto out = at::zeros_like(h).index_add_(0, tokens, ys);
