@@ -204,7 +204,10 @@ def test_two_stages_equal_one_process(four_layers, loop):
     "arch", ["MistralForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"]
 )  # tied embeddings; sliding windows (layer groups) in the op-by-op forward; experts
 def test_two_stages_equal_one_process_for_other_families(tiny_checkpoints, arch):
-    path = tiny_checkpoints[arch]
+    assert_two_stages_greedy_and_seeded_as_one_process(tiny_checkpoints[arch])
+
+
+def assert_two_stages_greedy_and_seeded_as_one_process(path) -> None:
     ref = make_llm(path, cpu_threads=1)
     want = outputs(ref, PROMPTS, GREEDY), outputs(ref, PROMPTS, SEEDED)
     ref.close()
@@ -228,14 +231,7 @@ def test_a_gguf_s_embedding_stays_in_its_blocks_on_both_stages(tmp_path):
     assert first.embedding_blocks is not None and first.embed.weight.numel() == 0
     assert first.tied_logits is None and last.tied_logits is not None
     assert not last.lookups_in_blocks
-    ref = make_llm(path, cpu_threads=1)
-    want = outputs(ref, PROMPTS, GREEDY), outputs(ref, PROMPTS, SEEDED)
-    ref.close()
-    llm = make_llm(path, **PP2)
-    try:
-        assert (outputs(llm, PROMPTS, GREEDY), outputs(llm, PROMPTS, SEEDED)) == want
-    finally:
-        llm.close()
+    assert_two_stages_greedy_and_seeded_as_one_process(path)
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ struct LaneMask {
 };
 
 // w * s + acc in every lane, rounded once. Written out: GCC contracts `acc += w * s` into an FMA
-// in some tile shapes and not in others (AVX2), and a row's bits then hung on its step's rows.
+// in some tile shapes and not in others (AVX2), so a row's bits depended on its step's rows.
 inline VecL fma_lanes(VecL w, float s, VecL acc) {
 #ifdef __AVX512F__
   return reinterpret_cast<VecL>(_mm512_fmadd_ps(reinterpret_cast<__m512>(w), _mm512_set1_ps(s),

@@ -1443,7 +1443,7 @@ at::Tensor quantized_rows(const at::Tensor& values, const at::Tensor& scales,
   const int64_t* id = index.data_ptr<int64_t>();
   for (int64_t t = 0; t < index.numel(); ++t)
     TORCH_CHECK(id[t] >= 0 && id[t] < rows, "row ", id[t], " outside the weight's ", rows);
-  auto out = at::empty({index.numel(), values.size(1) * kBlockCols}, scales.options().dtype(at::kFloat));
+  auto out = at::empty({index.numel(), values.size(1) * kBlockCols}, at::kFloat);
   rows_of_blocks(f, values, scales, offsets, id, index.numel(), out.data_ptr<float>());
   return out;
 }
