@@ -227,12 +227,7 @@ def unpack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def dequantize(q: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [N, K]: code * scale + offset, rounded once (llama.cpp's values)."""
-    codes, scales, offsets = unpack(q)
-    scale = scales.float().repeat_interleave(q.scale_cols, dim=1)
-    if offsets is None:
-        return codes.float() * scale
-    offset = offsets.float().repeat_interleave(BLOCK_COLS, dim=1)
-    return torch.addcmul(offset, codes.float(), scale)
+    return _weights(*unpack(q), q.scale_cols)
 
 
 def dequantize_rows(q: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -245,18 +240,25 @@ def dequantize_rows(q: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     codes = words.contiguous().view(torch.uint8 if nibbles else torch.int8)  # [T, B, runs * 4]
     if nibbles:  # the low nibbles are a block's first 16 columns, the high ones its last 16
         codes = torch.cat((codes & 15, codes >> 4), dim=2)
-    codes = codes.reshape(len(ids), -1)
 
     def of_rows(t: torch.Tensor) -> torch.Tensor:  # [G, B, h * 16] -> [T, B * h]
         return t.view(t.shape[0], -1, GROUP_ROWS)[groups, :, rows]
 
-    scale = of_rows(q.scales).float().repeat_interleave(q.scale_cols, dim=1)
-    if nibbles and q.offsets is None:  # symmetric: weight = (code - 8) * scale
-        offset = scale * -8
-    elif q.offsets is None:
+    scales = of_rows(q.scales)
+    symmetric = nibbles and q.offsets is None  # offsets -8 * scale, as `unpack` makes them
+    offsets = scales * -8 if symmetric else None if q.offsets is None else of_rows(q.offsets)
+    return _weights(codes.reshape(len(ids), -1), scales, offsets, q.scale_cols)
+
+
+def _weights(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, scale_cols: int
+) -> torch.Tensor:
+    """code * scale (+ offset) of rows of codes, from their scales and offsets per block: a
+    product, then a sum (the kernels' `quantized_rows` rounds alike)."""
+    scale = scales.float().repeat_interleave(scale_cols, dim=1)
+    if offsets is None:
         return codes.float() * scale
-    else:
-        offset = of_rows(q.offsets).float().repeat_interleave(BLOCK_COLS, dim=1)
+    offset = offsets.float().repeat_interleave(BLOCK_COLS, dim=1)
     return torch.addcmul(offset, codes.float(), scale)
 
 
