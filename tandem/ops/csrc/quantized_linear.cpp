@@ -1289,9 +1289,9 @@ struct Format {
   bool words, four_bit, halves, symmetric, half;
 };
 
-// One weight's values, scales and offsets checked against x [M, K]: their layout and which
-// numerics they take (`quantized_linear`'s comment says which).
-Format check_weight(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+// One weight's values, scales and offsets checked against the x_columns (K) of x [M, K]: their
+// layout and which numerics they take (`quantized_linear`'s comment says which).
+Format check_weight(int64_t x_columns, const at::Tensor& values, const at::Tensor& scales,
                     const at::Tensor& offsets) {
   // Words (int32) for float activations, quads (int8 or uint8 bytes) for int8 activations;
   // 4-bit codes in 4 runs of 64 bytes a block, 8-bit ones in 8.
@@ -1306,7 +1306,7 @@ Format check_weight(const at::Tensor& x, const at::Tensor& values, const at::Ten
   TORCH_CHECK(words || four_bit == (values.scalar_type() == at::kByte),
               "quads are int8 for 8-bit codes, uint8 for 4-bit ones");
   const int64_t groups = values.size(0), blocks = values.size(1);
-  TORCH_CHECK(x.size(1) == blocks * kBlockCols, "x has ", x.size(1), " columns, the weight ",
+  TORCH_CHECK(x_columns == blocks * kBlockCols, "x has ", x_columns, " columns, the weight ",
               blocks * kBlockCols);
   const auto scale_type = scales.scalar_type();
   TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, "scales must be float16/32");
@@ -1436,8 +1436,7 @@ void rows_of_blocks(const Format& f, const at::Tensor& values, const at::Tensor&
 at::Tensor quantized_rows(const at::Tensor& values, const at::Tensor& scales,
                           const at::Tensor& offsets, const at::Tensor& ids) {
   const int64_t rows = values.size(0) * kGroupRows;
-  const Format f =
-      check_weight(at::empty({0, values.size(1) * kBlockCols}), values, scales, offsets);
+  const Format f = check_weight(values.size(1) * kBlockCols, values, scales, offsets);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be int64 [T]");
   const auto index = ids.contiguous();
   const int64_t* id = index.data_ptr<int64_t>();
@@ -1451,7 +1450,7 @@ at::Tensor quantized_rows(const at::Tensor& values, const at::Tensor& scales,
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& bias) {
   check_x(x);
-  const Format f = check_weight(x, values, scales, offsets);
+  const Format f = check_weight(x.size(1), values, scales, offsets);
   const int64_t n = values.size(0) * kGroupRows;
   TORCH_CHECK(!present(bias) || (bias.scalar_type() == at::kFloat && bias.numel() == n),
               "bias must be float32 [", n, "]");
@@ -1473,7 +1472,8 @@ at::Tensor quantized_experts(const at::Tensor& x, const at::Tensor& row_ends,
               "values must be [experts, groups, blocks, runs, lanes], scales and offsets "
               "[experts, groups, blocks, scales], contiguous");
   const at::Tensor none;
-  const Format f = check_weight(x, values[0], scales[0], present(offsets) ? offsets[0] : none);
+  const Format f =
+      check_weight(x.size(1), values[0], scales[0], present(offsets) ? offsets[0] : none);
   const int64_t experts = values.size(0);
   const int64_t* ends = expert_row_ends(row_ends, experts, x.size(0));
   auto out = at::empty({x.size(0), values.size(1) * kGroupRows}, x.options());
