@@ -16,6 +16,7 @@ as ids with vLLM's `return_tokens_as_token_ids`; the base model's equal transfor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -523,7 +524,7 @@ def test_serve_flags_two_front_ends_two_cores(
     data-parallel cores, runtime updates allowed by vLLM's environment variable: the start-up
     adapters are listed (with the parent JSON named) and answer as peft; one loaded through a
     front end is usable through the other, on both cores; unloaded, it is a 404 on both."""
-    with healthy(spawned["flags"]) as server:
+    with healthy(spawned["flags"]) as server, contextlib.ExitStack() as open_clients:
         cards = httpx.get(f"{server.url}/v1/models").json()["data"]
         assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
             ("base", None, cards[0]["root"]),
@@ -532,16 +533,21 @@ def test_serve_flags_two_front_ends_two_cores(
         ]
         said = "LoRA adapters, by the name a request's model gives: all8"
         wait_until(lambda: said in server.output(), 10, "the front ends' start-up lines")
+        connection_to: dict[int, httpx.Client] = {}  # an open connection to each front end
 
-        def request(model: str) -> tuple[int, httpx.Response]:
-            """On a new connection; which front end served it, and its answer."""
+        def request(model: str, client: httpx.Client | None = None) -> tuple[int, httpx.Response]:
+            """Which front end served it, and its answer; on a new connection, kept open to the
+            end, unless `client` gives one. The front ends accept from one socket, so which
+            one takes a new connection is a race, but a connection stays with its front end."""
             body = {"model": model, "prompt": PROMPTS[0], "max_tokens": TOKENS,
                     "temperature": 0, "logprobs": 0, "ignore_eos": True,
                     "return_tokens_as_token_ids": True}  # fmt: skip
-            with httpx.Client(timeout=60) as client:
-                r = client.post(f"{server.url}/v1/completions", json=body)
-                port = r.extensions["network_stream"].get_extra_info("client_addr")[1]
-                return connection_owner(server.port, port, server.frontends), r
+            client = client or open_clients.enter_context(httpx.Client(timeout=60))
+            r = client.post(f"{server.url}/v1/completions", json=body)
+            port = r.extensions["network_stream"].get_extra_info("client_addr")[1]
+            owner = connection_owner(server.port, port, server.frontends)
+            connection_to.setdefault(owner, client)
+            return owner, r
 
         def ids(r: httpx.Response) -> list[int]:
             assert r.status_code == 200, r.text
@@ -572,14 +578,10 @@ def test_serve_flags_two_front_ends_two_cores(
 
         r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert r.status_code == 200, r.text
-        refused_by = set()
-        for _ in range(40):
-            owner, r = request("late")
+        for frontend, client in connection_to.items():
+            owner, r = request("late", client)
+            assert owner == frontend
             assert r.status_code == 404 and "'late' does not exist" in r.text, r.text
-            refused_by.add(owner)
-            if len(refused_by) == 2:
-                break
-        assert refused_by == set(server.frontends)
 
 
 def test_a_bad_start_up_adapter_stops_the_server(

@@ -35,6 +35,9 @@ OPTIONS = {"max_model_len": 512}
 VIEWPORT = {"width": 1100, "height": 750}
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "img"
 ANSWER_TIMEOUT_MS = 60_000
+# Long enough that the answer arrives over many chunks even if the test process stalls a while:
+# the front end sends whatever tokens queued up meanwhile as one chunk.
+ANSWER_TOKENS = 96
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -189,7 +192,7 @@ def test_chat_streams_the_apis_greedy_answers_turn_after_turn(browser, tiny) -> 
         expect(page.get_by_test_id("dashboard-link")).to_have_attribute("href", "/dashboard")
 
         page.get_by_test_id("system-prompt").fill(system)
-        set_controls(page, temperature=0, max_tokens=24)
+        set_controls(page, temperature=0, max_tokens=ANSWER_TOKENS)
         count_text_updates(page)
         send(page, "Hello there")
         first = reply(page, 0)
@@ -199,7 +202,7 @@ def test_chat_streams_the_apis_greedy_answers_turn_after_turn(browser, tiny) -> 
             {"role": "user", "content": "Hello there"},
         ]
         expected = api(tiny).chat.completions.create(
-            model=model_name(tiny), messages=messages, temperature=0, max_tokens=24
+            model=model_name(tiny), messages=messages, temperature=0, max_tokens=ANSWER_TOKENS
         )
         assert first["answer"] == expected.choices[0].message.content
         assert first["answer"], "an empty answer proves little"
@@ -207,7 +210,7 @@ def test_chat_streams_the_apis_greedy_answers_turn_after_turn(browser, tiny) -> 
         body = seen.chat_bodies()[0]
         assert body["messages"] == messages
         assert body["stream"] is True and body["model"] == model_name(tiny)
-        assert body["temperature"] == 0 and body["max_tokens"] == 24
+        assert body["temperature"] == 0 and body["max_tokens"] == ANSWER_TOKENS
         assert {k: body[k] for k in ("top_p", "top_k", "min_p")} == {
             k: sampling[k] for k in ("top_p", "top_k", "min_p")
         }
@@ -228,7 +231,7 @@ def test_chat_streams_the_apis_greedy_answers_turn_after_turn(browser, tiny) -> 
         ]
         assert seen.chat_bodies()[1]["messages"] == history
         expected = api(tiny).chat.completions.create(
-            model=model_name(tiny), messages=history, temperature=0, max_tokens=24
+            model=model_name(tiny), messages=history, temperature=0, max_tokens=ANSWER_TOKENS
         )
         assert second["answer"] == expected.choices[0].message.content
 
