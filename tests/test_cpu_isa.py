@@ -181,7 +181,9 @@ def compile_to_assembly(source: Path, march: str) -> str:
     for file in cpu_kernels.FILES:
         key.update(file.name.encode() + b"\0" + file.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
-    for part in (*command, version.stdout, torch.__version__):
+    # The source by name: its bytes are hashed above, and a checkout elsewhere reads the same.
+    parts = [source.name if part == str(source) else part for part in command]
+    for part in (*parts, version.stdout, torch.__version__):
         key.update(part.encode() + b"\0")
     assembly = (
         cpu_kernels.cache_root() / "assembly" / f"{source.stem}-{march}-{key.hexdigest()[:16]}.s"
