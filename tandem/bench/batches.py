@@ -108,9 +108,7 @@ def tandem_batch(config: EngineConfig, shape: Shape) -> tuple[Measured, list[str
         workload = make_batch_workload(
             shape.batch, shape.prompt_len, shape.output_len, engine.spec.vocab_size, shape.seed
         )
-        # Within the engine's max_model_len, which is prompt + output: at most the run's tokens.
-        warmup = workload.warmup(shape.batch, max_tokens=min(4, shape.output_len))
-        run_workload(engine, warmup, 0.0, None, "warmup")
+        run_workload(engine, workload.warmup(shape.batch), 0.0, None, "warmup")
         runs = [
             phases(run_workload(engine, workload, 0.0, None, f"batch {shape.batch} #{i}"))
             for i in range(shape.repeats)

@@ -144,12 +144,14 @@ class Workload:
         return not self.ignore_eos or any(s is not None for s in self.structured)
 
     def warmup(self, n: int = 4, max_tokens: int = 4) -> Workload:
-        """The first `n` requests, `max_tokens` each, all at once (constraints and adapters
-        kept; more requests where that takes every adapter into a slot before the run)."""
+        """The first `n` requests, `max_tokens` each or their own output if shorter (an engine
+        sized to the workload holds no more), all at once (constraints and adapters kept; more
+        requests where that takes every adapter into a slot before the run)."""
         k = min(max(n, len(set(self.loras) - {None}) + 1), len(self.prompts))
+        lens = [min(max_tokens, length) for length in self.output_lens[:k]]
         return Workload(
-            self.prompts[:k], [max_tokens] * k, [0.0] * k, True, self.structured[:k],
-            self.thinking[:k], self.loras[:k],
+            self.prompts[:k], lens, [0.0] * k, True, self.structured[:k], self.thinking[:k],
+            self.loras[:k],
         )  # fmt: skip
 
 
