@@ -227,7 +227,7 @@ def test_lora_off_refuses_adapters(tiny_llama, adapters):
 
 def test_other_families(tiny_checkpoints, tmp_path):
     """Qwen2 (q/k/v biases, sharded checkpoint; rank 64), Qwen3 (q/k norms), Gemma 3 (GeGLU,
-    the op-by-op forward) and a mixture of experts (attention only) under adapters."""
+    its norms, per-layer windows) and a mixture of experts (attention only) under adapters."""
     cases = {
         "Qwen2ForCausalLM": (ALL_PROJECTIONS, 64),
         "Qwen3ForCausalLM": (["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], 8),

@@ -231,7 +231,8 @@ LORA_PARTS = {  # group: (in, its parts' columns)
     "gate_up": (HIDDEN, [INTER, INTER]),
     "down": (INTER, [HIDDEN]),
 }
-WEIGHTS_PER_LAYER = 36  # csrc LayerWeight: 4 norms, 4 linear layers of 5, router, shared expert
+# csrc LayerWeight: 4 norms, 4 linear layers of 5, router, shared expert, 2 output norms
+WEIGHTS_PER_LAYER = 38
 
 
 def linear_slot(weight: torch.Tensor, bias: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -269,6 +270,7 @@ def flat_weights(layers: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         flat += linear_slot(L["qkv"], L["qkv_bias"]) + linear_slot(L["o"], L["o_bias"])
         flat += linear_slot(L["gate_up"]) + linear_slot(L["down"])
         flat += [empty] + [empty] * 5 + [empty] * 5 + [empty]  # no router, no shared expert
+        flat += [empty, empty]  # no norms of the attention's and the MLP's outputs (Gemma's)
         assert len(flat) % WEIGHTS_PER_LAYER == 0
     return flat
 
@@ -319,9 +321,10 @@ def llama_forward(weights, lora, lora_slots, lengths: list[int], seed: int = 0) 
     angles = torch.outer(torch.arange(64).float(), inv)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     return torch.ops.tandem.llama_forward(
-        ids, positions, embed, weights, caches, final_norm, cos, sin, slot_mapping, tables,
+        ids, positions, embed, weights, caches, final_norm, [cos] * layers, [sin] * layers,
+        [slot_mapping] * layers, [tables] * layers, [0] * layers,
         torch.zeros(0, dtype=torch.int64), 0, prefills, BLOCK, HEADS, KV_HEADS, HEAD_DIM,
-        1e-6, HEAD_DIM**-0.5, 0, "", 0, 0, False, lora, lora_slots,
+        1e-6, HEAD_DIM**-0.5, False, "", 0, 0, False, lora, lora_slots,
     )  # fmt: skip
 
 

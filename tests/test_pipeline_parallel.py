@@ -202,7 +202,7 @@ def test_two_stages_equal_one_process(four_layers, loop):
 
 @pytest.mark.parametrize(
     "arch", ["MistralForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"]
-)  # tied embeddings; sliding windows (layer groups) in the op-by-op forward; experts
+)  # tied embeddings; sliding windows (layer groups); experts
 def test_two_stages_equal_one_process_for_other_families(tiny_checkpoints, arch):
     assert_two_stages_greedy_and_seeded_as_one_process(tiny_checkpoints[arch])
 

@@ -11,8 +11,8 @@ What differs from Llama, and where it is handled:
   soft-capped (`cap * tanh(logits / cap)`);
 - layers are sliding (a window of keys and the local rope base) or global (every key, the global
   rope base and its scaling), per `layer_types`.
-Gemma has no one-call forward: on a CPU in float32 it gets the packed and quantized GEMMs with
-the CPU kernels op by op between them (`ops/cpu_elementwise.py`; GeGLU is the portable op).
+On a CPU in float32 the whole forward is one kernel call, as the Llama family's
+(`tandem::llama_forward`: the extra norms, GeGLU, and each layer's window and rope table).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tandem.models.llama import (
     RMSNorm,
     Rotary,
     add_to_residual_and_norm,
+    flat_layer_weights,
 )
 from tandem.models.parallel import Placement, TensorParallel
 from tandem.models.spec import Gemma3Spec, checkpoint_shapes, shape_values
@@ -90,6 +91,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GeGLU(spec, tp)
         self.post_ff_norm = RMSNorm(hidden, eps)
 
+    def flat_weights(self) -> list[torch.Tensor]:
+        """This layer's weights in the order `tandem::llama_forward` reads them (csrc)."""
+        return flat_layer_weights(
+            self.input_norm, self.attn, self.pre_ff_norm, self.mlp, self.post_attn_norm,
+            self.post_ff_norm,
+        )  # fmt: skip
+
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous layer's normed MLP output (the embeddings for the first layer, where
         residual is None); the residual stream is residual + x. Returns the same pair."""
@@ -106,7 +114,8 @@ class Gemma3Model(LlamaModel):
     spec: Gemma3Spec
     local_rotary: Rotary  # the sliding layers' rope (`rotary` is the global layers')
     rope_layer_types = (FULL, SLIDING)
-    family_has_fused_forward = False
+    geglu = True
+    embedding_is_lookup = False  # scaled by sqrt(hidden)
 
     def _make_layer(self, index: int) -> nn.Module:
         return Gemma3DecoderLayer(self.local_spec, self.tp, self.spec.windows[index])

@@ -153,21 +153,7 @@ class DecoderLayer(nn.Module):
 
     def flat_weights(self) -> list[torch.Tensor]:
         """This layer's weights in the order `tandem::llama_forward` reads them (csrc)."""
-        none = torch.empty(0)
-        a, m = self.attn, self.mlp
-        q_norm = a.q_norm.weight if a.spec.qk_norm else none
-        k_norm = a.k_norm.weight if a.spec.qk_norm else none
-        norms = [self.input_norm.weight, q_norm, k_norm, self.post_attn_norm.weight]
-        no_shared = [none] * 11  # the shared expert's two linear layers and its gate
-        if not isinstance(m, moe.SparseMoE):
-            mlp = m.gate_up.flat() + m.down.flat() + [none] + no_shared
-        else:
-            e, shared = m.experts, m.shared
-            mlp = e.flat("gate_up") + e.flat("down") + [m.router.weight]
-            mlp += no_shared if shared is None else (
-                shared.gate_up.flat() + shared.down.flat() + [m.shared_gate.weight]
-            )  # fmt: skip
-        return norms + a.qkv.flat() + a.o.flat() + mlp
+        return flat_layer_weights(self.input_norm, self.attn, self.post_attn_norm, self.mlp)
 
     def forward(self, x, residual, kv_cache, ctx: ForwardContext):
         """x: the previous sublayer's output (the embeddings for the first layer, where
@@ -178,6 +164,33 @@ class DecoderLayer(nn.Module):
         norm = self.post_attn_norm
         h, residual = ops.add_rms_norm(a, residual, norm.weight, norm.eps)
         return self.mlp(h, ops), residual
+
+
+def flat_layer_weights(
+    input_norm: RMSNorm,
+    attn: Attention,
+    pre_mlp_norm: RMSNorm,
+    mlp: nn.Module,
+    attn_out_norm: RMSNorm | None = None,
+    mlp_out_norm: RMSNorm | None = None,
+) -> list[torch.Tensor]:
+    """A layer's weights in the order `tandem::llama_forward` reads them (csrc: LayerWeight);
+    the out norms are Gemma's, of the attention's and the MLP's outputs."""
+    none = torch.empty(0)
+    q_norm = attn.q_norm.weight if attn.spec.qk_norm else none
+    k_norm = attn.k_norm.weight if attn.spec.qk_norm else none
+    norms = [input_norm.weight, q_norm, k_norm, pre_mlp_norm.weight]
+    no_shared = [none] * 11  # the shared expert's two linear layers and its gate
+    if not isinstance(mlp, moe.SparseMoE):
+        mlp_weights = mlp.gate_up.flat() + mlp.down.flat() + [none] + no_shared
+    else:
+        e, shared = mlp.experts, mlp.shared
+        mlp_weights = e.flat("gate_up") + e.flat("down") + [mlp.router.weight]
+        mlp_weights += no_shared if shared is None else (
+            shared.gate_up.flat() + shared.down.flat() + [mlp.shared_gate.weight]
+        )  # fmt: skip
+    out_norms = [none if n is None else n.weight for n in (attn_out_norm, mlp_out_norm)]
+    return norms + attn.qkv.flat() + attn.o.flat() + mlp_weights + out_norms
 
 
 def add_to_residual_and_norm(ops: ModuleType, x, residual, norm: RMSNorm):
@@ -202,9 +215,11 @@ class LlamaModel(nn.Module):
     ops: ModuleType = elementwise  # fast_path.prepare may choose the fused Triton ops (CUDA)
     # The rope tables the loader builds, by the config's layer type (None: one for every layer).
     rope_layer_types: tuple[str | None, ...] = (None,)
-    # Whether `tandem::llama_forward` (csrc) can compute this model: the Llama family's layer,
-    # with one window for every layer and no experts.
-    family_has_fused_forward = True
+    # The MLP's activation in the one-call forward: SiLU (SwiGLU), or tanh GELU (GeGLU).
+    geglu = False
+    # Whether an embedding is a plain lookup, which the one-call forward makes itself (Gemma's
+    # is scaled: its rows come from `_embed`).
+    embedding_is_lookup = True
 
     def __init__(
         self, spec: LlamaSpec, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE_MODEL
@@ -313,9 +328,8 @@ class LlamaModel(nn.Module):
 
     @property
     def has_fused_forward(self) -> bool:
-        one_window = len(set(self.spec.layer_windows())) == 1
         fp8 = any(self._fp8_layers())  # the one-call forward has no FP8 GEMM
-        return self.family_has_fused_forward and one_window and not fp8 and self._fused_experts
+        return not fp8 and self._fused_experts
 
     @property
     def _fused_experts(self) -> bool:
@@ -401,14 +415,19 @@ class LlamaModel(nn.Module):
         lora_slots = self.lora.active.tokens if self.lora is not None else None
         lora = self._lora_weights if lora_slots is not None else []
         final_norm = self.norm.weight if self.stage.is_last else _NO_NORM  # none: hand on
-        if carried is None and self.lookups_in_blocks:  # the first layer's input, no residual
+        looked_up = self.lookups_in_blocks or not self.embedding_is_lookup
+        if carried is None and looked_up:  # the first layer's input, no residual
             carried = self._embed(input_ids).unsqueeze(0)
+        attns = [self.layers[i].attn for i in layers]
+        rotaries = [self.layer_rotary(self.layers[i]) for i in layers]
+        metas = [meta.for_layer(i) for i in layers]
         return torch.ops.tandem.llama_forward(
             input_ids, positions, self.embedding_table, self._fused_weights,
-            kv_caches[layers.start : layers.stop], final_norm, self.rotary.cos, self.rotary.sin,
-            meta.slot_mapping, meta.block_tables, meta.context_lens, meta.num_decodes, prefills,
-            meta.block_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps,
-            s.head_dim**-0.5, self.layers[layers.start].attn.window or 0, self.tp.group_name,
+            kv_caches[layers.start : layers.stop], final_norm, [r.cos for r in rotaries],
+            [r.sin for r in rotaries], [m.slot_mapping for m in metas],
+            [m.block_tables for m in metas], [a.window or 0 for a in attns], meta.context_lens,
+            meta.num_decodes, prefills, meta.block_size, s.num_heads, s.num_kv_heads, s.head_dim,
+            s.rms_norm_eps, attns[0].scale, self.geglu, self.tp.group_name,
             self.shard.vocab.start, s.moe.top_k if s.moe else 0,
             bool(s.moe and s.moe.norm_topk_prob), lora,
             lora_slots if lora_slots is not None else _NO_SLOTS, carried,

@@ -1,7 +1,7 @@
 """The forward's non-GEMM ops through the fused CPU kernels, op by op.
 
-Models that the one-call forward (`tandem::llama_forward`) does not cover (experts, layers of
-different windows, other families) still run their norms, rotary embedding and SiLU through the
+Models that the one-call forward (`tandem::llama_forward`) does not cover (FP8 layers, experts
+neither packed nor quantized) still run their norms, rotary embedding and SiLU through the
 kernels of `csrc/cpu_kernels.cpp`, and their decode attention (and a short chunk's after a
 cached context) reads the paged cache in place instead of gathering each request's blocks into a
 dense copy first: that copy grows with the context, the in-place read does not copy at all. The

@@ -950,7 +950,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 // the interpreter and needs the GIL, and a CPU "device" thread that needs the GIL a hundred times
 // a step stalls behind the host thread whenever the host is scheduling the next step. One call
 // per step releases the GIL once, so the host's work truly overlaps. The arithmetic is the
-// Python model's with the fused ops above (tandem/models/llama.py is the reference).
+// Python model's with the fused ops above (tandem/models/llama.py and gemma3.py are the
+// reference).
 
 // Per layer, in this order; a missing optional weight is an empty tensor. Each linear layer is
 // five tensors (`Linear.flat()` in ops/linear.py): its float32 weight, or its quantized values,
@@ -958,11 +959,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 // bias. A mixture-of-experts layer has a router; its gate/up and down slots then hold every
 // expert's projection (`Experts.flat()` in models/moe.py): an empty [out, 0] tensor (the out
 // features), the stacked panels or quantized values, the scales and offsets, nothing. Qwen2-MoE's
-// shared expert adds its two linear layers and its gate.
+// shared expert adds its two linear layers and its gate. Gemma 3 norms the attention's output
+// and the MLP's before each joins the residual stream (kPostNorm is then its pre-MLP norm).
 enum LayerWeight {
   kInputNorm, kQNorm, kKNorm, kPostNorm, kQkv, kO = kQkv + 5, kGateUp = kO + 5,
   kDown = kGateUp + 5, kRouter = kDown + 5, kSharedGateUp, kSharedDown = kSharedGateUp + 5,
-  kSharedGate = kSharedDown + 5, kWeightsPerLayer
+  kSharedGate = kSharedDown + 5, kAttnOutNorm, kMlpOutNorm, kWeightsPerLayer
 };
 
 // ---- Float32 GEMM over weights packed in panels ----
@@ -1454,28 +1456,39 @@ at::Tensor sparse_mlp(const at::Tensor& h, at::TensorList w, int64_t top_k, bool
   return out;
 }
 
+// GeGLU (Gemma): tanh-approximated GELU of the gate times up, the ATen ops of the Python model's
+// `gelu_tanh_and_mul` (ops/elementwise.py), so the same bits.
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  const int64_t inter = x.size(1) / 2;
+  return at::gelu(x.narrow(1, 0, inter), "tanh").mul(x.narrow(1, inter, inter));
+}
+
+// Per layer (this stage's, in order): its rope table (cos, sin), its window (0: none) and its
+// KV group's slots and block tables (a model whose layers attend alike: the same for every one).
 at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& positions,
                          const at::Tensor& embed, at::TensorList weights,
                          at::TensorList kv_caches, const at::Tensor& final_norm,
-                         const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         at::TensorList cos, at::TensorList sin, at::TensorList slot_mappings,
+                         at::TensorList block_tables, at::IntArrayRef windows,
                          const at::Tensor& context_lens, int64_t num_decodes,
                          const at::Tensor& prefills, int64_t block_size, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                         int64_t sliding_window, c10::string_view group_name,
-                         int64_t vocab_start, int64_t moe_top_k, bool moe_renormalize,
-                         at::TensorList lora, const at::Tensor& lora_slots,
-                         const std::optional<at::Tensor>& carried) {
-  TORCH_CHECK((int64_t)weights.size() == kWeightsPerLayer * (int64_t)kv_caches.size(),
-              "expected ", kWeightsPerLayer, " weights per layer");
+                         bool geglu, c10::string_view group_name, int64_t vocab_start,
+                         int64_t moe_top_k, bool moe_renormalize, at::TensorList lora,
+                         const at::Tensor& lora_slots, const std::optional<at::Tensor>& carried) {
+  const auto layers = static_cast<size_t>(kv_caches.size());
+  TORCH_CHECK(weights.size() == kWeightsPerLayer * layers, "expected ", kWeightsPerLayer,
+              " weights per layer");
+  TORCH_CHECK(cos.size() == layers && sin.size() == layers && slot_mappings.size() == layers &&
+                  block_tables.size() == layers && windows.size() == layers,
+              "expected a rope table, slots, block tables and a window per layer");
   const bool adapted = !lora.empty() && lora_slots.numel() > 0;
   TORCH_CHECK(!adapted || (int64_t)lora.size() == kLoraPerLayer * (int64_t)kv_caches.size(),
               "lora must be empty or ", kLoraPerLayer, " tensors per layer, got ", lora.size(),
               " for ", kv_caches.size(), " layers");
   TORCH_CHECK(prefills.dim() == 2 && prefills.size(1) == 5 && prefills.scalar_type() == at::kLong,
               "prefills must be int64 rows of 5 (PrefillSegment's fields, attends_as_decodes)");
-  const ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, sliding_window,
-                       eps, scale};
+  ForwardShape s{heads, kv_heads, head_dim, block_size, num_decodes, 0, eps, scale};
   const std::string group(group_name);
   // A pipeline stage after the first starts from the stream its predecessor stopped at:
   // carried = [2, T, hidden], the last layer's output and the residual before it. An embedding
@@ -1493,21 +1506,25 @@ at::Tensor llama_forward(const at::Tensor& input_ids, const at::Tensor& position
     } else {
       h = add_rms_norm(x, residual, w[kInputNorm], eps);
     }
-    auto a = attention_block(h, w, kv_caches[layer], positions, cos, sin, slot_mapping,
-                             block_tables, context_lens, prefills, s, eps, layer_lora);
+    s.sliding_window = windows[layer];
+    auto a = attention_block(h, w, kv_caches[layer], positions, cos[layer], sin[layer],
+                             slot_mappings[layer], block_tables[layer], context_lens, prefills, s,
+                             eps, layer_lora);
     all_reduce_(a, group);  // O is row-parallel: its bias is added once, to the sum
     if (present(w[kO + 4])) a.add_(w[kO + 4]);
+    if (present(w[kAttnOutNorm])) a = rms_norm(a, w[kAttnOutNorm], eps);
     h = add_rms_norm(a, residual, w[kPostNorm], eps);
     if (present(w[kRouter])) {
       x = sparse_mlp(h, w, moe_top_k, moe_renormalize);  // no LoRA on the experts
     } else {
       auto gate_up = linear(h, w, kGateUp);
       layer_lora.add(gate_up, h, kLoraGateUp);
-      const auto act = silu_and_mul(gate_up);
+      const auto act = geglu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
       x = linear(act, w, kDown);
       layer_lora.add(x, act, kLoraDown);  // this rank's part of the sum, as the GEMM's
     }
     all_reduce_(x, group);  // down is row-parallel (each expert's too)
+    if (present(w[kMlpOutNorm])) x = rms_norm(x, w[kMlpOutNorm], eps);
   }
   // A stage before the last hands its stream on as it is (no final norm).
   if (final_norm.numel() == 0) return at::stack({x, residual});
@@ -1763,10 +1780,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def("set_amx_tiles(bool use) -> bool", &tandem::set_amx_tiles);
   m.def(
       "llama_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor[] weights, "
-      "Tensor[] kv_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor context_lens, int num_decodes, Tensor prefills, "
-      "int block_size, int heads, int kv_heads, int head_dim, float eps, float scale, "
-      "int sliding_window, str group_name, int vocab_start, int moe_top_k, "
+      "Tensor[] kv_caches, Tensor final_norm, Tensor[] cos, Tensor[] sin, "
+      "Tensor[] slot_mappings, Tensor[] block_tables, int[] windows, Tensor context_lens, "
+      "int num_decodes, Tensor prefills, int block_size, int heads, int kv_heads, int head_dim, "
+      "float eps, float scale, bool geglu, str group_name, int vocab_start, int moe_top_k, "
       "bool moe_renormalize, Tensor[] lora, Tensor lora_slots, Tensor? carried=None) -> Tensor");
   m.def(
       "lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor a, Tensor b, Tensor ranks, "
