@@ -1263,8 +1263,14 @@ at::Tensor cached_rows(const at::Tensor& x, const at::Tensor& cache) {
 at::Tensor attend_after_context(const at::Tensor& qh, const at::Tensor& kh, const at::Tensor& vh,
                                 int64_t past, double scale) {
   const int64_t heads = qh.size(1), queries = qh.size(2), D = qh.size(3);
-  auto [cached, cached_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-      qh, kh.narrow(2, 0, past), vh.narrow(2, 0, past), 0.0, false, {}, scale);
+  // The cached keys have no mask, so a KV head's query heads fold into one run of queries: each
+  // K and V block is packed for the GEMMs once per group instead of once per head (same bits).
+  const int64_t kv_heads = kh.size(1);
+  auto [folded, folded_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      qh.reshape({1, kv_heads, heads / kv_heads * queries, D}), kh.narrow(2, 0, past),
+      vh.narrow(2, 0, past), 0.0, false, {}, scale);
+  const auto cached = folded.reshape({1, heads, queries, D});
+  const auto cached_lse = folded_lse.reshape({1, heads, queries});
   auto [own, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
       qh, kh.narrow(2, past, queries), vh.narrow(2, past, queries), 0.0, true, {}, scale);
   auto out = at::empty({queries, heads, D}, qh.options());
