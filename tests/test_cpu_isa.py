@@ -60,6 +60,9 @@ AVX2_CHECKS = [
     "tests/test_quantized.py::test_layers_fused_from_parts_in_several_formats_are_the_dequantized_model",
     "tests/test_quantized.py::test_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them",
 ]
+AVX2_CHECKS += [  # Gemma 3's one-call forward: its norms, GeGLU, each layer's window and rope
+    "tests/test_gemma3.py::test_logits_equal_transformers_eager_and_fast_path",
+]
 AVX2_CHECKS += [
     f"tests/test_kv_int8.py::{name}"
     for name in (
