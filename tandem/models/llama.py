@@ -345,6 +345,8 @@ class LlamaModel(nn.Module):
 
     @property
     def has_fused_forward(self) -> bool:
+        """Whether `tandem::llama_forward` (csrc) can compute this model: every family's layers,
+        unless a layer is FP8 or experts are neither packed nor quantized."""
         fp8 = any(self._fp8_layers())  # the one-call forward has no FP8 GEMM
         return not fp8 and self._fused_experts
 
