@@ -438,15 +438,11 @@ class LlamaModel(nn.Module):
         if carried is None and looked_up:  # the first layer's input, no residual
             carried = self._embed(input_ids).unsqueeze(0)
         f = self._fused_layers
-        if meta.by_layer is None:
-            slots, tables = [meta.slot_mapping] * len(layers), [meta.block_tables] * len(layers)
-        else:
-            metas = [meta.by_layer[i] for i in layers]
-            slots, tables = [m.slot_mapping for m in metas], [m.block_tables for m in metas]
+        metas = [meta.for_layer(i) for i in layers]
         return torch.ops.tandem.llama_forward(
             input_ids, positions, self.embedding_table, self._fused_weights,
-            kv_caches[layers.start : layers.stop], final_norm, f.cos, f.sin, slots, tables,
-            f.windows, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
+            kv_caches[layers.start : layers.stop], final_norm, f.cos, f.sin,
+            [m.slot_mapping for m in metas], [m.block_tables for m in metas], f.windows, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, f.scale, self.geglu,
             self.tp.group_name, self.shard.vocab.start, s.moe.top_k if s.moe else 0,
             bool(s.moe and s.moe.norm_topk_prob), lora,
