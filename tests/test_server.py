@@ -33,9 +33,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem import LLM, EngineConfig, SamplingParams
 from tandem.models.generation_defaults import CHAT_SAMPLING
 from tandem.server.app import create_app
+from tandem.server.core import process as core_process
 from tandem.server.core import wire
 from tandem.server.core.client import CoreClient, CoreEndpoint
-from tandem.server.core.process import CoreOptions, spawn_core, stop_core
+from tandem.server.core.process import CoreOptions, stop_core
 from tandem.server.frontend.served_model import ServedModel, load_tokenizer
 from tandem.server.frontend.service import GenerationService
 
@@ -96,7 +97,7 @@ def start_core(
     process's current environment (fault injection)."""
     address = f"ipc://{tempfile.mkdtemp(prefix='tandem-test-')}/core"
     parent = os.getpid() if start_method == "spawn" else 0  # a forked core's parent: the server
-    core = spawn_core(CoreOptions(config, address, parent_pid=parent), start_method)
+    core = core_process.start_core(CoreOptions(config, address, parent_pid=parent), start_method)
     client = CoreClient([CoreEndpoint(address, core.pid)])
     ready = client.connect(timeout_s=120)
     return core, client, ServedModel(ready, load_tokenizer(ready.model_path), config.model)

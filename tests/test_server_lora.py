@@ -48,7 +48,7 @@ from tandem.server.core.lora import (
     parse_lora_module,
     runtime_updating_allowed,
 )
-from tandem.server.core.process import CoreOptions, spawn_core, stop_core
+from tandem.server.core.process import CoreOptions, start_core, stop_core
 from tandem.server.frontend.served_model import ServedModel, load_tokenizer
 from tandem.server.frontend.service import GenerationService
 
@@ -145,7 +145,7 @@ def adapters(tiny_llama: Path, tmp_path_factory) -> dict[str, Path]:
 def core(tiny_llama: Path) -> Iterator[tuple[str, int, EngineConfig]]:
     config = EngineConfig(model=str(tiny_llama), **ENGINE_OPTIONS, **LORA)
     address = f"ipc://{tempfile.mkdtemp(prefix='tandem-test-')}/core"
-    process = spawn_core(CoreOptions(config, address), "forkserver")
+    process = start_core(CoreOptions(config, address), "forkserver")
     yield address, process.pid, config
     stop_core(process)
 

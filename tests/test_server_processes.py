@@ -121,12 +121,13 @@ def free_port() -> int:
 
 
 def spawn(model: Path | str, log_path: Path, *flags: str) -> Served:
-    """Start `tandem serve` (not waiting for it), its output going to `log_path`."""
+    """Start `tandem serve` (not waiting for it), its output going to `log_path`. One compute
+    thread unless `flags` say otherwise: no start-up spent timing thread counts."""
     port = free_port()
     command = [
         sys.executable, "-m", "tandem", "serve", "--model", str(model), "--port", str(port),
         "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(KV_BLOCKS),
-        "--max-model-len", str(MODEL_LEN), *flags,
+        "--max-model-len", str(MODEL_LEN), "--cpu-threads", "1", *flags,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = log_path.open("wb")
@@ -206,6 +207,14 @@ def nothing_left(server: Served, timeout: float = 10.0) -> None:
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def process_name(pid: int) -> str:
+    """What `ps -o comm` shows: a core names itself "tandem-core-N"."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
 
@@ -389,7 +398,8 @@ def test_process_group_is_supervisor_front_ends_cores(farm: Served) -> None:
     assert len(processes_in_group(farm.pgid)) == 6
     assert set(processes_in_group(farm.pgid)) == expected
     assert set(children(farm.pgid)) == expected - {farm.pgid}
-    assert all("multiprocessing.spawn" in cmdline(pid) for pid in cores + frontends)
+    assert sorted(process_name(pid) for pid in cores) == ["tandem-core-0", "tandem-core-1"]
+    assert all("multiprocessing.spawn" in cmdline(pid) for pid in frontends)
 
 
 def test_greedy_through_two_front_ends_and_two_cores_matches_offline(
@@ -553,7 +563,7 @@ def test_core_killed_mid_stream(started_together: dict[str, Served]) -> None:
     and leaves no process behind."""
     with healthy(started_together["core killed"]) as server:
         [core] = server.cores
-        assert core in children(server.pgid) and "multiprocessing.spawn" in cmdline(core)
+        assert core in children(server.pgid) and process_name(core) == "tandem-core-0"
         url = f"{server.url}/v1/completions"
         with (
             httpx.Client(timeout=30) as client,

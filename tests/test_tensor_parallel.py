@@ -369,11 +369,13 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
             assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
             assert chunks[-1].choices[0].finish_reason == "length"
 
-        spawned = [pid for pid in processes_in_group(proc.pid) if b"spawn_main" in _cmdline(pid)]
-        # The engine core (the server's child) and its two ranks (the core's children), beside
-        # multiprocessing's resource trackers.
-        workers = sorted(pid for pid in spawned if _parent(pid) != proc.pid)
-        assert len(spawned) == 3 and len(workers) == 2
+        group = processes_in_group(proc.pid)
+        # The engine core (the server's child, forked) and its two ranks (the core's children,
+        # spawned), beside multiprocessing's resource tracker.
+        [core] = [pid for pid in group if _name(pid) == "tandem-core-0"]
+        assert _parent(core) == proc.pid
+        workers = sorted(pid for pid in group if b"spawn_main" in _cmdline(pid))
+        assert len(workers) == 2 and all(_parent(pid) == core for pid in workers)
         body = {"model": model, "prompt": "long", "max_tokens": 900, "ignore_eos": True}
         with (
             httpx.Client(timeout=30) as http,
@@ -406,6 +408,13 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
 def _parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> bytes:

@@ -49,7 +49,7 @@ logger = logging.getLogger("tandem")
 # process that has imported the worker once (with the environment that process started with).
 START_METHOD = "spawn"
 # The engine and a config class of transformers', which brings in what every architecture's
-# config imports: as for a server's forked cores (`spawn_core`), whose fork server is the same.
+# config imports: as for a server's forked cores (`start_core`), whose fork server is the same.
 FORKSERVER_PRELOAD = [
     "tandem.engine.engine",
     "tandem.server.core.process",

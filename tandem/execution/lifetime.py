@@ -20,6 +20,14 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def name_process(name: str) -> None:
+    """Name this process as `ps -o comm`, `top` and /proc/PID/comm show it (at most 15 bytes):
+    a forked child would otherwise show its parent's name and command line."""
+    if sys.platform.startswith("linux"):
+        pr_set_name = 15
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
+
+
 def exit_reason(proc: mp.process.BaseProcess) -> str:
     """How a child ended, as a log says it: "killed by signal 9", "exit code 1"."""
     proc.join(timeout=1.0)

@@ -1,4 +1,4 @@
-"""The server: `serve.serve(config)` for the CLI; `core.process.spawn_core` + `app.create_app`
+"""The server: `serve.serve(config)` for the CLI; `core.process.start_core` + `app.create_app`
 to embed a front end (tests do).
 
 Layers, bottom to top (`tests/test_layers.py` holds them):

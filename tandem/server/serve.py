@@ -34,7 +34,7 @@ from tandem.config import EngineConfig, usable_cores
 from tandem.models.catalog import checkpoint_path, resolve_model
 from tandem.server.core import wire
 from tandem.server.core.lora import LoraModule, runtime_updating_allowed
-from tandem.server.core.process import CoreOptions, spawn_core, stop_core
+from tandem.server.core.process import CoreOptions, core_start_method, start_core, stop_core
 
 logger = logging.getLogger("tandem.server")
 
@@ -97,17 +97,21 @@ def serve(
     cores: list[multiprocessing.Process] = []
     failure: str | None = "the server did not start"
     try:
+        start_method = core_start_method(config)
+        if start_method == "fork":  # read here, the configs' modules are the cores' already
+            model_path = check_configs(config)
         for i, options in enumerate(replicas):
             options.address = f"ipc://{workdir}/core-{i}"
             options.lora_modules = lora_modules
             if trace:
                 options.trace_path = trace if len(replicas) == 1 else f"{trace}.{i}.json"
-            cores.append(spawn_core(options))
+            cores.append(start_core(options, start_method, (listener.fileno(),)))
             where = f"CPU cores {options.cpu_set}" if options.cpu_set else "every CPU core"
             logger.info("engine core %d: pid %d, %s", i, cores[-1].pid, where)
-        # While the cores load: the checkpoints' configs checked in full, and the front end's
-        # own imports (the HTTP stack, the tokenizer's), which take this process seconds.
-        model_path = check_configs(config)
+        # While the cores load: the front end's own imports (the HTTP stack, the tokenizer's),
+        # which take this process seconds; and the configs checked in full if not yet.
+        if start_method != "fork":
+            model_path = check_configs(config)
         from tandem.server import frontend_process
 
         options = frontend_process.FrontendOptions(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.execution.lifetime import die_with_parent
+from tandem.execution.lifetime import die_with_parent, name_process
 from tandem.lora import LoraError
 from tandem.metrics import write_chrome_trace
 from tandem.request import RequestOutput
@@ -62,12 +62,26 @@ class CoreOptions:
     lora_modules: list[LoraModule] = dataclasses.field(default_factory=list)  # loaded at start
 
 
-def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiprocessing.Process:
-    """Start a core process: spawned, a fresh interpreter with no state from this one. A caller
-    that starts many (a test suite) may pass "forkserver": forked from a server process that has
-    imported the engine once (the environment is the one that process started with)."""
+def core_start_method(config: EngineConfig) -> str:
+    """ "fork" on the CPU: a core forked from the server's process starts with the engine's
+    modules already imported there, once for every core and the front end (seconds of CPU time
+    a fresh interpreter spends again); "spawn" on CUDA, which a forked child cannot use once
+    its parent has touched it."""
+    return "fork" if config.torch_device.type == "cpu" else "spawn"
+
+
+def start_core(
+    options: CoreOptions, start_method: str = "spawn", close_in_child: tuple[int, ...] = ()
+) -> multiprocessing.Process:
+    """Start a core process. "spawn": a fresh interpreter with no state from this one. "fork":
+    this process's copy, with the engine imported here first; `close_in_child` names the file
+    descriptors the core must not hold (the server's listening socket). A caller that starts
+    many (a test suite) may pass "forkserver": forked from a server process that has imported
+    the engine once (the environment is the one that process started with)."""
     context = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
+    if start_method == "fork":
+        import tandem.engine.engine  # noqa: F401  (what the core runs, imported before the fork)
+    elif start_method == "forkserver":
         # A configuration class too: transformers imports them (and what they all share, most
         # of a second's imports) at a checkpoint's first config read, else in every core.
         context.set_forkserver_preload(
@@ -77,8 +91,9 @@ def spawn_core(options: CoreOptions, start_method: str = "spawn") -> multiproces
                 "transformers.models.llama.configuration_llama",
             ]
         )
+    inherited = close_in_child if start_method == "fork" else ()  # others inherit no fds
     process = context.Process(
-        target=run_core, args=(options,), name=f"tandem-core-{options.engine_index}"
+        target=run_core, args=(options, inherited), name=f"tandem-core-{options.engine_index}"
     )
     process.start()
     return process
@@ -95,8 +110,11 @@ def stop_core(process: multiprocessing.Process, timeout: float = 10.0) -> None:
     process.join()
 
 
-def run_core(options: CoreOptions) -> None:
+def run_core(options: CoreOptions, close_in_child: tuple[int, ...] = ()) -> None:
     """The process's entry point."""
+    for fd in close_in_child:
+        os.close(fd)
+    name_process(f"tandem-core-{options.engine_index}")
     die_with_parent(options.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
