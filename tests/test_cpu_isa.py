@@ -124,7 +124,7 @@ def avx2_checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     ],
 )
 def test_the_isa_setting_picks_the_flags_and_the_build(monkeypatch, setting, cpu, flag) -> None:
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: f"flags\t\t: fpu sse2 {cpu}")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: f"flags\t\t: fpu sse2 {cpu}")
     monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)
     native = cpu_kernels.build_name()
     if setting is not None:
@@ -138,7 +138,7 @@ def test_a_wrong_isa_setting_is_refused(monkeypatch) -> None:
     with pytest.raises(ValueError, match="expected one of native, avx2"):
         cpu_kernels.cflags()
     monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t\t: fpu sse2 avx")
     with pytest.raises(ValueError, match="no AVX2"):
         cpu_kernels.cflags()
 

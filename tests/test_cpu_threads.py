@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tandem.execution import cpu_threads
+from tandem.execution import cpu_threads, thread_timings_cache
+from tandem.execution.fast_path import ExecutionPlan
 from tandem.execution.thread_plan import PREFILL_TOKENS_FOR_ALL_THREADS, DecodeTimings, ThreadPlan
 
 from helpers import make_llm
@@ -50,6 +51,9 @@ class FakeModel:
     def __init__(self, clock: Clock):
         self.clock = clock
 
+    def weight_bytes(self) -> int:
+        return 1 << 20
+
     def __call__(self, ids, positions, caches, meta) -> torch.Tensor:
         self.clock.run_step()
         return torch.zeros(len(ids), 4)
@@ -58,37 +62,37 @@ class FakeModel:
         return torch.zeros(len(hidden), 8)
 
 
-def tune(monkeypatch, busy_runs: int) -> tuple[dict[int, float], Clock]:
+def tune(monkeypatch, busy_runs: int) -> tuple[dict[int, float], bool, Clock]:
     clock = Clock(busy_runs)
     monkeypatch.setattr(cpu_threads, "time", clock)
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()
-    timings = cpu_threads.tune_cpu_threads(FakeModel(clock), batch=4)
+    timings, settled = cpu_threads.tune_cpu_threads(FakeModel(clock), batch=4)
     assert torch.get_num_threads() == before
-    return timings, clock
+    return timings, settled, clock
 
 
 def test_runs_that_lost_a_core_do_not_decide(monkeypatch) -> None:
     # The neighbour holds a core through the warm-up and the first 12 timed two-thread runs,
     # past the rounds a quiet machine needs: the rounds go on until 3 runs had their cores.
-    timings, clock = tune(monkeypatch, busy_runs=14)
-    assert timings == pytest.approx({1: 90.0, 2: 50.0})
+    timings, settled, clock = tune(monkeypatch, busy_runs=14)
+    assert timings == pytest.approx({1: 90.0, 2: 50.0}) and settled
     assert cpu_threads.pick_cpu_threads(timings, batch=4) == 2
     timed = clock.two_thread_runs - cpu_threads.WARM_RUNS
     assert timed == 12 + cpu_threads.CLEAN_RUNS
 
 
 def test_a_core_taken_for_good_is_timed_as_it_is(monkeypatch) -> None:
-    timings, clock = tune(monkeypatch, busy_runs=10**6)
-    # No two-thread run had its cores: the fastest of all stands.
-    assert timings == pytest.approx({1: 90.0, 2: 140.0})
+    timings, settled, clock = tune(monkeypatch, busy_runs=10**6)
+    # No two-thread run had its cores: the fastest of all stands, not settled (not kept).
+    assert timings == pytest.approx({1: 90.0, 2: 140.0}) and not settled
     assert cpu_threads.pick_cpu_threads(timings, batch=4) == 1
     assert clock.two_thread_runs == cpu_threads.WARM_RUNS + cpu_threads.MAX_ROUNDS
 
 
 def test_a_quiet_machine_takes_the_fewest_rounds(monkeypatch) -> None:
-    timings, clock = tune(monkeypatch, busy_runs=0)
-    assert timings == pytest.approx({1: 90.0, 2: 50.0})
+    timings, settled, clock = tune(monkeypatch, busy_runs=0)
+    assert timings == pytest.approx({1: 90.0, 2: 50.0}) and settled
     assert clock.two_thread_runs == cpu_threads.WARM_RUNS + cpu_threads.MIN_ROUNDS
 
 
@@ -100,8 +104,8 @@ def test_runs_too_short_to_judge_take_the_fewest_rounds(monkeypatch) -> None:
     clock.run_step = lambda: short_step(clock)
     monkeypatch.setattr(cpu_threads, "time", clock)
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
-    timings = cpu_threads.tune_cpu_threads(FakeModel(clock), batch=4)
-    assert timings == pytest.approx({1: 0.6, 2: 0.5})
+    timings, settled = cpu_threads.tune_cpu_threads(FakeModel(clock), batch=4)
+    assert timings == pytest.approx({1: 0.6, 2: 0.5}) and settled
     assert clock.two_thread_runs == cpu_threads.WARM_RUNS + cpu_threads.MIN_ROUNDS
 
 
@@ -111,6 +115,60 @@ def short_step(clock: Clock) -> None:
     seconds = 0.0005 if two else 0.0006
     clock.wall += seconds
     clock.cpu += seconds * (1.1 if two else 1.0)  # two threads, far short of 2x the wall time
+
+
+class FakeRunner:
+    """The stream runs what it is given at once; the plan set is noted."""
+
+    def __init__(self):
+        self.stream = SimpleNamespace(submit=lambda fn: SimpleNamespace(wait=fn))
+        self.plan = None
+
+    def set_cpu_threads(self, plan: ThreadPlan) -> None:
+        self.plan = plan
+
+
+def test_settled_timings_are_kept_for_the_next_start(monkeypatch, tmp_path) -> None:
+    """A start times each context's step and keeps the timings; the next start of the same model
+    and step shape plans from them without timing (and says so); another batch, or a damaged
+    file, is timed anew; timings that never settled are used but not kept."""
+    monkeypatch.setattr(thread_timings_cache, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
+    timed: list[int] = []  # the contexts timed, over every start
+    tune = cpu_threads.tune_cpu_threads
+
+    def counted_tune(model, batch, context, *args):
+        timed.append(context)
+        return tune(model, batch, context, *args)
+
+    monkeypatch.setattr(cpu_threads, "tune_cpu_threads", counted_tune)
+
+    def start(batch: int = 4, busy_runs: int = 0) -> tuple[ExecutionPlan, FakeRunner]:
+        clock = Clock(busy_runs)
+        monkeypatch.setattr(cpu_threads, "time", clock)
+        plan, runner = ExecutionPlan("fused-cpu", packed_gemm=True, kernels=None), FakeRunner()
+        cpu_threads.apply_cpu_threads(runner, FakeModel(clock), plan, None, batch, 4096)
+        return plan, runner
+
+    def kept() -> list:
+        return sorted((tmp_path / "thread-timings").glob("*.json"))
+
+    first, runner = start()
+    assert len(timed) == 2 and not first.thread_timings_kept  # a short and a long context
+    [file] = kept()
+    second, again = start()
+    assert len(timed) == 2 and second.thread_timings_kept  # nothing timed
+    assert second.thread_timings == first.thread_timings and again.plan == runner.plan
+    assert "timed at an earlier start" in second.describe()
+    assert "timed at an earlier start" not in first.describe()
+    start(batch=8)  # another step shape: timed, and kept beside the first
+    assert len(timed) == 4 and len(kept()) == 2
+    file.write_text("{not json")
+    damaged, _ = start()
+    assert len(timed) == 6 and not damaged.thread_timings_kept
+    assert start()[0].thread_timings_kept and len(timed) == 6  # rewritten whole
+    start(batch=16, busy_runs=10**6)  # a neighbour held a core throughout: used, not kept
+    assert len(timed) == 8 and len(kept()) == 2
 
 
 # A host's share of 0.5 ms a step (20 requests): charged to a step on both cores, and to the

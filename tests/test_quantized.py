@@ -189,7 +189,7 @@ def test_codes_meet_float_activations_on_amx_tiles_where_the_cpu_has_them():
     """The native build on a CPU with AMX (Intel Sapphire Rapids and later) multiplies on its
     tiles (the tests above then check them against the VNNI kernel, bit for bit); elsewhere, and
     in the AVX2 build, it does not."""
-    has_amx = {"amx_tile", "amx_int8", "avx512_vnni"} <= set(cpu_kernels._cpu_flags().split())
+    has_amx = {"amx_tile", "amx_int8", "avx512_vnni"} <= set(cpu_kernels.cpu_flags().split())
     native = os.environ.get("TANDEM_CPU_ISA", "native") == "native"
     assert cpu_kernels.amx_tiles() == (has_amx and native)
 

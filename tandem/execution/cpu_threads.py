@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import usable_cores
+from tandem.execution import thread_timings_cache
 from tandem.execution.fast_path import ExecutionPlan
 from tandem.execution.kv_cache import allocate_kv_cache
 from tandem.execution.runner import ModelRunner
@@ -46,7 +47,7 @@ def apply_cpu_threads(
     kv_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Fix the runner's compute threads: `threads` if the user chose, else the plan the timings
-    give.
+    give: those an earlier start kept for this machine, model and step shape, or new ones.
 
     The timing runs where the steps will run (the device thread, with its own OpenMP team)."""
     if threads is not None:
@@ -55,13 +56,18 @@ def apply_cpu_threads(
         return
     long = long_context(model, batch, kv_dtype, max_model_len)
     contexts = (SHORT_CONTEXT, long) if long > SHORT_CONTEXT else (SHORT_CONTEXT,)
+    key = thread_timings_cache.timings_key(model, plan, batch, contexts, kv_dtype)
+    timings = thread_timings_cache.load(key)
+    plan.thread_timings_kept = timings is not None
+    if timings is None:
 
-    def timed() -> list[DecodeTimings]:
-        return [
-            DecodeTimings(batch * c, tune_cpu_threads(model, batch, c, kv_dtype)) for c in contexts
-        ]
+        def timed() -> list[tuple[dict[int, float], bool]]:
+            return [tune_cpu_threads(model, batch, c, kv_dtype) for c in contexts]
 
-    timings = runner.stream.submit(timed).wait()
+        tuned = runner.stream.submit(timed).wait()
+        timings = [DecodeTimings(batch * c, ms) for c, (ms, _) in zip(contexts, tuned, strict=True)]
+        if all(settled for _, settled in tuned):
+            thread_timings_cache.store(key, timings)
     if len(timings) == 1:  # a context too short to time a long step: one count throughout
         one = pick_cpu_threads(timings[0].ms, batch)
         chosen = ThreadPlan.fixed(one, max(timings[0].ms))
@@ -105,6 +111,10 @@ class ThreadRuns:
         """The fastest run that had its cores; the fastest of all if none had."""
         return min(self.clean or self.every)
 
+    @property
+    def settled(self) -> bool:
+        return len(self.clean) >= CLEAN_RUNS
+
 
 def long_context(model: LlamaModel, batch: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
     """Tokens a request of the long timing holds: the step reads the K/V bytes above (in the
@@ -123,9 +133,10 @@ def tune_cpu_threads(
     context: int = SHORT_CONTEXT,
     kv_dtype: torch.dtype = torch.float32,
     block_size: int = BLOCK_SIZE,
-) -> dict[int, float]:
+) -> tuple[dict[int, float], bool]:
     """The fastest decode-step time (ms) of `model` at `batch` requests of `context` tokens,
-    for each candidate count.
+    for each candidate count; and whether they settled (every count had its `CLEAN_RUNS` runs
+    with its cores within `MAX_ROUNDS`).
 
     Why: a second compute thread speeds the step up, but takes the core the asynchronous host
     would schedule on; on a model small enough, one thread is as fast. Timing synthetic steps
@@ -182,12 +193,11 @@ def tune_cpu_threads(
                     runs[n].every.append(wall * 1e3)
                     if wall < JUDGED_RUN_S or cpu >= CLEAN_SHARE * n * wall:
                         runs[n].clean.append(wall * 1e3)
-                done = all(len(r.clean) >= CLEAN_RUNS for r in runs.values())
-                if round_index + 1 >= MIN_ROUNDS and done:
+                if round_index + 1 >= MIN_ROUNDS and all(r.settled for r in runs.values()):
                     break
     finally:
         torch.set_num_threads(before)
-    return {n: r.best() for n, r in runs.items()}
+    return {n: r.best() for n, r in runs.items()}, all(r.settled for r in runs.values())
 
 
 def host_ms(batch: int) -> float:

@@ -34,6 +34,7 @@ class ExecutionPlan:
     cpu_threads: int | None = None  # compute threads (of short decode steps), when Tandem chose
     thread_plan: ThreadPlan | None = None  # ... and per step, when timed
     thread_timings: list[DecodeTimings] = field(default_factory=list)  # what the plan came from
+    thread_timings_kept: bool = False  # ... timed at an earlier start (thread_timings_cache.py)
     tensor_parallel_size: int = 1  # ranks, one process each; the plan is rank 0's
     pipeline_parallel_size: int = 1  # stages, each of tensor_parallel_size ranks
     backend: str | None = None  # their collectives: gloo or nccl
@@ -70,9 +71,10 @@ class ExecutionPlan:
                 + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sorted(t.ms.items()))
                 for t in self.thread_timings
             )
+            kept = ", timed at an earlier start" if self.thread_timings_kept else ""
             text += (
                 f"; compute threads for decodes: {self.thread_plan.describe()} (decode step "
-                f"{tried}), {self.thread_plan.prefill} for prefills"
+                f"{tried}{kept}), {self.thread_plan.prefill} for prefills"
             )
         if self.cuda_graph_sizes:
             text += (

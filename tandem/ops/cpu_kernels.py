@@ -56,7 +56,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -75,7 +75,7 @@ def cflags() -> list[str]:
     isa = os.environ.get("TANDEM_CPU_ISA", "native").strip().lower() or "native"
     if isa not in ISA_FLAGS:
         raise ValueError(f"TANDEM_CPU_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
-    cpu = set(_cpu_flags().split())
+    cpu = set(cpu_flags().split())
     if isa == "avx2" and not {"avx2", "fma"} <= cpu:
         raise ValueError("TANDEM_CPU_ISA=avx2: this CPU has no AVX2 and FMA")
     if isa == "avx2" and "avx512f" not in cpu:
@@ -90,7 +90,7 @@ def build_name() -> str:
         key.update(file.read_bytes())
     key.update(" ".join(cflags()).encode())
     key.update(torch.__version__.encode())
-    key.update(_cpu_flags().encode())
+    key.update(cpu_flags().encode())
     return f"tandem_cpu_kernels_{key.hexdigest()[:16]}"
 
 
