@@ -1,5 +1,6 @@
-"""Seconds from nothing to serving: `tandem serve` until /health answers, and `LLM(model)` built
-in a fresh process (its imports apart), per model; medians of fresh processes.
+"""Seconds from nothing to serving: `tandem serve` until /health answers (and the CPU-seconds its
+processes spent by then), and `LLM(model)` built in a fresh process (its imports apart), per
+model; medians of fresh processes.
 
     python benchmarks/start_time.py [--models default,smollm2-135m-instruct,gemma3-270m]
         [--what serve,load] [--repeats 3] [--baseline DIR]
@@ -35,23 +36,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_seconds(tree: Path, model: str | None) -> float:
-    """From the command's start until /health answers 200."""
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) of the live processes in a process group, from /proc."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def serve_seconds(tree: Path, model: str | None) -> tuple[float, float]:
+    """From the command's start until /health answers 200; and the CPU-seconds that took."""
     port = free_port()
     command = [sys.executable, "-m", "tandem", "serve", "--port", str(port)]
     command += ["--model", model] if model else []
     env = {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
     server = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/"
-    )
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
+        start_new_session=True,
+    )  # fmt: skip
     try:
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"tandem serve exited with {server.returncode}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    return time.perf_counter() - start
+                    return time.perf_counter() - start, group_cpu_seconds(server.pid)
             except OSError:
                 time.sleep(0.02)
     finally:
@@ -59,14 +74,14 @@ def serve_seconds(tree: Path, model: str | None) -> float:
         server.wait(30)
 
 
-def load_seconds(tree: Path, model: str | None) -> float:
+def load_seconds(tree: Path, model: str | None) -> tuple[float, None]:
     """`LLM(model)`'s construction in a fresh process, as that process times it."""
     code = LOAD.format(model=repr(model))
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/", check=True
     )
-    return float(done.stdout.split()[-1])
+    return float(done.stdout.split()[-1]), None
 
 
 def main() -> None:
@@ -78,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     trees = [ROOT] if args.baseline is None else [args.baseline.resolve(), ROOT]
     timers = {"serve": serve_seconds, "load": load_seconds}
-    times: dict[tuple[str, str, Path], list[float]] = {}
+    times: dict[tuple[str, str, Path], list[tuple[float, float | None]]] = {}
     for _ in range(args.repeats):
         for what in args.what.split(","):
             for model in args.models.split(","):
@@ -87,10 +102,16 @@ def main() -> None:
                     times.setdefault((what, model, tree), []).append(timers[what](tree, name))
     for what in args.what.split(","):
         for model in args.models.split(","):
-            medians = [statistics.median(times[what, model, tree]) for tree in trees]
+            runs = [times[what, model, tree] for tree in trees]
+            medians = [statistics.median(wall for wall, _ in r) for r in runs]
             line = f"{what:5} {model:24}" + "".join(f" {m:7.2f} s" for m in medians)
+            if what == "serve":
+                cpu = [statistics.median(c for _, c in r) for r in runs]
+                line += "  CPU" + "".join(f" {c:6.2f} s" for c in cpu)
             if len(trees) == 2:
                 line += f"   baseline / this {medians[0] / medians[1]:.2f}x"
+                if what == "serve":
+                    line += f" (CPU {cpu[0] / cpu[1]:.2f}x)"
             print(line, flush=True)
 
 
