@@ -232,6 +232,23 @@ def children(pid: int) -> list[int]:
     return processes(lambda f: int(f[1]) == pid and f[0] != "Z")
 
 
+def listening_holders(port: int, pids: list[int]) -> list[int]:
+    """Which of `pids` hold the TCP socket listening on `port`."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    holders.append(pid)
+                    break
+    return holders
+
+
 def connection_owner(server_port: int, client_port: int, pids: list[int]) -> int:
     """Which of `pids` holds the server side of the loopback connection from `client_port`."""
     inode = None
@@ -560,10 +577,13 @@ def test_core_killed_mid_stream(started_together: dict[str, Served]) -> None:
     (--max-num-seqs 2): at once, not after the 60 s engine timeout, the stream ends with an
     error event then [DONE], the running request gets 500 and the waiting one 503 (it can be
     retried as it is); /health says 503 while the front end is still up; the server exits 1
-    and leaves no process behind."""
+    and leaves no process behind. The core, forked after the port was bound, holds no copy of
+    the listening socket."""
     with healthy(started_together["core killed"]) as server:
         [core] = server.cores
         assert core in children(server.pgid) and process_name(core) == "tandem-core-0"
+        # Forked from the server after it bound the port: the core closed its copy.
+        assert listening_holders(server.port, [server.pgid, core]) == [server.pgid]
         url = f"{server.url}/v1/completions"
         with (
             httpx.Client(timeout=30) as client,
