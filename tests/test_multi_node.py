@@ -8,6 +8,7 @@ killed, a node never started, a node started with other settings."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ from test_server_processes import (
     Served,
     clean_up,
     free_port,
+    process_name,
     spawn,
     wait_healthy,
 )
@@ -72,12 +74,29 @@ def start_headless(
 
 
 def rank_process(node: Served) -> int:
-    """The pid of the rank a headless node's agent spawned."""
+    """The pid of the rank a headless node's agent forked (it names itself)."""
     return next(
         pid
         for pid in processes_in_group(node.pgid)
-        if pid != node.proc.pid and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if pid != node.proc.pid and process_name(pid) == "tandem-rank-1"
     )
+
+
+def sockets_of(pid: int) -> set[str]:
+    """The sockets a process holds, as /proc names them ("socket:[inode]")."""
+    links = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            links.add(os.readlink(fd))
+    return {link for link in links if link.startswith("socket:")}
+
+
+def sockets_to(port: int) -> set[str]:
+    """The TCP sockets connected to `port`, on any loopback address."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return {
+        f"socket:[{f[9]}]" for f in map(str.split, lines) if int(f[2].rsplit(":", 1)[1], 16) == port
+    }
 
 
 def head_llm(model: Path, port: int, **options) -> LLM:
@@ -127,7 +146,11 @@ def test_two_nodes_equal_one_process_then_a_hung_node_or_rank_fails_the_engine(
                 if hangs == "node":
                     os.killpg(node.pgid, signal.SIGSTOP)
                 else:
-                    os.kill(rank_process(node), signal.SIGSTOP)
+                    rank = rank_process(node)
+                    # Forked after its agent connected to node 0: it holds no copy of that end.
+                    agents = sockets_of(node.proc.pid) & sockets_to(port + 1)
+                    assert agents and not agents & sockets_of(rank)
+                    os.kill(rank, signal.SIGSTOP)
                 began = time.monotonic()
                 with pytest.raises(WorkerFailure, match=HUNG[hangs]):
                     tokens(llm, GREEDY)

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from tandem.config import EngineConfig
+
 
 def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has
@@ -18,6 +20,22 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     if parent_pid and os.getppid() != parent_pid:
         os._exit(1)
+
+
+def child_start_method(config: EngineConfig) -> str:
+    """How a server or a headless node starts the engine's processes: "fork" on the CPU, where
+    the child starts with what its parent imported and read once for all of them (seconds of
+    CPU time a fresh interpreter spends again), provided the parent has run no parallel region
+    and started no thread; "spawn" on CUDA, which a forked child cannot use once its parent has
+    touched it."""
+    return "fork" if config.torch_device.type == "cpu" else "spawn"
+
+
+def close_inherited(fds: tuple[int, ...]) -> None:
+    """In a forked child: close the parent's file descriptors it must not hold (a listening
+    socket, a connection whose end its peer watches)."""
+    for fd in fds:
+        os.close(fd)
 
 
 def name_process(name: str) -> None:

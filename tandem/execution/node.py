@@ -29,7 +29,7 @@ from tandem.execution.cluster import (
     heartbeat_timeout_s,
 )
 from tandem.execution.executor import COLLECTIVE_TIMEOUT_S
-from tandem.execution.lifetime import exit_reason
+from tandem.execution.lifetime import child_start_method, exit_reason
 from tandem.execution.rendezvous import open_store, rendezvous_timeout_s
 from tandem.execution.worker import WorkerArgs, run_worker
 
@@ -57,7 +57,15 @@ def run_headless_node(config: EngineConfig, model_path: str) -> int:
     ranks = range(node * per, (node + 1) * per)
     logger.info("node %d of %d: ranks %d..%d of %d, node 0 at %s:%d", node, config.nnodes,
                 ranks[0], ranks[-1], config.world_size, addr, port)  # fmt: skip
-    ctx = mp.get_context("spawn")  # a forked CUDA or OpenMP runtime is unsafe in the child
+    start_method = child_start_method(config)
+    ctx = mp.get_context(start_method)
+    inherited: tuple[int, ...] = ()
+    if start_method == "fork":  # what each rank would import and read first, done here once
+        from tandem.execution import fast_path, runner  # noqa: F401
+        from tandem.models.loader import read_config
+
+        read_config(model_path)
+        inherited = (head.fileno(),)  # node 0 must see this agent's end close when it exits
     threads = config.cpu_threads or max(1, usable_cores() // per)
     procs, beats = {}, {}
     for local, rank in enumerate(ranks):
@@ -70,7 +78,8 @@ def run_headless_node(config: EngineConfig, model_path: str) -> int:
             cluster=ClusterAddress(addr, port, remote=True, timeout_s=timeout_s),
         )  # fmt: skip
         beats[rank], beats_send = ctx.Pipe(duplex=False)
-        procs[rank] = ctx.Process(target=run_worker, args=(args, None, None, beats_send),
+        procs[rank] = ctx.Process(target=run_worker,
+                                  args=(args, None, None, beats_send, inherited),
                                   name=f"tandem-tp{rank}")  # fmt: skip
         procs[rank].start()
         beats_send.close()

@@ -36,7 +36,7 @@ from tandem.execution.cluster import (
     connect_to_head,
     send_heartbeats,
 )
-from tandem.execution.lifetime import die_with_parent
+from tandem.execution.lifetime import close_inherited, die_with_parent, name_process
 from tandem.execution.pipeline import StageLinks
 from tandem.execution.rendezvous import meet, settings_of
 from tandem.models.parallel import TensorParallel, pipeline_stage
@@ -73,10 +73,14 @@ def run_worker(
     inputs: Connection | None,
     outputs: Connection | None,
     beats: Connection | None = None,
+    close_in_child: tuple[int, ...] = (),
 ) -> None:
     """Process entry point: any failure is reported to the engine, named by rank, then exits.
     A headless node's rank gets no step pipes: it connects to node 0 itself. Once it serves, it
-    beats on `beats` every second, so that its supervisor notices when it hangs."""
+    beats on `beats` every second, so that its supervisor notices when it hangs. A forked rank
+    first closes `close_in_child`, its parent's descriptors it must not hold."""
+    close_inherited(close_in_child)
+    name_process(f"tandem-rank-{args.rank}")
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     worker = _Worker(args, inputs, outputs, beats)

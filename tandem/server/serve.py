@@ -31,10 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.config import EngineConfig, usable_cores
+from tandem.execution.lifetime import child_start_method
 from tandem.models.catalog import checkpoint_path, resolve_model
 from tandem.server.core import wire
 from tandem.server.core.lora import LoraModule, runtime_updating_allowed
-from tandem.server.core.process import CoreOptions, core_start_method, start_core, stop_core
+from tandem.server.core.process import CoreOptions, start_core, stop_core
 
 logger = logging.getLogger("tandem.server")
 
@@ -97,7 +98,7 @@ def serve(
     cores: list[multiprocessing.Process] = []
     failure: str | None = "the server did not start"
     try:
-        start_method = core_start_method(config)
+        start_method = child_start_method(config)
         if start_method == "fork":  # read here, the configs' modules are the cores' already
             model_path = check_configs(config)
         for i, options in enumerate(replicas):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.execution.lifetime import die_with_parent, name_process
+from tandem.execution.lifetime import close_inherited, die_with_parent, name_process
 from tandem.lora import LoraError
 from tandem.metrics import write_chrome_trace
 from tandem.request import RequestOutput
@@ -62,19 +62,12 @@ class CoreOptions:
     lora_modules: list[LoraModule] = dataclasses.field(default_factory=list)  # loaded at start
 
 
-def core_start_method(config: EngineConfig) -> str:
-    """ "fork" on the CPU: a core forked from the server's process starts with the engine's
-    modules already imported there, once for every core and the front end (seconds of CPU time
-    a fresh interpreter spends again); "spawn" on CUDA, which a forked child cannot use once
-    its parent has touched it."""
-    return "fork" if config.torch_device.type == "cpu" else "spawn"
-
-
 def start_core(
     options: CoreOptions, start_method: str = "spawn", close_in_child: tuple[int, ...] = ()
 ) -> multiprocessing.Process:
-    """Start a core process. "spawn": a fresh interpreter with no state from this one. "fork":
-    this process's copy, with the engine imported here first; `close_in_child` names the file
+    """Start a core process. "spawn": a fresh interpreter with no state from this one. "fork"
+    (`child_start_method`): this process's copy, with the engine imported here first;
+    `close_in_child` names the file
     descriptors the core must not hold (the server's listening socket). A caller that starts
     many (a test suite) may pass "forkserver": forked from a server process that has imported
     the engine once (the environment is the one that process started with)."""
@@ -112,8 +105,7 @@ def stop_core(process: multiprocessing.Process, timeout: float = 10.0) -> None:
 
 def run_core(options: CoreOptions, close_in_child: tuple[int, ...] = ()) -> None:
     """The process's entry point."""
-    for fd in close_in_child:
-        os.close(fd)
+    close_inherited(close_in_child)
     name_process(f"tandem-core-{options.engine_index}")
     die_with_parent(options.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
