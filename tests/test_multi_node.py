@@ -147,7 +147,10 @@ def test_two_nodes_equal_one_process_then_a_hung_node_or_rank_fails_the_engine(
                     os.killpg(node.pgid, signal.SIGSTOP)
                 else:
                     rank = rank_process(node)
-                    # Forked after its agent connected to node 0: it holds no copy of that end.
+                    # Forked (its command line is its agent's) after its agent connected to
+                    # node 0: it holds no copy of that end.
+                    cmdline = Path(f"/proc/{rank}/cmdline").read_bytes()
+                    assert cmdline == Path(f"/proc/{node.proc.pid}/cmdline").read_bytes()
                     agents = sockets_of(node.proc.pid) & sockets_to(port + 1)
                     assert agents and not agents & sockets_of(rank)
                     os.kill(rank, signal.SIGSTOP)

@@ -35,6 +35,7 @@ from typing import IO
 import httpx
 import openai
 import pytest
+import torch
 from test_server import (
     metric_samples,
     processes,
@@ -43,7 +44,8 @@ from test_server import (
     wait_until,
 )
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, EngineConfig, SamplingParams
+from tandem.execution.lifetime import child_start_method
 from tandem.models.default_model import build_checkpoint
 
 MODEL_LEN = 2048
@@ -400,6 +402,17 @@ def offline(tiny_llama: Path) -> Iterator[LLM]:
     llm.close()
 
 
+def test_cores_fork_on_the_cpu_unless_other_threads_run(monkeypatch) -> None:
+    """A CPU server forks its cores; CUDA, or a process running other threads, spawns them."""
+    config = EngineConfig(device="cpu")
+    assert child_start_method(config) == "fork"
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # its worker thread stays until the pool shuts down
+        assert child_start_method(config) == "spawn"
+    monkeypatch.setattr(EngineConfig, "torch_device", property(lambda _: torch.device("cuda")))
+    assert child_start_method(config) == "spawn"
+
+
 def test_process_group_is_supervisor_front_ends_cores(farm: Served) -> None:
     """The group holds exactly the supervisor, its two front ends, its two cores and the
     multiprocessing resource tracker, all children of the supervisor; nothing else."""
@@ -582,7 +595,9 @@ def test_core_killed_mid_stream(started_together: dict[str, Served]) -> None:
     with healthy(started_together["core killed"]) as server:
         [core] = server.cores
         assert core in children(server.pgid) and process_name(core) == "tandem-core-0"
-        # Forked from the server after it bound the port: the core closed its copy.
+        # Forked from the server (the same command line) after it bound the port: the core
+        # closed its copy.
+        assert cmdline(core) == cmdline(server.pgid)
         assert listening_holders(server.port, [server.pgid, core]) == [server.pgid]
         url = f"{server.url}/v1/completions"
         with (
