@@ -45,6 +45,7 @@ from test_server import (
 )
 
 from tandem import LLM, EngineConfig, SamplingParams
+from tandem.execution import lifetime
 from tandem.execution.lifetime import child_start_method
 from tandem.models.default_model import build_checkpoint
 
@@ -403,12 +404,15 @@ def offline(tiny_llama: Path) -> Iterator[LLM]:
 
 
 def test_cores_fork_on_the_cpu_unless_other_threads_run(monkeypatch) -> None:
-    """A CPU server forks its cores; CUDA, or a process running other threads, spawns them."""
+    """A CPU server forks its cores; CUDA, or a process running other threads, spawns them (this
+    test process runs threads of its own: their count is set here)."""
     config = EngineConfig(device="cpu")
+    threads = [1]
+    monkeypatch.setattr(lifetime.threading, "active_count", lambda: threads[0])
     assert child_start_method(config) == "fork"
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(lambda: None).result()  # its worker thread stays until the pool shuts down
-        assert child_start_method(config) == "spawn"
+    threads[0] = 2
+    assert child_start_method(config) == "spawn"
+    threads[0] = 1
     monkeypatch.setattr(EngineConfig, "torch_device", property(lambda _: torch.device("cuda")))
     assert child_start_method(config) == "spawn"
 
