@@ -26,9 +26,11 @@ def die_with_parent(parent_pid: int) -> None:
 def child_start_method(config: EngineConfig) -> str:
     """How a server or a headless node starts the engine's processes: "fork" on the CPU, where
     the child starts with what its parent imported and read once for all of them (seconds of
-    CPU time a fresh interpreter spends again); "spawn" on CUDA, which a forked child cannot use
-    once its parent has touched it, and where this process runs other threads (a program that
-    embeds the server: a fork copies only the calling thread, and any lock another one held)."""
+    CPU time a fresh interpreter spends again); the parent must not have computed (an OpenMP
+    team does not survive a fork): the command line's process, which has only read configs.
+    "spawn" on CUDA, which a forked child cannot use once its parent has touched it, and where
+    this process runs other threads (a fork copies only the calling thread, and any lock
+    another one held)."""
     alone = threading.active_count() == 1
     return "fork" if config.torch_device.type == "cpu" and alone else "spawn"
 
