@@ -442,7 +442,8 @@ class LlamaModel(nn.Module):
         return torch.ops.tandem.llama_forward(
             input_ids, positions, self.embedding_table, self._fused_weights,
             kv_caches[layers.start : layers.stop], final_norm, f.cos, f.sin,
-            [m.slot_mapping for m in metas], [m.block_tables for m in metas], f.windows, meta.context_lens, meta.num_decodes, prefills, meta.block_size,
+            [m.slot_mapping for m in metas], [m.block_tables for m in metas], f.windows,
+            meta.context_lens, meta.num_decodes, prefills, meta.block_size,
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, f.scale, self.geglu,
             self.tp.group_name, self.shard.vocab.start, s.moe.top_k if s.moe else 0,
             bool(s.moe and s.moe.norm_topk_prob), lora,
