@@ -21,7 +21,7 @@ from tandem.config import usable_cores
 from tandem.execution.fast_path import ExecutionPlan
 from tandem.execution.thread_plan import DecodeTimings
 from tandem.models.llama import LlamaModel
-from tandem.ops.cpu_kernels import cache_root, cpu_flags
+from tandem.ops.cpu_kernels import cache_root, cpu_flags, cpu_name
 
 FORMAT = 1  # what a kept timing measures: bump when the timed step or the rounds change
 ENVIRONMENT = ("MKL_ENABLE_INSTRUCTIONS", "TANDEM_CPU_ISA", "OMP_WAIT_POLICY")  # change speed
@@ -47,16 +47,6 @@ def timings_key(
         "weights": [plan.weight_formats, plan.weight_bytes],
         "step": [batch, list(contexts), str(kv_dtype)],
     }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def cache_path(key: dict) -> Path:

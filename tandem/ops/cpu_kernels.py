@@ -56,14 +56,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
-def cpu_flags() -> str:
+def _cpuinfo_line(prefix: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with `prefix`, if any."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(prefix):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def cpu_flags() -> str:
+    return _cpuinfo_line("flags") or platform.processor()
+
+
+def cpu_name() -> str:
+    """The CPU's model name ("AMD EPYC ..."), or "" where /proc/cpuinfo says none."""
+    line = _cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def cflags() -> list[str]:
