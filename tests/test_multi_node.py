@@ -8,7 +8,6 @@ killed, a node never started, a node started with other settings."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import socket
@@ -28,6 +27,7 @@ from test_server_processes import (
     clean_up,
     free_port,
     process_name,
+    sockets_of,
     spawn,
     wait_healthy,
 )
@@ -80,15 +80,6 @@ def rank_process(node: Served) -> int:
         for pid in processes_in_group(node.pgid)
         if pid != node.proc.pid and process_name(pid) == "tandem-rank-1"
     )
-
-
-def sockets_of(pid: int) -> set[str]:
-    """The sockets a process holds, as /proc names them ("socket:[inode]")."""
-    links = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            links.add(os.readlink(fd))
-    return {link for link in links if link.startswith("socket:")}
 
 
 def sockets_to(port: int) -> set[str]:

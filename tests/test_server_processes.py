@@ -235,6 +235,15 @@ def children(pid: int) -> list[int]:
     return processes(lambda f: int(f[1]) == pid and f[0] != "Z")
 
 
+def sockets_of(pid: int) -> set[str]:
+    """The sockets a process holds, as /proc names them ("socket:[inode]")."""
+    links = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            links.add(os.readlink(fd))
+    return {link for link in links if link.startswith("socket:")}
+
+
 def listening_holders(port: int, pids: list[int]) -> list[int]:
     """Which of `pids` hold the TCP socket listening on `port`."""
     inodes = set()
@@ -242,14 +251,7 @@ def listening_holders(port: int, pids: list[int]) -> list[int]:
         fields = line.split()
         if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
             inodes.add(f"socket:[{fields[9]}]")
-    holders = []
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                if os.readlink(fd) in inodes:
-                    holders.append(pid)
-                    break
-    return holders
+    return [pid for pid in pids if sockets_of(pid) & inodes]
 
 
 def connection_owner(server_port: int, client_port: int, pids: list[int]) -> int:
@@ -262,10 +264,8 @@ def connection_owner(server_port: int, client_port: int, pids: list[int]) -> int
             inode = fields[9]
     assert inode is not None, "no server side for this connection"
     for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                if os.readlink(fd) == f"socket:[{inode}]":
-                    return pid
+        if f"socket:[{inode}]" in sockets_of(pid):
+            return pid
     raise AssertionError(f"none of {pids} holds the connection")
 
 

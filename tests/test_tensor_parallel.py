@@ -33,6 +33,7 @@ from test_server import (
     wait_for_health,
     wait_until,
 )
+from test_server_processes import process_name
 
 from tandem import SamplingParams
 from tandem.execution.executor import WorkerFailure
@@ -372,7 +373,7 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
         group = processes_in_group(proc.pid)
         # The engine core (the server's child, forked) and its two ranks (the core's children,
         # spawned), beside multiprocessing's resource tracker.
-        [core] = [pid for pid in group if _name(pid) == "tandem-core-0"]
+        [core] = [pid for pid in group if process_name(pid) == "tandem-core-0"]
         assert _parent(core) == proc.pid
         workers = sorted(pid for pid in group if b"spawn_main" in _cmdline(pid))
         assert len(workers) == 2 and all(_parent(pid) == core for pid in workers)
@@ -408,13 +409,6 @@ def test_server_streams_at_two_ranks_and_exits_1_when_a_rank_dies(tiny_llama):
 def _parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _cmdline(pid: int) -> bytes:
