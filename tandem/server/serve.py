@@ -153,7 +153,8 @@ def serve(
 def check_configs(config: EngineConfig) -> Path:
     """The model's and the draft model's configs and the sampling defaults, read as the cores
     will read them: a ValueError names what is wrong (their modules import torch and
-    transformers: called once the cores are on their way). Returns the model's checkpoint."""
+    transformers: called before forked cores, which then need not, or once spawned ones are on
+    their way). Returns the model's checkpoint."""
     from tandem.models.generation_defaults import read_generation_defaults
     from tandem.models.loader import read_config
 

@@ -67,10 +67,10 @@ def start_core(
 ) -> multiprocessing.Process:
     """Start a core process. "spawn": a fresh interpreter with no state from this one. "fork"
     (`child_start_method`): this process's copy, with the engine imported here first;
-    `close_in_child` names the file
-    descriptors the core must not hold (the server's listening socket). A caller that starts
-    many (a test suite) may pass "forkserver": forked from a server process that has imported
-    the engine once (the environment is the one that process started with)."""
+    `close_in_child` names the file descriptors the core must not hold (the server's listening
+    socket). A caller that starts many (a test suite) may pass "forkserver": forked from a
+    server process that has imported the engine once (the environment is the one that process
+    started with)."""
     context = multiprocessing.get_context(start_method)
     if start_method == "fork":
         import tandem.engine.engine  # noqa: F401  (what the core runs, imported before the fork)
