@@ -25,10 +25,12 @@ from test_server_processes import (
     OFFLINE_OPTIONS,
     Served,
     clean_up,
+    cmdline,
     free_port,
     process_name,
     sockets_of,
     spawn,
+    tcp_sockets,
     wait_healthy,
 )
 
@@ -84,10 +86,7 @@ def rank_process(node: Served) -> int:
 
 def sockets_to(port: int) -> set[str]:
     """The TCP sockets connected to `port`, on any loopback address."""
-    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
-    return {
-        f"socket:[{f[9]}]" for f in map(str.split, lines) if int(f[2].rsplit(":", 1)[1], 16) == port
-    }
+    return {name for _, remote, _, name in tcp_sockets() if remote == port}
 
 
 def head_llm(model: Path, port: int, **options) -> LLM:
@@ -140,8 +139,7 @@ def test_two_nodes_equal_one_process_then_a_hung_node_or_rank_fails_the_engine(
                     rank = rank_process(node)
                     # Forked (its command line is its agent's) after its agent connected to
                     # node 0: it holds no copy of that end.
-                    cmdline = Path(f"/proc/{rank}/cmdline").read_bytes()
-                    assert cmdline == Path(f"/proc/{node.proc.pid}/cmdline").read_bytes()
+                    assert cmdline(rank) == cmdline(node.proc.pid)
                     agents = sockets_of(node.proc.pid) & sockets_to(port + 1)
                     assert agents and not agents & sockets_of(rank)
                     os.kill(rank, signal.SIGSTOP)

@@ -244,27 +244,31 @@ def sockets_of(pid: int) -> set[str]:
     return {link for link in links if link.startswith("socket:")}
 
 
-def listening_holders(port: int, pids: list[int]) -> list[int]:
-    """Which of `pids` hold the TCP socket listening on `port`."""
-    inodes = set()
+def tcp_sockets() -> list[tuple[int, int, str, str]]:
+    """Every IPv4 TCP socket: local port, remote port, state ("0A": listening) and its /proc
+    name ("socket:[inode]")."""
+    rows = []
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
-            inodes.add(f"socket:[{fields[9]}]")
+        local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+        rows.append((local, remote, fields[3], f"socket:[{fields[9]}]"))
+    return rows
+
+
+def listening_holders(port: int, pids: list[int]) -> list[int]:
+    """Which of `pids` hold the TCP socket listening on `port`."""
+    inodes = {name for local, _, state, name in tcp_sockets() if local == port and state == "0A"}
     return [pid for pid in pids if sockets_of(pid) & inodes]
 
 
 def connection_owner(server_port: int, client_port: int, pids: list[int]) -> int:
     """Which of `pids` holds the server side of the loopback connection from `client_port`."""
-    inode = None
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
-        if (local, remote) == (server_port, client_port):
-            inode = fields[9]
-    assert inode is not None, "no server side for this connection"
+    names = [
+        n for local, remote, _, n in tcp_sockets() if (local, remote) == (server_port, client_port)
+    ]
+    assert names, "no server side for this connection"
     for pid in pids:
-        if f"socket:[{inode}]" in sockets_of(pid):
+        if names[-1] in sockets_of(pid):
             return pid
     raise AssertionError(f"none of {pids} holds the connection")
 
