@@ -7,13 +7,17 @@ cache, so the kernel can be no faster than the memory streams. This times
 caches as make at least 256 MiB (far beyond the CPU's caches, as in a step). Blocks lie in one
 run per request, as the engine's block pool lays them out (`--random-blocks`: in random order).
 `--queries N` gives each request N rows at consecutive positions, as a verification of N - 1
-drafts lays them out (its block table row repeated, contexts up to the given length).
+drafts lays them out (its block table row repeated, contexts up to the given length). `--cache
+int8` times the int8 KV cache (`ops/kv_quant.py`: codes and a scale per 32 values) instead of
+float32.
 
     python benchmarks/decode_attention.py [--shapes default,smollm2,llama8b]
-        [--contexts 1024,3072] [--requests 32] [--queries 1] [--rounds 15] [--baseline DIR]
+        [--contexts 1024,3072] [--requests 32] [--queries 1] [--rounds 15] [--cache int8]
+        [--baseline DIR]
 
 Per shape and context: ms per layer (median of --rounds), GB/s of K/V read (each request's
-once, whatever its queries), and that rate over the machine's streaming rate (x.sum() over 256
+once, whatever its queries, as the cache holds it), and that rate over the machine's streaming
+rate (x.sum() over 256
 MiB on torch's threads, measured before each shape and context). `--baseline DIR` builds another
 checkout's kernels beside these (benchmarks/baseline_kernels.py) and times both in alternation,
 each round once each, with the median of the rounds' ratios (baseline time / current time) and
@@ -32,7 +36,7 @@ import torch
 from baseline_kernels import load_baseline
 
 from tandem.bench.roofline import streaming_bandwidth
-from tandem.ops import cpu_kernels
+from tandem.ops import cpu_kernels, kv_quant
 
 SHAPES = {  # query heads, KV heads, head size
     "default": (8, 2, 32),  # Tandem's built-in model
@@ -51,8 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queries", type=int, default=1, help="decode rows per request (1 + drafts)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--random-blocks", action="store_true", help="blocks in random order")
+    p.add_argument("--cache", choices=("float32", "int8"), default="float32", help="KV dtype")
     p.add_argument("--baseline", metavar="DIR", help="a checkout whose kernels to time beside")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.baseline and args.cache == "int8":
+        p.error("--baseline times float32 caches: another checkout may lay int8 rows out otherwise")
+    return args
 
 
 class Problem:
@@ -62,21 +70,25 @@ class Problem:
         heads, self.kv_heads, self.dim = shape
         requests, blocks_each = args.requests, math.ceil(context / BLOCK_SIZE)
         blocks = requests * blocks_each
-        layer_bytes = 2 * blocks * BLOCK_SIZE * self.kv_heads * self.dim * 4
+        dtype = getattr(torch, args.cache)
+        row_bytes = kv_quant.row_width(self.dim, dtype) * dtype.itemsize
+        layer_bytes = 2 * blocks * BLOCK_SIZE * self.kv_heads * row_bytes
         self.layers = max(1, math.ceil(MIN_CACHE_BYTES / layer_bytes))
         g = torch.Generator().manual_seed(context)
         cache = (blocks, BLOCK_SIZE, self.kv_heads, self.dim)
-        self.caches = [
-            (torch.randn(cache, generator=g), torch.randn(cache, generator=g))
-            for _ in range(self.layers)
-        ]
+
+        def values() -> torch.Tensor:
+            x = torch.randn(cache, generator=g)
+            return kv_quant.quantize(x, dtype) if dtype in kv_quant.QUANTIZED else x
+
+        self.caches = [(values(), values()) for _ in range(self.layers)]
         order = torch.randperm(blocks, generator=g) if args.random_blocks else torch.arange(blocks)
         rows = args.queries  # a request's rows: its table row repeated, one position apart
         tables = order.view(requests, 1, blocks_each).expand(-1, rows, -1)
         self.block_tables = tables.reshape(requests * rows, blocks_each).contiguous()
         self.context_lens = torch.arange(context - rows + 1, context + 1).repeat(requests)
         self.q = torch.randn(requests * rows, heads, self.dim, generator=g)
-        self.bytes_per_layer = 2 * requests * context * self.kv_heads * self.dim * 4
+        self.bytes_per_layer = 2 * requests * context * self.kv_heads * row_bytes
 
     def run(self, op, out: torch.Tensor) -> float:
         """Seconds per layer of one pass over every layer's cache."""
@@ -98,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = "random order" if args.random_blocks else "one run per request"
     print(
         f"TANDEM_CPU_ISA={isa}, {torch.get_num_threads()} torch threads, {args.requests} requests "
-        f"x {args.queries} queries, blocks of {BLOCK_SIZE} in {layout}, median of {args.rounds} "
-        "rounds"
+        f"x {args.queries} queries, {args.cache} cache, blocks of {BLOCK_SIZE} in {layout}, median "
+        f"of {args.rounds} rounds"
     )
     print(
         f"{'shape':<9} {'context':>7} {'layers':>6} {'kernel':<9} {'ms/layer':>8} {'GB/s':>6} "

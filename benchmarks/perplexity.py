@@ -22,7 +22,7 @@ the scored tokens). The same windows, the same scored tokens, for both engines:
   f32` (the KV cache in float32, as Tandem's), its "Final estimate".
 
 A quantized KV cache is one more row per value: `--kv-cache-dtypes auto,int8` (Tandem's int8
-cache, a scale per token and head) beside `--llama-cache-types f32,q8_0` (llama.cpp's q8_0 cache,
+cache, a scale per 32 values) beside `--llama-cache-types f32,q8_0` (llama.cpp's q8_0 cache,
 a scale per 32 values; every llama.cpp row then runs with flash attention, which llama.cpp
 requires for a quantized V cache); each row's
 `vs first` is over its engine's first row, so the two caches' changes read side by side:

@@ -48,8 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="auto: the model's dtype; int8 (CPU) or fp8 (CUDA): a byte a value and "
-                   "a float32 scale per token and KV head, about a quarter (int8 beside "
-                   "float32) or half (fp8 beside bfloat16) of the bytes")  # fmt: skip
+                   "a float32 scale per 32 values (int8) or per token and KV head (fp8), about "
+                   "0.28x (int8 beside float32) or half (fp8 beside bfloat16) of the bytes")  # fmt: skip
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size exactly")
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85,

@@ -26,8 +26,8 @@ _DTYPES = {
 # auto: read the checkpoint's safetensors; dummy: build the model from config.json alone with
 # seeded random weights made on the device (shapes and speed of a model without its download).
 LOAD_FORMATS = ("auto", "dummy")
-# auto: the model's dtype; int8 (CPU) and fp8 (e4m3, CUDA): a byte a value and a float32 scale
-# per token and kv head (`ops/kv_quant.py`).
+# auto: the model's dtype; int8 (CPU) and fp8 (e4m3, CUDA): a byte a value, and a float32 scale
+# per block of 32 values (int8) or per token and kv head (fp8) (`ops/kv_quant.py`).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_CACHE_DEVICES = {"int8": "cpu", "fp8": "cuda"}
 QUANTIZATIONS = (None, "none", "int8", "fp8")  # EngineConfig.quantization

@@ -226,11 +226,15 @@ def attention_kernel(request):
 
 def random_cache(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Random K or V rows [..., D]: as float32, or as an int8 cache of them (codes and a scale
-    per row, each row of its own magnitude)."""
+    per block of 32 values, each block of its own magnitude, so a kernel that took one block's
+    scale for another's would be far off)."""
     values = torch.randn(*shape, generator=g)
     if kind == "float32":
         return values
-    return kv_quant.quantize(values * torch.rand(*shape[:-1], 1, generator=g), torch.int8)
+    size = kv_quant.INT8_BLOCK
+    magnitudes = torch.rand(*shape[:-1], -(-shape[-1] // size), generator=g)
+    blocks = magnitudes.repeat_interleave(size, -1)[..., : shape[-1]]
+    return kv_quant.quantize(values * blocks, torch.int8)
 
 
 # 48: the generic loop only; 128 with groups of 4 and 8: the V pass in slices of a head.

@@ -26,23 +26,32 @@ def test_the_option_is_checked() -> None:
         EngineConfig(device="cpu", kv_cache_dtype="fp8")
 
 
-def test_a_row_is_codes_and_its_scale() -> None:
-    """Bytes: head_dim codes and a float32 scale a (token, head) row; 68 / 256 of float32 at
-    head size 64. Values come back within half a step of the row's scale."""
+def test_a_row_is_codes_and_its_scales() -> None:
+    """Bytes: head_dim codes and a float32 scale per block of 32 (int8) or per row (fp8) a
+    (token, head) row; 72 / 256 of float32 at head size 64 in int8, 68 in fp8. Values come back
+    within half a step of their block's scale (int8) or the row's (fp8), so a large value in
+    one block leaves the other block's steps fine."""
     assert (
         kv_bytes_per_block(2, 16, 3, 64, torch.int8) * 256
-        == kv_bytes_per_block(2, 16, 3, 64, torch.float32) * 68
+        == kv_bytes_per_block(2, 16, 3, 64, torch.float32) * 72
     )
     (cache,) = allocate_kv_cache(1, 4, 16, 3, 64, torch.int8, torch.device("cpu"))
-    assert cache.shape == (2, 4, 16, 3, 68) and cache.dtype == torch.int8
+    assert cache.shape == (2, 4, 16, 3, 72) and cache.dtype == torch.int8
     x = torch.randn(5, 3, 64) * torch.tensor([0.0, 1.0, 30.0])[None, :, None]
-    for dtype, steps in ((torch.int8, 127.0), (torch.uint8, 448.0)):
+    x[:, 1, 40] = 1000.0  # the second block's outlier
+    for dtype, steps, width in ((torch.int8, 127.0, 72), (torch.uint8, 448.0, 68)):
         rows = kv_quant.quantize(x, dtype)
         back = kv_quant.dequantize(rows)
-        scale = x.abs().amax(-1, keepdim=True) / steps
-        assert rows.shape == (5, 3, 68) and (back[:, 0] == 0).all()
+        if dtype == torch.int8:
+            scale = x.unflatten(-1, (2, 32)).abs().amax(-1).repeat_interleave(32, -1) / steps
+        else:
+            scale = x.abs().amax(-1, keepdim=True) / steps
+        assert rows.shape == (5, 3, width) and (back[:, 0] == 0).all()
         tolerance = 0.5 if dtype == torch.int8 else 16.0  # e4m3: 3 mantissa bits at 448
         assert ((back - x).abs() <= tolerance * scale + 1e-12).all()
+    for dim in (1, 8, 31, 32, 33, 48, 64, 68, 128, 256):  # the width says the head size
+        for dtype in (torch.int8, torch.uint8, torch.float32):
+            assert kv_quant.head_dim_of(kv_quant.row_width(dim, dtype), dtype) == dim
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -47,7 +47,7 @@ def kernels() -> cpu_kernels.KernelBuild:
 
 # ------------------------------------------------------------------------------ the kernels
 @pytest.mark.parametrize("tokens", [1, 7, 1500])  # 1500: rows shared out to the threads
-@pytest.mark.parametrize("dim", [8, 64])
+@pytest.mark.parametrize("dim", [8, 48, 64])  # one block shorter than 32; 32 + 16; two of 32
 def test_store_kv_writes_kv_quants_codes_and_scales_bit_for_bit(tokens, dim) -> None:
     g = torch.Generator().manual_seed(tokens + dim)
     blocks, block_size, heads = 200, 16, 3
@@ -60,7 +60,7 @@ def test_store_kv_writes_kv_quants_codes_and_scales_bit_for_bit(tokens, dim) -> 
     k[-1, -1] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, 126.5] * (dim // 8))
     k[-1, 0] = torch.tensor([1e-30, -1e-31, 2e-31, 0.0, 3e-30, -1e-30, 5e-31, 0.0] * (dim // 8))
     slots = torch.randperm(blocks * block_size, generator=g)[: 2 * tokens : 2]  # a strided view
-    shape = (blocks, block_size, heads, dim + kv_quant.SCALE_BYTES)
+    shape = (blocks, block_size, heads, kv_quant.row_width(dim, INT8))
     k_cache, v_cache = (torch.randint(-127, 128, shape, dtype=INT8, generator=g) for _ in "kv")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k_ref.view(-1, *shape[2:]).index_copy_(0, slots, kv_quant.quantize(k, INT8))
@@ -129,13 +129,16 @@ def loaded(path: Path, ops: str):
 
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory) -> dict[str | None, Path]:
-    """One-layer models without and with a window of 24 (every K and V from the embeddings)."""
+    """One-layer models without and with a window of 24 (every K and V from the embeddings),
+    two heads of 64 over one kv head: two blocks of scales a row."""
     root = tmp_path_factory.mktemp("one-layer")
     return {
         window: build_checkpoint(
             root / f"window-{window}",
             "MistralForCausalLM",
-            head_dim=32,
+            head_dim=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
             num_hidden_layers=1,
             extra_config={"sliding_window": window},
         )  # fmt: skip

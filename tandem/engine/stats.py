@@ -113,13 +113,14 @@ def _tail(records: deque, n: int) -> list:
 
 def describe_kv_cache(config: EngineConfig, spec: LlamaSpec) -> tuple[dict[int | None, int], str]:
     """Bytes of K and V one cached position holds in the layers of each window, and the cache's
-    kind in words, e.g. "float32, 2048 bytes a token" or "int8 codes, a float32 scale per token
-    and KV head, 576 bytes a token"."""
+    kind in words, e.g. "float32, 2048 bytes a token" or "int8 codes, float32 scales per block
+    of 32, 576 bytes a token"."""
     storage = config.kv_storage_dtype
     by_window = spec.kv_bytes_by_window(row_width(spec.head_dim, storage) * storage.itemsize)
     kind = str(config.torch_dtype).removeprefix("torch.")
     if config.kv_cache_dtype != "auto":
-        kind = f"{config.kv_cache_dtype} codes, a float32 scale per token and KV head"
+        scales = "per block of 32" if config.kv_cache_dtype == "int8" else "per token and KV head"
+        kind = f"{config.kv_cache_dtype} codes, float32 scales {scales}"
     return by_window, f"{kind}, {sum(by_window.values())} bytes a token"
 
 

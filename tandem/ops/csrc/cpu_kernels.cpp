@@ -44,9 +44,16 @@ void check_float_rows(const at::Tensor& t, const char* name) {
 }
 
 // A KV cache of one byte a value (tandem/ops/kv_quant.py, the contract): each (token, kv head)
-// row is head_dim int8 codes, then its float32 scale in the row's last kScaleBytes bytes.
+// row is head_dim int8 codes, then a float32 scale per block of kInt8Block values along the head
+// (the last block shorter where head_dim is not a multiple of it).
 constexpr int64_t kScaleBytes = 4;
+constexpr int64_t kInt8Block = 32;
 constexpr float kInt8Max = 127.f;
+
+// An int8 row's elements: `dim` codes and its blocks' scales.
+constexpr int64_t int8_row(int64_t dim) {
+  return dim + kScaleBytes * ((dim + kInt8Block - 1) / kInt8Block);
+}
 
 // A cache of float32 values, or of int8 rows of codes and scales, `dim` values a kv head.
 void check_cache(const at::Tensor& t, const char* name, int64_t dim) {
@@ -54,28 +61,41 @@ void check_cache(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kChar, name,
               " must be float32, or int8 codes and scales");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  const int64_t width = t.scalar_type() == at::kChar ? dim + kScaleBytes : dim;
+  const int64_t width = t.scalar_type() == at::kChar ? int8_row(dim) : dim;
   TORCH_CHECK(t.size(-1) == width, name, " rows must hold ", width, " values");
 }
 
-inline float row_scale(const int8_t* scale_bytes) {
+// The scale of block `b` of an int8 row of `dim` codes.
+inline float block_scale(const int8_t* row, int64_t dim, int64_t b) {
   float scale;
-  std::memcpy(&scale, scale_bytes, sizeof(scale));
+  std::memcpy(&scale, row + dim + b * kScaleBytes, sizeof(scale));
   return scale;
 }
 
-// One row of `dim` values as the cache holds it: kv_quant.quantize's rule bit for bit (scale =
-// max|x| / 127; code = x / scale rounded half to even, in [-127, 127]; 0 where the scale is),
-// the scale after the codes.
+// One row of `dim` values as the cache holds it: kv_quant.quantize's rule bit for bit, block by
+// block (scale = max|x| / 127 over the block; code = x / scale rounded half to even, in
+// [-127, 127]; 0 where the scale is), the scales after the codes.
 inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(x[d]));
-  const float scale = amax / kInt8Max;
-  for (int64_t d = 0; d < dim; ++d) {
-    const float code = scale > 0.f ? std::nearbyint(x[d] / scale) : 0.f;
-    out[d] = static_cast<int8_t>(std::clamp(code, -kInt8Max, kInt8Max));
+  for (int64_t b0 = 0; b0 < dim; b0 += kInt8Block) {
+    const int64_t b1 = std::min(dim, b0 + kInt8Block);
+    float amax = 0.f;
+    for (int64_t d = b0; d < b1; ++d) amax = std::max(amax, std::abs(x[d]));
+    const float scale = amax / kInt8Max;
+    for (int64_t d = b0; d < b1; ++d) {
+      const float code = scale > 0.f ? std::nearbyint(x[d] / scale) : 0.f;
+      out[d] = static_cast<int8_t>(std::clamp(code, -kInt8Max, kInt8Max));
+    }
+    std::memcpy(out + dim + b0 / kInt8Block * kScaleBytes, &scale, sizeof(scale));
   }
-  std::memcpy(out + dim, &scale, sizeof(scale));
+}
+
+// An int8 row's values: each code times its block's scale (kv_quant.dequantize's arithmetic).
+inline void dequantize_row(const int8_t* row, int64_t dim, float* out) {
+  for (int64_t b0 = 0; b0 < dim; b0 += kInt8Block) {
+    const float scale = block_scale(row, dim, b0 / kInt8Block);
+    const int64_t b1 = std::min(dim, b0 + kInt8Block);
+    for (int64_t d = b0; d < b1; ++d) out[d] = static_cast<float>(row[d]) * scale;
+  }
 }
 
 // The clamp and the 2^n of fast_exp, for a float and for a vector of kLanes floats: the same
@@ -211,7 +231,7 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
 
 // Each token's K and V rows ([T, kv_heads, D], any token stride) into their cache slots (the
 // caches contiguous, a slot every kv_heads rows: [blocks, block_size, kv_heads, D]), as
-// `index_copy_` along the slots would; into an int8 cache ([..., D + 4]) as codes and scales
+// `index_copy_` along the slots would; into an int8 cache (int8_row(D) wide) as codes and scales
 // (quantize_row). Why: a decode step writes one row per layer, and index_copy_'s generic path
 // cost more than the copy itself.
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -303,8 +323,8 @@ inline float exp_scores(float* s, int64_t n) {
 
 // Decode queries against their paged K/V, read in place through the block tables.
 //   q [N, H, D] (any row stride), caches [blocks, block_size, Hkv, D] contiguous, out [N, H, D]
-//   contiguous. An int8 cache's rows ([..., D + 4]: codes, then a scale) are dequantized in
-//   registers: a score is (q . codes) * scale, and a value row's scale is folded into its weight.
+//   contiguous. An int8 cache's rows (codes, then a scale per block of 32) are dequantized in
+//   registers: a score sums each block's (q . codes) * scale, and a V row's blocks are scaled.
 // Queries come in runs: `queries` consecutive rows of one request at consecutive positions,
 // query i seeing the first len - (queries - 1 - i) tokens of the run's blocks. A decode is a run
 // of one; a verification's k + 1 rows, or a short chunk after a cached context, a longer one,
@@ -335,7 +355,7 @@ struct DecodeProblem {
 // A cache's elements per kv head's row: its values, and an int8 row's scale bytes.
 template <typename T>
 constexpr int64_t head_row(int64_t dim) {
-  return std::is_same_v<T, int8_t> ? dim + kScaleBytes : dim;
+  return std::is_same_v<T, int8_t> ? int8_row(dim) : dim;
 }
 
 // Query i of `run`, its query heads of kv heads [h0, h1), over a cache of T (float or int8_t).
@@ -367,9 +387,18 @@ void attend(const DecodeProblem& p, const QueryRun& run, int64_t i, int64_t h0, 
       const float* qj = qr + j * D;
       const T* kj = row + (j / G) * R;
       float s = 0.f;
+      if constexpr (kCodes) {
+        for (int64_t b0 = 0; b0 < D; b0 += kInt8Block) {
+          const int64_t b1 = std::min(D, b0 + kInt8Block);
+          float part = 0.f;
+#pragma omp simd reduction(+ : part)
+          for (int64_t d = b0; d < b1; ++d) part += qj[d] * kj[d];
+          s += part * block_scale(kj, D, b0 / kInt8Block);
+        }
+      } else {
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qj[d] * kj[d];
-      if constexpr (kCodes) s *= row_scale(kj + D);
+        for (int64_t d = 0; d < D; ++d) s += qj[d] * kj[d];
+      }
       scores[j * n + t] = s * p.scale;
     }
   });
@@ -378,11 +407,19 @@ void attend(const DecodeProblem& p, const QueryRun& run, int64_t i, int64_t h0, 
   for_each_row(p.v, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nh; ++j) {
       const T* vj = row + (j / G) * R;
-      float w = scores[j * n + t];
-      if constexpr (kCodes) w *= row_scale(vj + D);
+      const float w = scores[j * n + t];
       float* a = acc.data() + j * D;
+      if constexpr (kCodes) {
+        for (int64_t b0 = 0; b0 < D; b0 += kInt8Block) {
+          const int64_t b1 = std::min(D, b0 + kInt8Block);
+          const float wb = w * block_scale(vj, D, b0 / kInt8Block);
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += w * vj[d];
+          for (int64_t d = b0; d < b1; ++d) a[d] += wb * vj[d];
+        }
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * vj[d];
+      }
     }
   });
   for (int64_t j = 0; j < nh; ++j) {
@@ -480,9 +517,10 @@ struct LinePrefetcher {
   }
 };
 
-// The same walk over an int8 cache, a row at a time: its rows (D + 4 bytes a kv head) start
-// anywhere in a line, so each row asks for the one to three lines it spans. Calls give parts of
-// a row (`ahead(parts)`, `cost` parts a row), so that a pass's calls keep pace with its reads.
+// The same walk over an int8 cache, a row at a time: its rows (int8_row(D) bytes a kv head)
+// start anywhere in a line, so each row asks for the one to three lines it spans. Calls give
+// parts of a row (`ahead(parts)`, `cost` parts a row), so that a pass's calls keep pace with its
+// reads.
 // Why rows: counted line by line, the walk's bookkeeping was a third of the int8 kernel's
 // instructions.
 struct RowPrefetcher {
@@ -556,16 +594,18 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
 // kOne: a single query (a decode), compiled apart: its K pass keeps no mask of rows past a
 // query's context in a register, which had cost a decode a tenth of its speed (K/V in cache).
 //
-// An int8 cache (T = int8_t) is read in place, its codes made floats in registers (exact): the K
-// pass converts a group's rows of a kv head once, into a tile in L1 that its G query heads and
-// every query of the run read as the float kernel reads the cache, and scales each score by its
-// row's scale; the V pass folds each row's scale into the softmax weight it is multiplied by.
-// The prefetch runs as far ahead in bytes, four times as many rows.
+// An int8 cache (T = int8_t) is read in place, its codes made floats in registers: the K pass
+// converts a group's rows of a kv head once, each vector of codes times its block's scale, into
+// a tile in L1 that its G query heads and every query of the run read as the float kernel reads
+// the cache; the V pass scales each vector of codes it loads by its block's scale. (A vector of
+// kLanes values lies in one block of kInt8Block.) The prefetch runs as far ahead in bytes, about
+// four times as many rows.
 template <typename T, int64_t D, int64_t G, bool kOne>
 void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1, int64_t i0,
                 int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
   constexpr bool kCodes = std::is_same_v<T, int8_t>;
   constexpr int64_t W = kLanes, C = D / W, S = v_slice(C, G), R = head_row<T>(D);
+  static_assert(kInt8Block % W == 0, "a vector of codes lies in one block of scales");
   const int64_t token_stride = p.kv_heads * R, len = run.len_of(i1 - 1);
   const int64_t first = p.first_of(run.len_of(i0)), n = len - first;
   const int64_t nq = kOne ? 1 : i1 - i0, heads = h1 - h0, nh = heads * G, all = nq * nh;
@@ -638,13 +678,13 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
   start_prefetch(p.k, nh);
   for_each_group(p.k, [&](const T* const* rows, int64_t count, int64_t index) {
     for (int64_t h = 0; h < heads; ++h) {
-      VecL key_scale;  // int8: each row's scale times the softmax's
       if constexpr (kCodes) {
         for (int64_t t = 0; t < W; ++t) {
           const int8_t* k = rows[t] + h * R;
-          for (int64_t c = 0; c < C; ++c)
-            store_lanes(key_tile + t * D + c * W, load_codes(k + c * W));
-          key_scale[t] = row_scale(k + D) * p.scale;
+          for (int64_t c = 0; c < C; ++c) {
+            const float scale = block_scale(k, D, c * W / kInt8Block);
+            store_lanes(key_tile + t * D + c * W, load_codes(k + c * W) * scale);
+          }
         }
       }
       for (int64_t j = 0; j < G; ++j) {
@@ -664,9 +704,7 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
             for (int64_t c = 1; c < C; ++c) a += q[c] * load_lanes(k + c * W);
             part[t] = a;
           }
-          VecL s;
-          if constexpr (kCodes) s = sum_lanes(part) * key_scale;
-          else s = sum_lanes(part) * p.scale;
+          const VecL s = sum_lanes(part) * p.scale;
           const int64_t item = x * nh + h * G + j;
           store_lanes(scores.data() + item * stride + index, s);
           // A short group's extra lanes repeat a real row; rows past the query's context are
@@ -687,16 +725,10 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
     head_max[item] = lane_max[item][0];
     for (int l = 1; l < W; ++l) head_max[item] = std::max(head_max[item], lane_max[item][l]);
   }
-  std::vector<VecL> value_scale(kCodes ? heads : 0);  // int8: each kv head's rows' scales
   start_prefetch(p.v, v_calls);
   for_each_group(p.v, [&](const T* const* rows, int64_t count, int64_t index) {
-    if constexpr (kCodes) {
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t t = 0; t < W; ++t) value_scale[h][t] = row_scale(rows[t] + h * R + D);
-    }
     // The softmax's numerators of these W tokens, made here rather than in a pass of their own
-    // so that the arithmetic overlaps the V rows' arrival (the sum takes them as they are, the
-    // weights of int8 rows times their scales).
+    // so that the arithmetic overlaps the V rows' arrival.
     for (int64_t x = 0; x < nq; ++x) {
       const int64_t real = kOne ? count : std::min(count, seen[x] - index);
       if (!kOne && real <= 0) continue;
@@ -706,8 +738,7 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
         const VecL e = fast_exp(load_lanes(w) - head_max[item]);
         // Lanes past `real` hold no token of this query.
         const VecL numerators = lane_index < static_cast<int32_t>(real) ? e : VecL{};
-        if constexpr (kCodes) store_lanes(w, numerators * value_scale[j / G]);
-        else store_lanes(w, numerators);
+        store_lanes(w, numerators);
         lane_sum[item] += numerators;
       }
     }
@@ -723,11 +754,14 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
             for (int64_t c = 0; c < S; ++c) a[j][c] = acc[(item + j) * C + c0 + c];
           for (int64_t t = 0; t < real; ++t) {  // each V slice is loaded once for the G queries
             if (x == nq - 1) prefetch.ahead(v_step);
-            const T* row = rows[t] + h * R + c0 * W;
+            const T* row = rows[t] + h * R;
             VecL v[S];
             for (int64_t c = 0; c < S; ++c) {
-              if constexpr (kCodes) v[c] = load_codes(row + c * W);
-              else v[c] = load_lanes(row + c * W);
+              const int64_t at = (c0 + c) * W;
+              if constexpr (kCodes)
+                v[c] = load_codes(row + at) * block_scale(row, D, at / kInt8Block);
+              else
+                v[c] = load_lanes(row + at);
             }
             for (int64_t j = 0; j < G; ++j)
               for (int64_t c = 0; c < S; ++c) a[j][c] += w[j * stride + t] * v[c];
@@ -1215,16 +1249,11 @@ at::Tensor context_rows(const at::Tensor& cache, const at::Tensor& blocks, int64
   const int64_t* bp = held.data_ptr<int64_t>();
   const int8_t* cp = cache.data_ptr<int8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t R = D + kScaleBytes;
+  const int64_t R = int8_row(D);
   at::parallel_for(0, len, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* src = cp + (bp[t / s.block_size] * s.block_size + t % s.block_size) * heads * R;
-      for (int64_t h = 0; h < heads; ++h) {
-        const int8_t* codes = src + h * R;
-        const float scale = row_scale(codes + D);
-        float* dst = op + (t * heads + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(codes[d]) * scale;
-      }
+      for (int64_t h = 0; h < heads; ++h) dequantize_row(src + h * R, D, op + (t * heads + h) * D);
     }
   });
   return out;
@@ -1240,13 +1269,11 @@ at::Tensor cached_rows(const at::Tensor& x, const at::Tensor& cache) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
-    std::vector<int8_t> row(D + kScaleBytes);
+    std::vector<int8_t> row(int8_row(D));
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
         quantize_row(xp + t * stride + h * D, D, row.data());
-        const float scale = row_scale(row.data() + D);
-        float* dst = op + (t * heads + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(row[d]) * scale;
+        dequantize_row(row.data(), D, op + (t * heads + h) * D);
       }
     }
   });
