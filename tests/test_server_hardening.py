@@ -230,6 +230,12 @@ def timed_post(client: httpx.Client, url: str, body: dict) -> float:
     return time.perf_counter() - start
 
 
+# A small request during a flood stays within 10x its baseline, or this: at a 4 ms baseline 10x
+# is one scheduling hiccup on two busy cores (55 ms seen), while a small request held behind a
+# huge body's parsing or tokenizing waits seconds.
+HICCUP_S = 0.25
+
+
 def small_latencies(live: LiveServer, n: int) -> list[float]:
     url = f"{live.url}/v1/completions"
     with httpx.Client(timeout=60) as client:
@@ -315,7 +321,7 @@ def test_huge_prompt_refused_without_holding_up_others(guarded: LiveServer) -> N
         assert error["param"] == "prompt" and "at least" in error["message"]
     assert max(tokenized) < 1000  # only the small prompts were tokenized
     assert statistics.median(during) <= 3 * baseline, (baseline, during)
-    assert max(during) <= 10 * baseline, (baseline, during)
+    assert max(during) <= max(10 * baseline, HICCUP_S), (baseline, during)
     assert_idle(live)
 
 
@@ -373,7 +379,7 @@ def test_many_tiny_json_values_do_not_stall_the_server(guarded: LiveServer) -> N
         refused = flood.result()
     assert during, "the body was refused faster than one small request"
     assert statistics.median(during) <= 3 * baseline, (baseline, during)
-    assert max(during) <= 10 * baseline, (baseline, during)
+    assert max(during) <= max(10 * baseline, HICCUP_S), (baseline, during)
     assert refused.status_code == 400
     assert "holds 450003 JSON values" in refused.json()["error"]["message"]
 
