@@ -224,6 +224,15 @@ def attention_kernel(request):
     torch.ops.tandem.set_generic_decode_attention(before)
 
 
+@pytest.fixture(params=["whole", "spans of 8"])
+def decode_span(request):
+    """Contexts read whole (the default span, 1024 positions, is longer than these tests'), or
+    in spans of 8 positions, each a task, merged after (longer contexts are read that way)."""
+    before = torch.ops.tandem.set_decode_span_tokens(1024 if request.param == "whole" else 8)
+    yield request.param
+    torch.ops.tandem.set_decode_span_tokens(before)
+
+
 def random_cache(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Random K or V rows [..., D]: as float32, or as an int8 cache of them (codes and a scale
     per block of 32 values, each block of its own magnitude, so a kernel that took one block's
@@ -270,7 +279,7 @@ def test_paged_decode_attention_reads_the_cache_in_place(
 @pytest.mark.parametrize("cache", ["float32", "int8"])
 @pytest.mark.parametrize("window", [None, 7])
 def test_short_chunks_after_a_cached_context_attend_as_decodes(
-    window, cache, attention_kernel
+    window, cache, attention_kernel, decode_span
 ) -> None:
     """One decode and six chunks: 4 queries after 31 cached tokens, 3 after 9, 12 after 28 and
     as many as the build's bound after 20 attend in place, as decodes; a chunk one query longer
@@ -336,12 +345,13 @@ VERIFICATION_RUNS = [
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize("cache", ["float32", "int8"])
 def test_a_verifications_rows_are_each_the_decode_of_its_position(
-    head_dim, heads, kv_heads, runs, window, cache, attention_kernel
+    head_dim, heads, kv_heads, runs, window, cache, attention_kernel, decode_span
 ) -> None:
     """A verification's rows (its request's block table row repeated, contexts one token apart)
     are read as one run of queries; each row is still, bit for bit, the decode of its position
     alone, and the portable op's result. A window that cuts some of a run's contexts (12) makes
-    their queries walk alone."""
+    their queries walk alone. Read in spans and merged, every query has the bits of its decode
+    alone."""
     g = torch.Generator().manual_seed(head_dim + heads + len(runs))
     num_blocks, block_size = 160, 4
     shape = (num_blocks, block_size, kv_heads, head_dim)

@@ -574,6 +574,22 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
   return 1;
 }
 
+// The part of a context a vector task reads: positions [lo, hi), and where its result goes.
+// A context longer than a span is read span by span, the spans at fixed positions (multiples of
+// span_tokens), each a task of its own, and their results merged (merge_spans): so one long
+// context is shared out over the cores, with every kv head of a row in one task (a task per kv
+// head fetches about twice an int8 row's bytes, its rows sharing cache lines with the next
+// head's). Fixed positions keep a query's arithmetic a function of its own context, whatever
+// the step holds. `partial` null: the task's queries are whole, written to the output;
+// otherwise each (query, query head) leaves its softmax's max and sum and its unnormalised sum
+// of V there (partial_floats(D) floats).
+struct Span {
+  int64_t lo, hi;
+  float* partial;
+};
+
+constexpr int64_t partial_floats(int64_t dim) { return dim + 2; }
+
 // Queries [i0, i1) of `run`, their query heads of kv heads [h0, h1); D is a multiple of kLanes,
 // G query heads per kv head. Rows are taken kLanes at a time, every kv head of a row together,
 // so each block's rows are read as one contiguous stretch, and every query of the run is served
@@ -602,12 +618,14 @@ constexpr int64_t v_slice(int64_t C, int64_t G) {
 // four times as many rows.
 template <typename T, int64_t D, int64_t G, bool kOne>
 void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1, int64_t i0,
-                int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
+                int64_t i1, const Span& span, std::vector<float>& scores,
+                std::vector<VecL>& acc) {
   constexpr bool kCodes = std::is_same_v<T, int8_t>;
   constexpr int64_t W = kLanes, C = D / W, S = v_slice(C, G), R = head_row<T>(D);
   static_assert(kInt8Block % W == 0, "a vector of codes lies in one block of scales");
-  const int64_t token_stride = p.kv_heads * R, len = run.len_of(i1 - 1);
-  const int64_t first = p.first_of(run.len_of(i0)), n = len - first;
+  const int64_t token_stride = p.kv_heads * R;
+  const int64_t len = std::min(run.len_of(i1 - 1), span.hi);
+  const int64_t first = std::max(p.first_of(run.len_of(i0)), span.lo), n = len - first;
   const int64_t nq = kOne ? 1 : i1 - i0, heads = h1 - h0, nh = heads * G, all = nq * nh;
   const int64_t stride = (n + W - 1) / W * W;  // each query head's scores, whole groups of W
   scores.resize(all * stride);
@@ -618,7 +636,7 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
   std::vector<VecL> lane_sum(all, VecL{});
   std::vector<int64_t> seen(kOne ? 0 : nq);  // a single query sees every row
   for (int64_t x = 0; x < static_cast<int64_t>(seen.size()); ++x)
-    seen[x] = run.len_of(i0 + x) - first;
+    seen[x] = run.len_of(i0 + x) - first;  // past the span's end: every row it holds
   LanesL lane_index;  // 0, 1, ..., W - 1
   for (int64_t l = 0; l < W; ++l) lane_index[l] = l;
   auto query_heads = [&](int64_t x) {  // query x's nh query heads, D apart
@@ -777,6 +795,13 @@ void attend_vec(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t
       const int64_t item = x * nh + j;
       float total = 0.f;
       for (int l = 0; l < W; ++l) total += lane_sum[item][l];
+      if (span.partial != nullptr) {
+        float* part = span.partial + item * partial_floats(D);
+        part[0] = head_max[item];
+        part[1] = total;
+        for (int64_t c = 0; c < C; ++c) store_lanes(part + 2 + c * W, acc[item * C + c]);
+        continue;
+      }
       const VecL inv = VecL{} + 1.f / total;
       float* out = p.out + ((run.row + i0 + x) * p.heads + h0 * G + j) * D;
       for (int64_t c = 0; c < C; ++c) store_lanes(out + c * W, acc[item * C + c] * inv);
@@ -805,14 +830,55 @@ bool set_generic_decode_attention(bool generic) { return portable_attention.exch
 
 template <typename T, int64_t D, int64_t G>
 void attend_queries(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t h1,
-                    int64_t i0, int64_t i1, std::vector<float>& scores, std::vector<VecL>& acc) {
-  if (i1 - i0 == 1) attend_vec<T, D, G, true>(p, run, h0, h1, i0, i1, scores, acc);
-  else attend_vec<T, D, G, false>(p, run, h0, h1, i0, i1, scores, acc);
+                    int64_t i0, int64_t i1, const Span& span, std::vector<float>& scores,
+                    std::vector<VecL>& acc) {
+  if (i1 - i0 == 1) attend_vec<T, D, G, true>(p, run, h0, h1, i0, i1, span, scores, acc);
+  else attend_vec<T, D, G, false>(p, run, h0, h1, i0, i1, span, scores, acc);
 }
 
 // The vector kernel for this head size and group, or null where only the generic loop fits.
 using AttendVec = void (*)(const DecodeProblem&, const QueryRun&, int64_t, int64_t, int64_t,
-                           int64_t, std::vector<float>&, std::vector<VecL>&);
+                           int64_t, const Span&, std::vector<float>&, std::vector<VecL>&);
+
+// Positions a span of a long context holds (Span); tests set fewer to split short contexts.
+std::atomic<int64_t> span_tokens{1024};
+
+int64_t set_decode_span_tokens(int64_t tokens) {
+  TORCH_CHECK(tokens > 0, "a span holds at least one position");
+  return span_tokens.exchange(tokens);
+}
+
+// The results of one (run, kv heads, queries) task's spans, merged in order: each span's sum of
+// V scaled by exp(its max - the largest), over the scaled sums of its softmax. A span that holds
+// none of a query's positions adds nothing; the span with the largest max is taken with weight
+// exactly 1.
+void merge_spans(const DecodeProblem& p, const QueryRun& run, int64_t h0, int64_t heads,
+                 int64_t i0, int64_t i1, const std::vector<float*>& parts, int64_t dim) {
+  const int64_t nh = heads * p.group, stride = partial_floats(dim);
+  std::vector<float> acc(dim);
+  for (int64_t x = 0; x < i1 - i0; ++x) {
+    for (int64_t j = 0; j < nh; ++j) {
+      const int64_t at = (x * nh + j) * stride;
+      float top = -std::numeric_limits<float>::infinity();
+      for (const float* part : parts)
+        if (part[at + 1] > 0.f) top = std::max(top, part[at]);
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (const float* part : parts) {
+        const float* span = part + at;
+        if (!(span[1] > 0.f)) continue;
+        const float w = span[0] == top ? 1.f : fast_exp(span[0] - top);
+        total += w * span[1];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[d] += w * span[2 + d];
+      }
+      const float inv = 1.f / total;
+      float* out = p.out + ((run.row + i0 + x) * p.heads + h0 * p.group + j) * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[d] = acc[d] * inv;
+    }
+  }
+}
 template <typename T, int64_t D>
 AttendVec vector_kernel_for_group(int64_t group) {
   switch (group) {
@@ -868,7 +934,9 @@ std::vector<QueryRun> decode_runs(const at::Tensor& block_tables, const at::Tens
 // Attention of every query of `runs` (a window cuts no context of a run of several queries:
 // decode_runs). Tasks are runs, or (run, kv head) when runs are too few to share out by
 // themselves, and a run whose tasks would still leave a core idle splits its queries into parts
-// (each part reads the run's K/V once). T: the cache's element, float or int8_t.
+// (each part reads the run's K/V once). The vector kernels read a context longer than a span
+// span by span (Span), each span a task, counted as a run would be. T: the cache's element,
+// float or int8_t.
 template <typename T>
 void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun>& runs) {
   // Every core reads, whatever torch's thread count (tuned for the GEMMs): attention is bound by
@@ -893,22 +961,54 @@ void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun
   const int64_t least = team ? int64_t{1} << 14 : int64_t{1} << 18;
   const int64_t threads = total_rows * kv_heads * dim < least ? 1 : procs;
   const int64_t reqs = static_cast<int64_t>(runs.size());
-  const int64_t heads_per_task = reqs >= 4 * threads ? kv_heads : 1;
+  const AttendVec fast = portable_attention ? nullptr : vector_kernel<T>(dim, p.group);
+  const int64_t span = fast != nullptr ? span_tokens.load() : std::numeric_limits<int64_t>::max();
+  // A run's spans: from its first query's first position to its last query's context.
+  auto spans_of = [&](const QueryRun& run, int64_t i0, int64_t i1) {
+    const int64_t lo = p.first_of(run.len_of(i0)), hi = run.len_of(i1 - 1);
+    return (hi - 1) / span - lo / span + 1;
+  };
+  int64_t units = 0;
+  for (const QueryRun& run : runs) units += spans_of(run, 0, run.queries);
+  const int64_t heads_per_task = units >= 4 * threads ? kv_heads : 1;
   const int64_t tasks_per_run = kv_heads / heads_per_task;
-  const int64_t parts_wanted = (2 * threads + reqs * tasks_per_run - 1) / (reqs * tasks_per_run);
+  const int64_t parts_wanted = (2 * threads + units * tasks_per_run - 1) / (units * tasks_per_run);
   struct Task {
     int64_t run, h0, i0, i1;
+    Span span;
+    int64_t partial_at;  // a split task's place in `partials`, or -1
+  };
+  struct Merge {  // a (run, kv heads, queries) read in spans: its tasks [first, first + count)
+    int64_t first, count;
   };
   std::vector<Task> tasks;
-  tasks.reserve(reqs * tasks_per_run);
+  std::vector<Merge> merges;
+  int64_t partial_size = 0;  // floats of partial results, handed out to split tasks below
+  const int64_t nh = heads_per_task * p.group;
   for (int64_t r = 0; r < reqs; ++r) {
-    const int64_t queries = runs[r].queries, parts = std::min(queries, parts_wanted);
+    const QueryRun& run = runs[r];
+    const int64_t queries = run.queries, parts = std::min(queries, parts_wanted);
     for (int64_t part = 0; part < parts; ++part) {
       const int64_t i0 = queries * part / parts, i1 = queries * (part + 1) / parts;
-      for (int64_t h = 0; h < tasks_per_run; ++h) tasks.push_back({r, h * heads_per_task, i0, i1});
+      const int64_t lo = p.first_of(run.len_of(i0)), hi = run.len_of(i1 - 1);
+      const int64_t count = spans_of(run, i0, i1);
+      for (int64_t h = 0; h < tasks_per_run; ++h) {
+        if (count == 1) {
+          tasks.push_back({r, h * heads_per_task, i0, i1, {lo, hi, nullptr}, -1});
+          continue;
+        }
+        merges.push_back({static_cast<int64_t>(tasks.size()), count});
+        for (int64_t k = lo / span; k * span < hi; ++k) {
+          const Span piece{std::max(lo, k * span), std::min(hi, (k + 1) * span), nullptr};
+          tasks.push_back({r, h * heads_per_task, i0, i1, piece, partial_size});
+          partial_size += (i1 - i0) * nh * partial_floats(dim);
+        }
+      }
     }
   }
-  const AttendVec fast = portable_attention ? nullptr : vector_kernel<T>(dim, p.group);
+  std::vector<float> partials(partial_size);
+  for (Task& t : tasks)
+    if (t.partial_at >= 0) t.span.partial = partials.data() + t.partial_at;
   const int64_t items = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   auto work = [&] {
@@ -919,7 +1019,7 @@ void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun
       const QueryRun& run = runs[t.run];
       const int64_t h1 = t.h0 + heads_per_task;
       if (fast != nullptr) {
-        fast(p, run, t.h0, h1, t.i0, t.i1, scores, vec_acc);
+        fast(p, run, t.h0, h1, t.i0, t.i1, t.span, scores, vec_acc);
         continue;
       }
       for (int64_t i = t.i0; i < t.i1; ++i) {
@@ -939,17 +1039,24 @@ void attend_runs(const DecodeProblem& p, int64_t dim, const std::vector<QueryRun
     // (A microbenchmark that runs an OpenMP op between calls sees the same contention.)
 #pragma omp parallel num_threads(threads)
     work();
-    return;
+  } else {
+    std::latch helpers_done(threads - 1);
+    for (int64_t t = 1; t < threads; ++t) {
+      at::launch([&] {
+        work();
+        helpers_done.count_down();
+      });
+    }
+    work();
+    helpers_done.wait();
   }
-  std::latch helpers_done(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) {
-    at::launch([&] {
-      work();
-      helpers_done.count_down();
-    });
+  std::vector<float*> parts;
+  for (const Merge& m : merges) {
+    const Task& t = tasks[m.first];
+    parts.clear();
+    for (int64_t k = m.first; k < m.first + m.count; ++k) parts.push_back(tasks[k].span.partial);
+    merge_spans(p, runs[t.run], t.h0, heads_per_task, t.i0, t.i1, parts, dim);
   }
-  work();
-  helpers_done.wait();
 }
 
 // One query per row of q: row r against the context_lens[r] first tokens of block table row r
@@ -1807,6 +1914,7 @@ TORCH_LIBRARY(tandem, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
   m.def("set_generic_decode_attention(bool generic) -> bool", &set_generic_decode_attention);
+  m.def("set_decode_span_tokens(int tokens) -> int", &set_decode_span_tokens);
   m.def("release_openmp_threads() -> bool", &release_openmp_threads);
   m.def("decode_like_tokens() -> int", &decode_like_tokens);
   m.def("amx_tiles() -> bool", &tandem::amx_tiles);
