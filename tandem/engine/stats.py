@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from tandem.config import EngineConfig
 from tandem.metrics import RequestTiming, RunSummary, SpeculativeStats, StepRecord, summarize
 from tandem.models.spec import LlamaSpec
-from tandem.ops.kv_quant import row_width
+from tandem.ops.kv_quant import INT8_BLOCK, row_width
 from tandem.scheduling.scheduler import CacheStats, ScheduledBatch, Scheduler
 
 HISTORY_LENGTH = 100_000  # step and request records kept: bounded, so a server can run for days
@@ -119,7 +119,8 @@ def describe_kv_cache(config: EngineConfig, spec: LlamaSpec) -> tuple[dict[int |
     by_window = spec.kv_bytes_by_window(row_width(spec.head_dim, storage) * storage.itemsize)
     kind = str(config.torch_dtype).removeprefix("torch.")
     if config.kv_cache_dtype != "auto":
-        scales = "per block of 32" if config.kv_cache_dtype == "int8" else "per token and KV head"
+        int8 = config.kv_cache_dtype == "int8"
+        scales = f"per block of {INT8_BLOCK}" if int8 else "per token and KV head"
         kind = f"{config.kv_cache_dtype} codes, float32 scales {scales}"
     return by_window, f"{kind}, {sum(by_window.values())} bytes a token"
 
